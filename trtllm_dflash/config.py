@@ -1,0 +1,201 @@
+"""Typed configuration, validated once at the edge; the rest of the code trusts it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import DFlashError
+
+DRAFT_ARCHITECTURE = "DFlashDraftModel"
+
+
+def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """z-lab's default taps: one in the middle, or spread evenly over 1..N-3."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
+
+
+@dataclass
+class DraftConfig:
+    """A DFlash draft's config.json (z-lab format, read by TensorRT-LLM, vLLM and SGLang)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    block_size_in_dflash_config: bool = False  # newer checkpoints keep it there; write it back where it was
+    extra: dict[str, Any] = field(default_factory=dict)  # every other key, kept for a faithful round trip
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters.get("rope_theta", 1e4))
+
+    def layer_is_causal(self, i: int) -> bool:
+        """SWA layers are causal inside the block unless the config says otherwise (z-lab, vLLM)."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types[i] == "sliding_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @classmethod
+    def for_target(cls, text_config, *, vocab_rows: int, num_layers: int = 2, block_size: int = 16,
+                   mask_token_id: int, target_layer_ids: list[int] | None = None) -> "DraftConfig":
+        """A fresh draft shaped after the target's own layers (width, heads, RoPE), as z-lab drafts are."""
+        n_target = text_config.num_hidden_layers
+        rope = dict(getattr(text_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(text_config, "rope_theta", 1e4)})
+        return cls(
+            hidden_size=text_config.hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=text_config.num_attention_heads,
+            num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads,
+            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads,
+            intermediate_size=text_config.intermediate_size,
+            vocab_size=vocab_rows,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=target_layer_ids or build_target_layer_ids(n_target, num_layers),
+            num_target_layers=n_target,
+            rms_norm_eps=float(getattr(text_config, "rms_norm_eps", 1e-6)),
+            rope_parameters=rope,
+            max_position_embeddings=int(getattr(text_config, "max_position_embeddings", 32768)),
+        )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "DraftConfig":
+        from transformers import Qwen3Config
+
+        raw = dict(raw)
+        dflash = dict(raw.get("dflash_config") or {})
+        if "mask_token_id" not in dflash:
+            raise DFlashError("The draft's config.json has no dflash_config.mask_token_id; it is not a DFlash draft checkpoint.")
+        in_dflash = "block_size" in dflash
+        block_size = dflash.get("block_size", raw.get("block_size"))
+        if block_size is None:
+            raise DFlashError("The draft's config.json has no block_size (top level or in dflash_config).")
+        # Qwen3Config normalises legacy rope_theta/rope_scaling into rope_parameters.
+        std = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("dflash_config", "architectures", "auto_map", "model_type")})
+        n_layers = std.num_hidden_layers
+        layer_ids = dflash.get("target_layer_ids")
+        if layer_ids is None:
+            if raw.get("num_target_layers") is None:
+                raise DFlashError("The draft's config.json has neither dflash_config.target_layer_ids nor num_target_layers.")
+            layer_ids = build_target_layer_ids(int(raw["num_target_layers"]), n_layers)
+        known = {
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size", "vocab_size", "block_size", "dflash_config", "num_target_layers", "rms_norm_eps",
+            "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias",
+            "layer_types", "sliding_window", "is_causal", "architectures", "model_type",
+        }
+        extra = {k: v for k, v in raw.items() if k not in known}
+        extra["dflash_config"] = {k: v for k, v in dflash.items() if k not in ("mask_token_id", "target_layer_ids", "block_size")}
+        head_dim = raw.get("head_dim") or std.hidden_size // std.num_attention_heads
+        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        return cls(
+            hidden_size=std.hidden_size,
+            num_hidden_layers=n_layers,
+            num_attention_heads=std.num_attention_heads,
+            num_key_value_heads=std.num_key_value_heads,
+            head_dim=int(head_dim),
+            intermediate_size=std.intermediate_size,
+            vocab_size=std.vocab_size,
+            block_size=int(block_size),
+            mask_token_id=int(dflash["mask_token_id"]),
+            target_layer_ids=[int(i) for i in layer_ids],
+            num_target_layers=raw.get("num_target_layers"),
+            rms_norm_eps=float(std.rms_norm_eps),
+            rope_parameters=dict(std.rope_parameters),
+            max_position_embeddings=std.max_position_embeddings,
+            attention_bias=bool(std.attention_bias),
+            layer_types=list(raw["layer_types"]) if raw.get("layer_types") else None,
+            sliding_window=sliding,
+            is_causal=raw.get("is_causal"),
+            block_size_in_dflash_config=in_dflash,
+            extra=extra,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        rope_scaling = None if self.rope_parameters.get("rope_type", "default") == "default" else {
+            k: v for k, v in self.rope_parameters.items() if k != "rope_theta"
+        }
+        dflash = dict(self.extra.get("dflash_config", {}))
+        dflash.update(mask_token_id=self.mask_token_id, target_layer_ids=list(self.target_layer_ids))
+        out = {k: v for k, v in self.extra.items() if k != "dflash_config"}
+        out.update(
+            architectures=[DRAFT_ARCHITECTURE],
+            model_type="qwen3",
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            hidden_act="silu",
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,  # older readers (transformers 4.x) look here
+            rope_scaling=rope_scaling,
+            rope_parameters=dict(self.rope_parameters),
+            max_position_embeddings=self.max_position_embeddings,
+            attention_bias=self.attention_bias,
+            layer_types=list(self.layer_types),
+            use_sliding_window=self.sliding_window is not None,
+            sliding_window=self.sliding_window,
+            tie_word_embeddings=False,
+            dflash_config=dflash,
+        )
+        if self.num_target_layers is not None:
+            out["num_target_layers"] = self.num_target_layers
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
+        if self.block_size_in_dflash_config:
+            dflash["block_size"] = self.block_size
+        else:
+            out["block_size"] = self.block_size
+        return out
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise DFlashError(f"temperature must be a finite number >= 0, got {self.temperature}.")
+        if not (0 < self.top_p <= 1):
+            raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise DFlashError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
+        if self.seed is not None and not (0 <= self.seed < 2**64):
+            raise DFlashError(f"seed must be in [0, 2^64), got {self.seed}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,104 @@
+"""Read and write drafts in the z-lab format (config.json + model.safetensors), as TensorRT-LLM, vLLM and SGLang load them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..config import DRAFT_ARCHITECTURE, DraftConfig
+from ..errors import DFlashError
+from .draft import DFlashDraftModel
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def read_draft_config(path: Path) -> DraftConfig:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise DFlashError(f"Draft checkpoint {path} has no config.json; pass a DFlash draft directory (config.json + model.safetensors).")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DFlashError(f"Draft config {cfg_file} is not readable JSON ({e}); re-export the draft.") from None
+    if not isinstance(raw, dict):
+        raise DFlashError(f"Draft config {cfg_file} is not a JSON object; re-export the draft.")
+    archs = raw.get("architectures") or []
+    if archs and DRAFT_ARCHITECTURE not in archs:
+        raise DFlashError(f"{cfg_file} describes {archs}, not a {DRAFT_ARCHITECTURE}; pass a DFlash draft checkpoint.")
+    try:
+        return DraftConfig.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise DFlashError(f"Draft config {cfg_file} is invalid ({e}); re-export the draft.") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    pickles = [p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if pickles:
+        raise DFlashError(
+            f"Draft {path} holds pickle weights ({', '.join(pickles)}); only safetensors are loaded, because pickles can run code. "
+            "Convert it with safetensors.torch.save_file first."
+        )
+    raise DFlashError(f"Draft checkpoint {path} has no model.safetensors.")
+
+
+def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
+    path = Path(path)
+    config = read_draft_config(path)
+    state = {}
+    for f in _weight_files(path):
+        try:
+            state.update(load_file(f))
+        except (SafetensorError, OSError) as e:
+            raise DFlashError(f"Draft weights {f} are not a readable safetensors file ({e}); re-export the draft.") from None
+    model = DFlashDraftModel(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        extra = [k for k in unexpected if k.split(".")[0] in ("embed_tokens", "lm_head")]
+        hint = " (a DFlash draft shares the target's embedding and LM head and must not carry its own)" if extra else ""
+        raise DFlashError(
+            f"Draft weights in {path} do not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}{hint}."
+        )
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise DFlashError(
+                f"Draft tensor {name} has shape {tuple(tensor.shape)} but its config implies {tuple(expected[name].shape)}; "
+                "the checkpoint and its config.json disagree."
+            )
+    model.load_state_dict(state)
+    return model.to(dtype).eval()
+
+
+def save_draft(model: DFlashDraftModel, path: str | Path, dtype: torch.dtype = torch.bfloat16, extra_files: dict[str, str] | None = None) -> None:
+    """Write atomically: a sibling temp directory renamed into place, so readers never see half a checkpoint."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = model.config.to_dict()
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
+    if path.exists():
+        old = path.with_name(f".{path.name}.old{os.getpid()}")
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(path)

@@ -1,0 +1,268 @@
+"""The DFlash block-diffusion draft: Qwen3-style layers conditioned on target features by KV injection.
+
+Parameter names match the z-lab checkpoint (`fc`, `hidden_norm`, `layers.N.*`, `norm`); the
+embedding and LM head are the target's and are passed in, never owned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DraftConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3/Llama RMSNorm: statistics in fp32, scale in the input dtype."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, hd]; cos/sin broadcastable [..., T, hd] (neox/rotate-half style, as HF Llama/Qwen)."""
+    return x * cos + rotate_half(x) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """Inverse frequencies from transformers' RoPE init functions, so every rope_type the target uses works."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        from transformers import Qwen3Config
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf = Qwen3Config(
+            hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads, head_dim=config.head_dim,
+            max_position_embeddings=config.max_position_embeddings, rope_parameters=dict(config.rope_parameters),
+        )
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            base = config.rope_theta
+            inv_freq = 1.0 / (base ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [b, T] -> cos, sin [b, 1, T, hd] (the 1 broadcasts over heads)."""
+        freqs = positions[..., None].float() * self.inv_freq  # [b, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None]
+        sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
+        return cos, sin
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DraftConfig, layer_idx: int):
+        super().__init__()
+        h, nh, nkv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(h, nh * hd, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=config.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, h, bias=config.attention_bias)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        """x [b, Q, H] block states; ctx_k/ctx_v [b, nkv, C, hd] context K/V (normed, roped); mask [b|1, 1, Q, C+Q] bool or None."""
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, -1, self.head_dim)).transpose(1, 2)  # [b, nh, Q, hd]
+        k = self.k_norm(self.k_proj(x).view(b, q_len, -1, self.head_dim)).transpose(1, 2)  # [b, nkv, Q, hd]
+        v = self.v_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k = torch.cat([ctx_k, k], dim=2)
+        v = torch.cat([ctx_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DraftConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def dflash_attention_mask(q_pos, q_anchor, q_block, k_pos, k_block, causal: bool, window: int | None):
+    """Which keys each block query sees (True = attend); one rule for inference and training.
+
+    q_pos/q_anchor/q_block [b, Q]: a query's absolute position, its block's anchor position, its block id.
+    k_pos/k_block [b, K]: a key's absolute position and block id (-1 for target context).
+    Context is visible strictly before the anchor (the anchor's own feature does not exist yet at
+    inference); block keys only inside the query's own block, causally for SWA layers.
+    Returns [b, 1, Q, K].
+    """
+    qp, qa, qb = q_pos[:, :, None], q_anchor[:, :, None], q_block[:, :, None]
+    kp, kb = k_pos[:, None, :], k_block[:, None, :]
+    ctx = (kb < 0) & (kp < qa)
+    own = kb == qb
+    if causal:
+        own = own & (kp <= qp)
+    visible = ctx | own
+    if window is not None:
+        visible = visible & (qp - kp < window)
+    return visible[:, None]
+
+
+@dataclass
+class DraftKVCache:
+    """Context K/V of every draft layer, preallocated; only target-derived rows are ever kept.
+
+    k/v [L, b, nkv, capacity, hd]; rows [0, length) are valid.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def empty(cls, config: DraftConfig, batch: int, capacity: int, dtype, device=None) -> "DraftKVCache":
+        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, capacity, config.head_dim)
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        t = k.shape[3]
+        self.k[:, :, :, self.length : self.length + t] = k
+        self.v[:, :, :, self.length : self.length + t] = v
+        self.length += t
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        n_sel, h = len(config.target_layer_ids), config.hidden_size
+        self.fc = nn.Linear(n_sel * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        dflash = config.extra.get("dflash_config", {})
+        self.input_embedding_scale = float(dflash.get("input_embedding_scale", 1.0))  # Gemma-style targets
+        self.output_multiplier = float(dflash.get("output_multiplier", 1.0))
+        self.final_logit_softcapping = float(dflash.get("final_logit_softcapping") or 0.0)
+        self._stacked = None  # inference-time stacked K/V weights of all layers
+
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, std=std, generator=generator)
+        self._stacked = None
+
+    def train(self, mode: bool = True):
+        self._stacked = None  # weights may change; rebuild the stacked projection when back in eval
+        return super().train(mode)
+
+    def _kv_weights(self):
+        if self._stacked is not None and not self.training:
+            return self._stacked
+        attns = [layer.self_attn for layer in self.layers]
+        weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])  # [L*2*nkv*hd, H]
+        bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]) if self.config.attention_bias else None
+        k_norm = torch.stack([a.k_norm.weight for a in attns])  # [L, hd]
+        stacked = (weight, bias, k_norm)
+        if not self.training:
+            self._stacked = stacked
+        return stacked
+
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[b, T, n_sel*H] concatenated target features -> fused context feature [b, T, H]."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context K/V of all layers in one GEMM (no draft prefill): ctx [b, T, H] -> k, v [L, b, nkv, T, hd]."""
+        c = self.config
+        b, t, _ = ctx.shape
+        weight, bias, k_norm = self._kv_weights()
+        kv = F.linear(ctx, weight, bias).view(b, t, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
+        kv = kv.permute(2, 3, 0, 4, 1, 5)  # [L, 2, b, nkv, T, hd]
+        k = rms_norm(kv[:, 0], k_norm[:, None, None, None, :], c.rms_norm_eps)
+        cos, sin = self.rotary_emb(positions, ctx.dtype)  # [b, 1, T, hd]
+        return apply_rope(k, cos, sin), kv[:, 1]
+
+    def inference_masks(self, start: int, b: int) -> list[torch.Tensor | None] | None:
+        """Masks for one block at positions start..start+b-1 over context [0, start); None if every layer sees everything."""
+        c = self.config
+        rules = [(c.layer_is_causal(i), c.layer_window(i)) for i in range(c.num_hidden_layers)]
+        if not any(causal or window for causal, window in rules):
+            return None
+        q_pos = torch.arange(start, start + b)[None]
+        k_pos = torch.arange(start + b)[None]
+        k_block = torch.cat([torch.full((start,), -1), torch.zeros(b, dtype=torch.long)])[None]
+        zeros = torch.zeros_like(q_pos)
+        return [
+            None if not (causal or window) else dflash_attention_mask(q_pos, torch.full_like(q_pos, start), zeros, k_pos, k_block, causal, window)
+            for causal, window in rules
+        ]
+
+    def embed_block(self, embed_tokens: nn.Module, block_ids: torch.Tensor) -> torch.Tensor:
+        """[anchor, MASK, ...] ids -> noise embedding through the target's (frozen) table."""
+        x = embed_tokens(block_ids)
+        return x * self.input_embedding_scale if self.input_embedding_scale != 1.0 else x
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Draft logits through the target's LM head, with the config's multiplier and soft-capping."""
+        logits = lm_head(hidden)
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        if self.final_logit_softcapping > 0:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
+
+    def forward(self, noise_embedding, positions, ctx_k, ctx_v, masks=None):
+        """Run the block queries.
+
+        noise_embedding [b, Q, H]: target embeddings of [anchor, MASK, ...] per block.
+        positions [b, Q]: absolute positions of the queries. ctx_k/ctx_v [L, b, nkv, C, hd].
+        masks: per-layer [b|1, 1, Q, C+Q] bool masks, or None for "every query sees every key".
+        Returns final-normed hidden states [b, Q, H] for the target's LM head.
+        """
+        x = noise_embedding
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, ctx_k[i], ctx_v[i], None if masks is None else masks[i])
+        return self.norm(x)

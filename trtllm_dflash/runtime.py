@@ -1,0 +1,150 @@
+"""The embedded PyTorch runtime: target + draft + tokenizer, text in, text out (streaming).
+
+This is what `trtdflash generate` and the Triton `dflash` model both call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .config import SamplingParams
+from .errors import DFlashError
+from .generate import GenerationStats, speculative_stream
+from .models.checkpoint import load_draft, read_draft_config
+from .models.draft import DFlashDraftModel
+from .models.target import TargetModel
+from .resolve import resolve_draft, resolve_target
+from .validate import validate_block_size, validate_pair
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class IncrementalDetokenizer:
+    """Text deltas that are correct under streaming: no split multi-byte characters, no lost spaces.
+
+    Decodes a short window of tokens around the boundary (the vLLM prefix/read offset scheme), and
+    holds back text that may still become a stop string.
+    """
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # everything decoded so far (before stop-string truncation)
+        self.emitted = 0  # characters of self.text already returned
+        self.stopped = False
+
+    def _decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, new_ids: list[int], final: bool = False) -> str:
+        self.ids.extend(new_ids)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        elif final:
+            self.text += full[len(prefix) :]
+        for s in self.stop_strings:
+            i = self.text.find(s)
+            if i >= 0:
+                self.text, self.stopped = self.text[:i], True
+        safe = len(self.text)
+        if not (final or self.stopped):
+            for s in self.stop_strings:  # hold back a tail that could still grow into a stop string
+                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        safe = min(safe, len(self.text) - k)
+                        break
+        delta = self.text[self.emitted : safe]
+        self.emitted = safe
+        return delta
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, **self.stats.to_dict()}
+
+
+class DFlashEngine:
+    def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int):
+        self.target, self.draft, self.block_size = target, draft, block_size
+        self.tokenizer = target.tokenizer
+        eos = self.tokenizer.eos_token_id
+        gen_cfg = getattr(target.model, "generation_config", None)
+        gen_eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+        ids = {eos} | (set(gen_eos) if isinstance(gen_eos, list) else {gen_eos})
+        self.eos_token_ids = frozenset(i for i in ids if i is not None)
+
+    @classmethod
+    def load(cls, target: str, draft: str | None = None, *, no_draft: bool = False, dtype: str = "fp32",
+             block_size: int | None = None, progress=print) -> "DFlashEngine":
+        if dtype not in DTYPES:
+            raise DFlashError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+        target_path = resolve_target(target, progress)
+        draft_path = None if no_draft else resolve_draft(draft, target)
+        draft_cfg = read_draft_config(draft_path) if draft_path is not None else None
+        if block_size is not None and block_size > 1 and draft_cfg is None:
+            raise DFlashError(f"--block-size {block_size} needs a draft, but target '{target}' has no default draft; pass --draft or use --block-size 1.")
+        block = validate_block_size(block_size, draft_cfg)
+        tm = TargetModel.load(target_path, DTYPES[dtype])
+        dm = None
+        if draft_cfg is not None and block > 1:
+            validate_pair(draft_cfg, hidden_size=tm.hidden_size, num_layers=tm.num_layers, vocab_rows=tm.vocab_rows, rope_parameters=tm.rope_parameters)
+            dm = load_draft(draft_path, DTYPES[dtype])
+            tm.set_taps(draft_cfg.target_layer_ids)
+        return cls(tm, dm, block)
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        if not isinstance(prompt, str) or not prompt:
+            raise DFlashError("The prompt is empty; pass some text.")
+        if chat and self.tokenizer.chat_template:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        else:
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if len(ids) >= self.target.max_positions:
+            raise DFlashError(f"The prompt is {len(ids)} tokens, but the target's context window is {self.target.max_positions}; shorten it.")
+        return list(ids)
+
+    def stream(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
+               block_size: int | None = None, stop_strings: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (),
+               ignore_eos: bool = False, stats: GenerationStats | None = None) -> Iterator[tuple[list[int], str]]:
+        """Yield (new token ids, new text) per step; `stats` is filled in as it goes."""
+        if max_new_tokens < 1:
+            raise DFlashError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+        block = self.block_size if block_size is None else validate_block_size(block_size, self.draft.config if self.draft else None)
+        stops = frozenset(stop_token_ids) | (frozenset() if ignore_eos else self.eos_token_ids)
+        stats = stats if stats is not None else GenerationStats()
+        detok = IncrementalDetokenizer(self.tokenizer, stop_strings)
+        steps = speculative_stream(self.target, self.draft if block > 1 else None, prompt_ids, max_new_tokens, block, sampling, stops, stats)
+        try:
+            for ids in steps:
+                final = bool(stats.finish_reason)
+                delta = detok.push(ids, final=final)
+                if detok.stopped:
+                    stats.finish_reason = "stop"
+                    yield ids, delta
+                    return
+                yield ids, delta
+        finally:
+            steps.close()
+
+    def generate(self, prompt: str, *, chat: bool = True, **kwargs) -> GenerationResult:
+        stats = GenerationStats()
+        ids, text = [], []
+        for new_ids, delta in self.stream(self.encode(prompt, chat), stats=stats, **kwargs):
+            ids.extend(new_ids)
+            text.append(delta)
+        return GenerationResult("".join(text), ids, stats)
