@@ -67,6 +67,20 @@ class IncrementalDetokenizer:
         return delta
 
 
+def encode_prompt(tokenizer, prompt: str, chat: bool, max_positions: int) -> list[int]:
+    """Prompt text -> token ids (chat template if the tokenizer has one); shared with Triton's preprocessing model."""
+    if not isinstance(prompt, str) or not prompt:
+        raise DFlashError("The prompt is empty; pass some text.")
+    if chat and tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    else:
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if len(ids) >= max_positions:
+        raise DFlashError(f"The prompt is {len(ids)} tokens, but the context window is {max_positions}; shorten it.")
+    return list(ids)
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -107,16 +121,7 @@ class DFlashEngine:
         return cls(tm, dm, block)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
-        if not isinstance(prompt, str) or not prompt:
-            raise DFlashError("The prompt is empty; pass some text.")
-        if chat and self.tokenizer.chat_template:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if not isinstance(ids, list) else ids
-        else:
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        if len(ids) >= self.target.max_positions:
-            raise DFlashError(f"The prompt is {len(ids)} tokens, but the target's context window is {self.target.max_positions}; shorten it.")
-        return list(ids)
+        return encode_prompt(self.tokenizer, prompt, chat, self.target.max_positions)
 
     def stream(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
                block_size: int | None = None, stop_strings: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (),
