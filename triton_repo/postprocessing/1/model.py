@@ -1,0 +1,29 @@
+"""Triton `postprocessing`: text delta + DFlash statistics -> the user-facing outputs.
+
+Why no detokenization here: Triton runs this step once per streamed response and keeps no state
+between them, so it cannot know the previous tokens that decide whether a piece starts with a space
+or completes a multi-byte character. The dflash model owns one IncrementalDetokenizer per request
+and sends correct text deltas; this step passes them through as `text_output`.
+"""
+
+import triton_python_backend_utils as pb_utils
+
+PASS_THROUGH = {
+    "NUM_TOKENS": "OUT_NUM_TOKENS",
+    "DRAFT_TOKENS": "OUT_DRAFT_TOKENS",
+    "ACCEPTED_TOKENS": "OUT_ACCEPTED_TOKENS",
+    "ACCEPTANCE_LENGTH": "OUT_ACCEPTANCE_LENGTH",
+    "FINISH_REASON": "OUT_FINISH_REASON",
+}
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "TEXT_DELTA").as_numpy()
+            outputs = [pb_utils.Tensor("OUTPUT", text)]
+            for src, dst in PASS_THROUGH.items():
+                outputs.append(pb_utils.Tensor(dst, pb_utils.get_input_tensor_by_name(request, src).as_numpy()))
+            responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
+        return responses

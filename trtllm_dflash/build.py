@@ -1,0 +1,440 @@
+"""`trtdflash build`: target + draft -> a self-contained, servable output directory.
+
+The build is a list of named steps planned up front (so `--dry-run` can print it) and run into a
+temporary sibling directory that is renamed into place at the end. Each step has a key (a hash of
+its inputs, source content hashes included); a step whose key matches the previous build's manifest
+and whose outputs are intact is reused instead of redone. Backends contribute their own steps: the
+embedded `torch` backend stages checkpoints and fills the Triton repository; a TensorRT-LLM backend
+adds conversion / quantization / tensor-parallel sharding steps in the same list.
+
+Layout of the output (paths in the Triton configs are relative, so the directory can be moved):
+    manifest.json             what was built from what (sources + hashes, options, versions, steps)
+    checkpoints/target/       target HF checkpoint (weights hard-linked from the source when possible)
+    checkpoints/draft/        DFlash draft (z-lab format)
+    tokenizer/                tokenizer files for pre/postprocessing
+    triton_repo/              preprocessing, dflash, postprocessing, ensemble
+Weights are hard links when source and output share a filesystem (no extra disk, and the output
+stays valid if the source cache is deleted), otherwise copies; never symlinks, which would break
+when the source moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+from .errors import DFlashError
+from .models.checkpoint import read_draft_config
+from .repository import TEMPLATE_DIR, RepoParams, emit_repository, template_files
+from .resolve import resolve_draft, resolve_target, sha256_file
+from .validate import validate_block_size, validate_pair
+
+BACKENDS = ("torch", "trtllm")
+QUANT_CHOICES = ("none", "fp8", "nvfp4", "int8_sq", "w4a16_awq")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+CONFIG_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+RUNTIME_OVERHEAD = 600 << 20  # torch + tritonserver + 3 python backend stubs, measured RSS on CPU (rounded up)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Everything `trtdflash build` accepts; checked once in `check()`."""
+
+    output: Path
+    target: str = "smollm2-135m"
+    draft: str | None = None
+    no_draft: bool = False
+    backend: str = "torch"
+    tp: int = 1
+    quant: str = "none"
+    max_batch_size: int = 8
+    max_seq_len: int | None = None
+    block_size: int | None = None
+    dtype: str = "fp32"
+    chat_template: bool = True
+
+    def check(self) -> None:
+        if self.backend not in BACKENDS:
+            raise DFlashError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}.")
+        if self.quant not in QUANT_CHOICES:
+            raise DFlashError(f"--quant must be one of {', '.join(QUANT_CHOICES)}, got {self.quant!r}.")
+        if self.tp < 1:
+            raise DFlashError(f"--tp must be at least 1, got {self.tp}.")
+        if self.dtype not in DTYPE_BYTES:
+            raise DFlashError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}.")
+        if self.max_batch_size < 1:
+            raise DFlashError(f"--max-batch-size must be at least 1, got {self.max_batch_size}.")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise DFlashError(f"--max-seq-len must be at least 2, got {self.max_seq_len}.")
+        if self.draft is not None and self.no_draft:
+            raise DFlashError("--draft and --no-draft contradict each other; pass one of them.")
+        if self.backend == "torch" and (self.tp != 1 or self.quant != "none"):
+            raise DFlashError(
+                "The torch backend runs one unquantized model copy on one device; --tp and --quant need --backend trtllm "
+                "(drop them, or use --tp 1 --quant none)."
+            )
+        if self.backend == "trtllm":
+            _check_trtllm_available()
+
+
+def _check_trtllm_available() -> None:
+    try:
+        import tensorrt_llm  # noqa: F401
+    except Exception:
+        raise DFlashError(
+            "--backend trtllm needs TensorRT-LLM and an NVIDIA GPU, which are not available on this machine; "
+            "build with --backend torch (the embedded default)."
+        ) from None
+    raise DFlashError("The TensorRT-LLM backend build steps are not implemented yet; build with --backend torch.")
+
+
+@dataclass
+class Sources:
+    """Resolved, validated inputs and the facts the plan needs (read from configs and safetensors headers)."""
+
+    target_dir: Path
+    draft_dir: Path | None
+    target_files: list[Path]
+    tokenizer_files: list[Path]
+    draft_files: list[Path]
+    block_size: int
+    max_seq_len: int
+    target_params: int
+    draft_params: int
+    kv_bytes_per_token: int  # target + draft, in the build dtype
+
+
+@dataclass
+class PlannedFile:
+    rel: str
+    size: int
+    source: Path | None = None  # staged (linked/copied) from here; None = generated
+
+
+@dataclass
+class Step:
+    """One named unit of work; `key` changes whenever anything it reads changes."""
+
+    name: str
+    description: str
+    files: list[PlannedFile]
+    key_inputs: dict
+    run: Callable[[Path, Callable[[str], None]], None]
+    long: bool = False
+    key: str = field(init=False)
+
+    def __post_init__(self):
+        self.key = hashlib.sha256(json.dumps(self.key_inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass
+class Plan:
+    options: BuildOptions
+    sources: Sources
+    steps: list[Step]
+    hashes: dict[str, str]  # source path -> sha256
+
+    def memory_estimate(self) -> dict[str, int]:
+        """Bytes per device: weights in the build dtype + a full KV cache per concurrent request + runtime."""
+        b = DTYPE_BYTES[self.options.dtype]
+        s = self.sources
+        kv = s.kv_bytes_per_token * s.max_seq_len * self.options.max_batch_size
+        return {"weights": (s.target_params + s.draft_params) * b, "kv_cache": kv, "runtime": RUNTIME_OVERHEAD,
+                "total": (s.target_params + s.draft_params) * b + kv + RUNTIME_OVERHEAD}
+
+
+def _progress_bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False, disable=total < (64 << 20))
+
+
+def _hash(path: Path, cache: dict[str, str]) -> str:
+    key = str(path.resolve())
+    if key not in cache:
+        size = path.stat().st_size
+        if size >= 64 << 20:
+            with _progress_bar(size, f"sha256 {path.name}") as bar:
+                h = hashlib.sha256()
+                with open(path, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 22), b""):
+                        h.update(chunk)
+                        bar.update(len(chunk))
+                cache[key] = h.hexdigest()
+        else:
+            cache[key] = sha256_file(path)
+    return cache[key]
+
+
+def _stage(src: Path, dst: Path) -> None:
+    """Hard link, or copy (with progress) when linking is impossible (another filesystem)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        with open(src, "rb") as r, open(dst, "wb") as w, _progress_bar(src.stat().st_size, f"copy {src.name}") as bar:
+            for chunk in iter(lambda: r.read(1 << 22), b""):
+                w.write(chunk)
+                bar.update(len(chunk))
+        shutil.copystat(src, dst)
+
+
+def _safetensors_facts(files: list[Path]) -> tuple[int, dict[str, tuple[int, ...]]]:
+    """(parameter count, name -> shape) from safetensors headers, without reading the weights."""
+    from safetensors import safe_open
+
+    n, shapes = 0, {}
+    for f in files:
+        try:
+            with safe_open(f, "pt") as st:
+                for name in st.keys():
+                    shape = tuple(st.get_slice(name).get_shape())
+                    shapes[name] = shape
+                    n += math.prod(shape)
+        except Exception as e:
+            raise DFlashError(f"{f} is not a readable safetensors file ({e}); re-export the checkpoint.") from None
+    return n, shapes
+
+
+def resolve_sources(opts: BuildOptions, progress: Callable[[str], None]) -> Sources:
+    """Resolve names to directories and check that target, tokenizer and draft fit together."""
+    from transformers import AutoConfig
+
+    target_dir = resolve_target(opts.target, progress)
+    weights = sorted(target_dir.glob("*.safetensors"))
+    if not weights:
+        raise DFlashError(f"Target {target_dir} has no *.safetensors weights; only safetensors checkpoints are built (pickles can run code).")
+    tok_files = [target_dir / n for n in TOKENIZER_FILES if (target_dir / n).is_file()]
+    names = {p.name for p in tok_files}
+    if not ({"tokenizer.json", "tokenizer.model"} & names or {"vocab.json", "merges.txt"} <= names):
+        raise DFlashError(f"Target {target_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json + merges.txt); add it to the folder.")
+    try:
+        config = AutoConfig.from_pretrained(target_dir)
+    except (ValueError, OSError, KeyError) as e:
+        raise DFlashError(f"Target {target_dir} has a config transformers cannot read ({str(e).splitlines()[0]}).") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    target_params, shapes = _safetensors_facts(weights)
+    embed = [s for n, s in shapes.items() if n.endswith("embed_tokens.weight")]
+    vocab_rows = embed[0][0] if embed else int(text.vocab_size)
+    hidden, n_layers = int(text.hidden_size), int(text.num_hidden_layers)
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    max_positions = int(getattr(text, "max_position_embeddings", 0) or 1 << 30)
+    b = DTYPE_BYTES[opts.dtype]
+    kv_per_token = 2 * n_layers * kv_heads * head_dim * b
+
+    draft_dir = None if opts.no_draft else resolve_draft(opts.draft, opts.target)
+    if draft_dir is None and not opts.no_draft:
+        raise DFlashError(
+            f"Target '{opts.target}' has no packaged DFlash draft (yet); pass --draft DIR, or --no-draft for a plain autoregressive build."
+        )
+    draft_cfg, draft_files, draft_params = None, [], 0
+    if draft_dir is not None:
+        draft_cfg = read_draft_config(draft_dir)
+        draft_files = [draft_dir / "config.json"] + sorted(draft_dir.glob("*.safetensors")) + (
+            [draft_dir / "model.safetensors.index.json"] if (draft_dir / "model.safetensors.index.json").is_file() else [])
+        if len(draft_files) < 2:
+            raise DFlashError(f"Draft checkpoint {draft_dir} has no model.safetensors.")
+        draft_params, _ = _safetensors_facts([p for p in draft_files if p.suffix == ".safetensors"])
+        rope = dict(getattr(text, "rope_parameters", None) or {})
+        rope.setdefault("rope_theta", getattr(text, "rope_theta", 1e4))
+        validate_pair(draft_cfg, hidden_size=hidden, num_layers=n_layers, vocab_rows=vocab_rows, rope_parameters=rope)
+        kv_per_token += 2 * draft_cfg.num_hidden_layers * draft_cfg.num_key_value_heads * draft_cfg.head_dim * b
+    if opts.block_size is not None and opts.block_size > 1 and draft_cfg is None:
+        raise DFlashError(f"--block-size {opts.block_size} needs a draft; drop --no-draft or use --block-size 1.")
+    block = validate_block_size(opts.block_size, draft_cfg)
+    max_seq_len = opts.max_seq_len or max_positions
+    if max_seq_len > max_positions:
+        raise DFlashError(f"--max-seq-len {max_seq_len} exceeds the target's context window {max_positions}; use at most {max_positions}.")
+    target_files = [target_dir / n for n in CONFIG_FILES if (target_dir / n).is_file()] + weights + tok_files
+    return Sources(target_dir, draft_dir, target_files, tok_files, draft_files, block, max_seq_len,
+                   target_params, draft_params, kv_per_token)
+
+
+def _stage_step(name: str, description: str, dest: str, files: list[Path], hashes: dict[str, str]) -> Step:
+    planned = [PlannedFile(f"{dest}/{p.name}", p.stat().st_size, p) for p in files]
+
+    def run(tmp: Path, progress):
+        for f in planned:
+            _stage(f.source, tmp / f.rel)
+
+    inputs = {f.rel: hashes[str(f.source)] for f in planned}
+    return Step(name, description, planned, inputs, run, long=sum(f.size for f in planned) >= 64 << 20)
+
+
+def _torch_steps(opts: BuildOptions, src: Sources, hashes: dict[str, str]) -> list[Step]:
+    steps = [
+        _stage_step("target_checkpoint", "stage the target HF checkpoint (hard links)", "checkpoints/target", src.target_files, hashes),
+        _stage_step("tokenizer", "stage the tokenizer for pre/postprocessing", "tokenizer", src.tokenizer_files, hashes),
+    ]
+    if src.draft_dir is not None:
+        steps.append(_stage_step("draft_checkpoint", "stage the DFlash draft (z-lab format)", "checkpoints/draft", src.draft_files, hashes))
+    params = RepoParams(
+        max_batch_size=opts.max_batch_size, max_seq_len=src.max_seq_len, block_size=src.block_size, dtype=opts.dtype,
+        target_dir="../../checkpoints/target", draft_dir="../../checkpoints/draft" if src.draft_dir else "",
+        tokenizer_dir="../../tokenizer", apply_chat_template=opts.chat_template,
+    )
+    templates = template_files()
+    template_hashes = {str(t): sha256_file(TEMPLATE_DIR / t) for t in templates}
+    steps.append(Step(
+        "triton_repo", "fill the Triton model repository (preprocessing, dflash, postprocessing, ensemble)",
+        [PlannedFile(f"triton_repo/{t}", (TEMPLATE_DIR / t).stat().st_size) for t in templates],
+        {"params": asdict(params), "templates": template_hashes},
+        lambda tmp, progress: emit_repository(tmp / "triton_repo", params),
+    ))
+    return steps
+
+
+def make_plan(opts: BuildOptions, progress: Callable[[str], None] = print) -> Plan:
+    opts.check()
+    src = resolve_sources(opts, progress)
+    hashes: dict[str, str] = {}
+    progress("Hashing sources...")
+    for p in src.target_files + src.draft_files:
+        hashes[str(p)] = _hash(p, hashes)
+    return Plan(opts, src, _torch_steps(opts, src, hashes), hashes)
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for pkg in ("trtllm-dflash", "torch", "transformers", "tokenizers", "safetensors", "nvidia-pytriton", "tritonclient"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _fmt(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def describe(plan: Plan) -> str:
+    """Human-readable plan for --dry-run."""
+    o, s = plan.options, plan.sources
+    lines = [
+        f"Build plan -> {o.output} (backend {o.backend}, tp {o.tp}, quant {o.quant}, dtype {o.dtype})",
+        f"  target  {s.target_dir} ({s.target_params / 1e6:.1f}M params)",
+        f"  draft   {s.draft_dir or 'none (autoregressive)'}" + (f" ({s.draft_params / 1e6:.1f}M params)" if s.draft_dir else ""),
+        f"  block size {s.block_size}, max_seq_len {s.max_seq_len}, max_batch_size {o.max_batch_size}",
+        "Steps:",
+        "  1. resolve_and_validate: target, draft and tokenizer fit together (done)",
+    ]
+    for i, step in enumerate(plan.steps, 2):
+        lines.append(f"  {i}. {step.name}: {step.description} [{_fmt(sum(f.size for f in step.files))}]")
+        for f in step.files:
+            lines.append(f"       {f.rel}  {_fmt(f.size)}" + ("  (link or copy)" if f.source else ""))
+    lines.append(f"  {len(plan.steps) + 2}. manifest: write {MANIFEST}")
+    mem = plan.memory_estimate()
+    lines.append(
+        f"Estimated memory per device (cpu, 1 device): {_fmt(mem['total'])} = weights {_fmt(mem['weights'])} + "
+        f"KV cache {_fmt(mem['kv_cache'])} ({o.max_batch_size} x {s.max_seq_len} tokens) + runtime {_fmt(mem['runtime'])}"
+    )
+    return "\n".join(lines)
+
+
+def _read_manifest(out: Path) -> dict | None:
+    try:
+        return json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _reusable(step: Step, old: dict | None, out: Path) -> bool:
+    """The previous build ran this step with the same inputs and its outputs are still there, same sizes."""
+    prev = (old or {}).get("steps", {}).get(step.name)
+    if not prev or prev.get("key") != step.key:
+        return False
+    return all((out / rel).is_file() and (out / rel).stat().st_size == meta["size"] for rel, meta in prev["outputs"].items())
+
+
+def run_build(opts: BuildOptions, progress: Callable[[str], None] = print, dry_run: bool = False) -> Path:
+    """Plan, then build atomically; returns the output directory."""
+    out = Path(opts.output).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise DFlashError(f"--output {out} is a file; pass a directory path.")
+    old = _read_manifest(out) if out.is_dir() else None
+    if out.is_dir() and old is None and any(out.iterdir()):
+        raise DFlashError(f"--output {out} exists and is not a trtdflash build (no {MANIFEST}); pick a new directory or remove it.")
+    plan = make_plan(opts, progress)
+    if dry_run:
+        progress(describe(plan))
+        return out
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()} | {"output": str(out)}
+    reuse = {step.name: _reusable(step, old, out) for step in plan.steps}
+    if old and all(reuse.values()) and {s.name for s in plan.steps} == set(old.get("steps", {})) and old.get("options") == options:
+        progress(f"{out} is up to date (same inputs, outputs intact); nothing to do.")
+        return out
+
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        steps_meta = {}
+        for i, step in enumerate(plan.steps, 1):
+            t0 = time.perf_counter()
+            if reuse[step.name]:
+                progress(f"[{i}/{len(plan.steps)}] {step.name}: unchanged, reusing the previous output")
+                for f in step.files:
+                    _stage(out / f.rel, tmp / f.rel)
+            else:
+                progress(f"[{i}/{len(plan.steps)}] {step.name}: {step.description}...")
+                step.run(tmp, progress)
+            outputs = {}
+            for f in step.files:
+                p = tmp / f.rel
+                sha = plan.hashes[str(f.source)] if f.source else sha256_file(p)
+                outputs[f.rel] = {"size": p.stat().st_size, "sha256": sha}
+            steps_meta[step.name] = {"key": step.key, "outputs": outputs, "seconds": round(time.perf_counter() - t0, 3)}
+        s = plan.sources
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "versions": _versions(),
+            "options": options,
+            "sources": {
+                "target": {"path": str(s.target_dir), "files": {p.name: plan.hashes[str(p)] for p in s.target_files}},
+                "draft": None if s.draft_dir is None else {"path": str(s.draft_dir), "files": {p.name: plan.hashes[str(p)] for p in s.draft_files}},
+            },
+            "resolved": {"block_size": s.block_size, "max_seq_len": s.max_seq_len, "memory_estimate_bytes": plan.memory_estimate()},
+            "serve": {"model_repository": "triton_repo", "model": "ensemble"},
+            "steps": steps_meta,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if out.exists():
+            old_dir = out.with_name(f".{out.name}.old{os.getpid()}")
+            out.rename(old_dir)
+            tmp.rename(out)
+            shutil.rmtree(old_dir)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    progress(f"Built {out} ({len(plan.steps)} steps, {sum(not r for r in reuse.values())} run, {sum(reuse.values())} reused).")
+    return out
+
+
+def read_build(out: Path) -> dict:
+    """The manifest of a finished build; what `serve` checks before starting Triton."""
+    out = Path(out).expanduser()
+    manifest = _read_manifest(out)
+    if manifest is None:
+        raise DFlashError(f"{out} is not a trtdflash build output (no readable {MANIFEST}); run `trtdflash build --output {out}` first.")
+    return manifest

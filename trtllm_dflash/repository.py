@@ -1,0 +1,61 @@
+"""Fill the Triton model repository template (top-level `triton_repo/`) for one build.
+
+The template's config.pbtxt files carry `${name}` placeholders, as Triton's TensorRT-LLM templates
+do (tools/fill_template.py); paths are written relative to each model's directory so the build
+output can be moved or copied as a whole.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from string import Template
+
+from .errors import DFlashError
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "triton_repo"
+MODELS = ("preprocessing", "dflash", "postprocessing", "ensemble")
+USER_MODEL = "ensemble"
+
+
+@dataclass(frozen=True)
+class RepoParams:
+    """Every value the templates need; paths are relative to a model directory (triton_repo/<model>/)."""
+
+    max_batch_size: int
+    max_seq_len: int
+    block_size: int
+    dtype: str
+    target_dir: str
+    draft_dir: str  # "" = no draft (autoregressive)
+    tokenizer_dir: str
+    apply_chat_template: bool
+
+    def values(self) -> dict[str, str]:
+        return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()}
+
+
+def template_files() -> list[Path]:
+    """Template files relative to TEMPLATE_DIR, for the build plan."""
+    if not (TEMPLATE_DIR / USER_MODEL / "config.pbtxt").is_file():
+        raise DFlashError(f"The Triton repository template is missing at {TEMPLATE_DIR}; reinstall trtllm-dflash from its source tree.")
+    return sorted(p.relative_to(TEMPLATE_DIR) for p in TEMPLATE_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+def emit_repository(dest: Path, params: RepoParams) -> list[Path]:
+    """Write the filled repository into dest (which must not exist); returns the files written."""
+    values = params.values()
+    written = []
+    for rel in template_files():
+        out = dest / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if rel.name == "config.pbtxt":
+            text = Template((TEMPLATE_DIR / rel).read_text()).safe_substitute(values)
+            if "${" in text:
+                raise DFlashError(f"Template {rel} has a placeholder the build does not fill; the template and trtllm_dflash disagree.")
+            out.write_text(text)
+        else:
+            shutil.copyfile(TEMPLATE_DIR / rel, out)
+        written.append(out)
+    return written
