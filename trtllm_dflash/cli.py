@@ -91,5 +91,108 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
         )
 
 
+@main.command()
+@click.option("--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory.")
+@click.option("--draft", default=None, help="DFlash draft directory (z-lab format). Default: the target's packaged draft.")
+@click.option("--no-draft", is_flag=True, help="Build without a draft (plain autoregressive serving).")
+@click.option("--max-batch-size", type=int, default=8, show_default=True, help="Triton max_batch_size of the models.")
+@click.option("--max-seq-len", type=int, default=None, help="Prompt + generated tokens per request (default: the target's context window).")
+@click.option("--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's).")
+@click.option("--dtype", default="fp32", show_default=True, help="fp32 or bf16.")
+@click.option("--backend", default="torch", show_default=True, help="torch (embedded PyTorch runtime) or trtllm (TensorRT-LLM, needs a GPU).")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (trtllm backend).")
+@click.option("--quant", default="none", show_default=True, help="none, fp8, nvfp4, int8_sq or w4a16_awq (trtllm backend).")
+@click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
+@user_errors
+def build(target, draft, no_draft, max_batch_size, max_seq_len, block_size, dtype, backend, tp, quant, output, dry_run):
+    """Build a Triton model repository (plus checkpoints, tokenizer, manifest.json) from a target and a DFlash draft."""
+    from pathlib import Path
+
+    from .build import BuildOptions, run_build
+
+    opts = BuildOptions(output=Path(output), target=target, draft=draft, no_draft=no_draft, backend=backend, tp=tp, quant=quant,
+                        max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_size=block_size, dtype=dtype)
+    run_build(opts, progress=lambda m: click.echo(m, err=True), dry_run=dry_run)
+
+
+@main.command()
+@click.argument("build_dir", type=click.Path(path_type=str))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told otherwise).")
+@click.option("--grpc-port", type=int, default=8001, show_default=True, help="0 = pick a free port.")
+@click.option("--http-port", type=int, default=8000, show_default=True)
+@click.option("--metrics-port", type=int, default=8002, show_default=True)
+@user_errors
+def serve(build_dir, host, grpc_port, http_port, metrics_port):
+    """Serve a build with NVIDIA Triton Inference Server until Ctrl-C / SIGTERM."""
+    from pathlib import Path
+
+    from .serve import ServerConfig, serve_forever
+
+    try:
+        code = serve_forever(ServerConfig(Path(build_dir), host, grpc_port, http_port, metrics_port), progress=lambda m: click.echo(m, err=True))
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+def _stream_completion(url, prompt, max_tokens, stream, sampling, stop_words, as_json):
+    from .client import CompletionRequest, complete
+
+    request = CompletionRequest(prompt, max_tokens, stream, sampling, tuple(stop_words))
+    done = complete(url, request, on_text=None if as_json else lambda piece: click.echo(piece, nl=False))
+    if as_json:
+        click.echo(json.dumps(done.to_dict()))
+    else:
+        click.echo()
+        click.echo(
+            f"[{done.num_tokens} tokens, {done.tokens_per_second:.1f} tok/s, time to first token {done.time_to_first_token * 1000:.0f} ms, "
+            f"acceptance length {done.acceptance_length:.2f} ({done.accepted_tokens}/{done.drafted_tokens} drafts accepted), "
+            f"finish {done.finish_reason or '?'}]",
+            err=True,
+        )
+
+
+@main.command()
+@click.option("--url", default="127.0.0.1:8001", show_default=True, help="Triton gRPC endpoint.")
+@click.option("--prompt", required=True)
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--stream/--no-stream", default=True, show_default=True, help="One response per step, or one at the end.")
+@sampling_options
+@click.option("--stop", "stop_words", multiple=True, help="Stop string (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token count, acceptance length, TTFT, tokens/s.")
+@user_errors
+def client(url, prompt, max_tokens, stream, temperature, top_p, top_k, seed, stop_words, as_json):
+    """Send one prompt to a running server over gRPC (tritonclient) and print the text as it arrives."""
+    from .config import SamplingParams
+
+    _stream_completion(url, prompt, max_tokens, stream, SamplingParams(temperature, top_p, top_k, seed), stop_words, as_json)
+
+
+@main.command()
+@click.option("--output", default=None, help="Build directory (default: <cache>/quickstart); rebuilt only when inputs change.")
+@click.option("--draft", default=None, help="DFlash draft directory. Default: the packaged SmolLM2-135M draft.")
+@click.option("--prompt", default="Explain speculative decoding in two sentences.", show_default=True)
+@click.option("--max-tokens", type=int, default=96, show_default=True)
+@user_errors
+def quickstart(output, draft, prompt, max_tokens):
+    """Build the embedded default (SmolLM2-135M + draft, torch backend), start Triton, stream one completion over gRPC, stop."""
+    from pathlib import Path
+
+    from .build import BuildOptions, run_build
+    from .config import SamplingParams
+    from .resolve import cache_dir
+    from .serve import ServerConfig, TritonServer
+
+    say = lambda m: click.echo(m, err=True)  # noqa: E731
+    out = run_build(BuildOptions(output=Path(output) if output else cache_dir() / "quickstart", draft=draft), progress=say)
+    say("Starting tritonserver (free loopback ports)...")
+    with TritonServer(ServerConfig(out, grpc_port=0, http_port=0, metrics_port=0)) as server:
+        say("Ready.\n" + server.endpoints())
+        say(f"\n$ trtdflash client --url {server.grpc_url} --prompt {prompt!r} --max-tokens {max_tokens}")
+        _stream_completion(server.grpc_url, prompt, max_tokens, True, SamplingParams(), (), False)
+        say("Stopping tritonserver...")
+
+
 if __name__ == "__main__":
     main()
