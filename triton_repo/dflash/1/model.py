@@ -8,11 +8,13 @@ step on one model copy. A request whose client went away is noticed at the next 
 
 import json
 import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from trtllm_dflash import cancel
 from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.generate import GenerationStats
@@ -90,7 +92,7 @@ class TritonPythonModel:
         }
 
     @staticmethod
-    def _response(text: str, stats: GenerationStats):
+    def _response(text: str, stats: GenerationStats, key: str):
         tensor = lambda name, value, dtype: pb_utils.Tensor(name, np.array([[value]], dtype=dtype))  # noqa: E731
         return pb_utils.InferenceResponse(output_tensors=[
             tensor("output_text", text.encode("utf-8"), np.object_),
@@ -99,10 +101,11 @@ class TritonPythonModel:
             tensor("total_accepted_draft_tokens", stats.accepted_tokens, np.int32),
             tensor("acceptance_length", stats.acceptance_length, np.float32),
             tensor("finish_reason", stats.finish_reason.encode(), np.object_),
+            tensor("cancel_key", key.encode(), np.object_),
         ])
 
     def _serve(self, request, sender):
-        steps = None
+        steps, key = None, uuid.uuid4().hex
         try:
             job = self._parse(request)
             stats = GenerationStats()
@@ -110,18 +113,18 @@ class TritonPythonModel:
                                        stop_strings=job["stop_strings"], stop_token_ids=job["stop_token_ids"], stats=stats)
             pending = job["prefix"]
             while True:
-                if sender.is_cancelled() or self.stopping.is_set():
+                if sender.is_cancelled() or cancel.is_cancelled(key) or self.stopping.is_set():
                     pb_utils.Logger.log_info(f"dflash: request cancelled after {stats.num_tokens} tokens")
                     break
                 with self.step_lock:
                     step = next(steps, None)
                 if step is None:
                     if not job["streaming"]:
-                        sender.send(self._response(pending, stats))
+                        sender.send(self._response(pending, stats, key))
                     break
                 pending += step[1]
                 if job["streaming"] and (pending or stats.finish_reason):
-                    sender.send(self._response(pending, stats))
+                    sender.send(self._response(pending, stats, key))
                     pending = ""
             sender.send(flags=FINAL)
         except DFlashError as e:
@@ -133,6 +136,7 @@ class TritonPythonModel:
             except Exception:
                 pass
         finally:
+            cancel.clear(key)
             if steps is not None:
                 with self.step_lock:
                     steps.close()

@@ -4,9 +4,14 @@ Why no detokenization here: Triton runs this step once per streamed response and
 between them, so it cannot know the previous tokens that decide whether a piece starts with a space
 or completes a multi-byte character. The dflash model owns one IncrementalDetokenizer per request
 and sends correct text deltas; this step passes them through as `text_output`.
+
+It is also the first place that learns a client has left an ensemble stream (see
+trtllm_dflash/cancel.py) and tells the dflash model to stop.
 """
 
 import triton_python_backend_utils as pb_utils
+
+from trtllm_dflash import cancel
 
 PASS_THROUGH = {
     "NUM_TOKENS": "OUT_NUM_TOKENS",
@@ -21,6 +26,8 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
+            if request.is_cancelled():  # answer normally anyway: an error here leaves the ensemble request in flight
+                cancel.mark_cancelled(pb_utils.get_input_tensor_by_name(request, "CANCEL_KEY").as_numpy().reshape(-1)[0].decode())
             text = pb_utils.get_input_tensor_by_name(request, "TEXT_DELTA").as_numpy()
             outputs = [pb_utils.Tensor("OUTPUT", text)]
             for src, dst in PASS_THROUGH.items():

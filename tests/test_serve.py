@@ -1,0 +1,224 @@
+"""End to end on the REAL tritonserver: build -> serve -> gRPC/HTTP clients -> compare with `trtdflash generate`.
+
+One server per module, on free loopback ports, always stopped (context manager). Greedy decoding
+is lossless, so the served text must equal `trtdflash generate` with the same draft and block size.
+A random-init draft stands in for the packaged one until it lands; block size 4 keeps the CPU cost low.
+"""
+
+import json
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from trtllm_dflash.build import BuildOptions, run_build
+from trtllm_dflash.client import CompletionRequest, complete
+from trtllm_dflash.config import SamplingParams
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.serve import ServerConfig, TritonServer
+
+PROMPT = "Name three colors."
+MAX_TOKENS = 24
+BLOCK = 4
+MAX_SEQ_LEN = 256
+TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")
+
+
+@pytest.fixture(scope="module")
+def build_dir(random_draft_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve") / "build"
+    return run_build(BuildOptions(output=out, draft=str(random_draft_dir), block_size=BLOCK, max_seq_len=MAX_SEQ_LEN, max_batch_size=4),
+                     progress=lambda m: None)
+
+
+@pytest.fixture(scope="module")
+def server(build_dir):
+    with TritonServer(ServerConfig(build_dir, grpc_port=0, http_port=0, metrics_port=0)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(random_draft_dir):
+    """What `trtdflash generate` prints for the same prompt and settings (greedy)."""
+    out = subprocess.run(
+        [TRTDFLASH, "generate", "--draft", str(random_draft_dir), "--block-size", str(BLOCK), "--max-new-tokens", str(MAX_TOKENS),
+         "--prompt", PROMPT, "--json"], capture_output=True, text=True, check=True, timeout=300)
+    return json.loads(out.stdout)
+
+
+def _complete(server, stream=True, prompt=PROMPT, max_tokens=MAX_TOKENS, **kw):
+    return complete(server.grpc_url, CompletionRequest(prompt, max_tokens, stream, **kw), timeout=120)
+
+
+def _post(server, path, body):
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_server_is_ready_and_streams_through_a_decoupled_model(server):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    assert client.is_server_ready()
+    for model in ("preprocessing", "dflash", "postprocessing", "ensemble"):
+        assert client.is_model_ready(model)
+    assert client.get_model_config("dflash").config.model_transaction_policy.decoupled
+    assert client.get_model_metadata("ensemble").platform == "ensemble"
+
+
+def test_grpc_stream_equals_generate(server, reference):
+    done = _complete(server, stream=True)
+    assert done.text == reference["text"]
+    assert len(done.pieces) > 1, "streaming should deliver several responses"
+    assert done.num_tokens == reference["num_tokens"] == len(reference["token_ids"])
+    assert done.drafted_tokens == reference["drafted_tokens"] and done.accepted_tokens == reference["accepted_tokens"]
+    assert done.acceptance_length == pytest.approx(reference["acceptance_length"], abs=1e-3)
+    assert done.finish_reason == reference["finish_reason"]
+
+
+def test_grpc_non_stream_is_one_response_with_the_same_text(server, reference):
+    done = _complete(server, stream=False)
+    assert done.pieces == [reference["text"]]
+
+
+def test_http_generate_and_generate_stream(server, reference):
+    status, body = _post(server, "/v2/models/ensemble/generate", {"text_input": PROMPT, "max_tokens": MAX_TOKENS})
+    assert status == 200 and json.loads(body)["text_output"] == reference["text"]
+    status, body = _post(server, "/v2/models/ensemble/generate_stream", {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "stream": True})
+    events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+    assert status == 200 and len(events) > 1
+    assert "".join(e["text_output"] for e in events) == reference["text"]
+    assert events[-1]["num_output_tokens"] == reference["num_tokens"]
+
+
+def test_cli_client_json(server, reference):
+    out = subprocess.run([TRTDFLASH, "client", "--url", server.grpc_url, "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"],
+                         capture_output=True, text=True, check=True, timeout=120)
+    got = json.loads(out.stdout)
+    assert got["text"] == reference["text"] and got["num_tokens"] == reference["num_tokens"]
+    assert got["time_to_first_token"] > 0 and got["tokens_per_second"] > 0 and "acceptance_length" in got
+
+
+def test_concurrent_streams_all_complete(server, reference):
+    results, errors = [None] * 3, []
+
+    def run(i):
+        try:
+            results[i] = _complete(server, stream=True)
+        except Exception as e:  # collected, asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors
+    assert [r.text for r in results] == [reference["text"]] * 3
+
+
+def _raw_stream(server, arrays: dict) -> tuple[list, list]:
+    """Send hand-made inputs; returns (results, errors) until the final response or an error."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    inputs = []
+    for name, (arr, dtype) in arrays.items():
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+    results, errors = [], []
+    while True:
+        result, error = q.get(timeout=120)
+        if error is not None:
+            errors.append(error)
+            break
+        results.append(result)
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    client.close()
+    return results, errors
+
+
+def _text(s):
+    return (np.array([[s]], dtype=np.object_), "BYTES")
+
+
+def _i32(v):
+    return (np.array([[v]], dtype=np.int32), "INT32")
+
+
+@pytest.mark.parametrize("arrays, message", [
+    ({"max_tokens": _i32(8)}, "text_input"),
+    ({"text_input": _text(b"Hi"), "max_tokens": _i32(0)}, "max_tokens must be between 1 and 256"),
+    ({"text_input": _text(b"Hi"), "max_tokens": _i32(10**6)}, "max_tokens must be between 1 and 256"),
+    ({"text_input": _text(b"word " * 300), "max_tokens": _i32(8)}, "context window is 256"),
+    ({"text_input": _text(b"word " * 100), "max_tokens": _i32(200)}, "exceeds max_seq_len 256"),
+    ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "temperature": (np.array([[-1.0]], np.float32), "FP32")}, "temperature"),
+    ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "top_p": (np.array([[0.0]], np.float32), "FP32")}, "top_p"),
+    ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "top_k": _i32(-3)}, "top_k"),
+    ({"text_input": _text(b"\xff\xfe bad"), "max_tokens": _i32(8)}, "not valid UTF-8"),
+    ({"text_input": _text(b""), "max_tokens": _i32(8)}, "prompt is empty"),
+    ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "end_id": _i32(10**7)}, "end_id"),
+    ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "bad_words": (np.array([[b"x"]], np.object_), "BYTES")}, "bad_words"),
+])
+def test_bad_requests_get_an_error_and_the_server_keeps_serving(server, arrays, message):
+    results, errors = _raw_stream(server, arrays)
+    assert len(errors) == 1 and message in errors[0].message(), errors
+    assert client_ok(server)
+
+
+def client_ok(server) -> bool:
+    return _complete(server, max_tokens=2).num_tokens == 2
+
+
+def test_cli_client_reports_a_rejection_as_one_sentence(server):
+    out = subprocess.run([TRTDFLASH, "client", "--url", server.grpc_url, "--prompt", PROMPT, "--max-tokens", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("Error: The server rejected the request:") and "max_tokens must be between 1 and 256" in out.stderr
+
+
+def _ensemble_requests_done(server) -> int:
+    """Ensemble requests the server has finished (success + failure), from its Prometheus metrics."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(int(float(v)) for v in re.findall(r'nv_inference_request_(?:success|failure)\{[^}]*model="ensemble"[^}]*\} (\S+)', text))
+
+
+def test_client_disconnect_mid_stream_does_not_wedge_the_model(server, reference):
+    before = _ensemble_requests_done(server)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    got = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    request = CompletionRequest("Write a long story about a dragon.", MAX_SEQ_LEN - 64, True)
+    client.async_stream_infer("ensemble", request.inputs(), enable_empty_final_response=True)
+    result, error = got.get(timeout=120)
+    assert error is None
+    client.stop_stream(cancel_requests=True)  # the client goes away mid-stream
+    client.close()
+    t0 = time.perf_counter()
+    assert _complete(server).text == reference["text"]
+    assert time.perf_counter() - t0 < 60
+    deadline = time.monotonic() + 30  # the abandoned generation is noticed and stopped early
+    while time.monotonic() < deadline and "request cancelled" not in server.log_path.read_text(errors="replace"):
+        time.sleep(0.5)
+    cancelled = re.findall(r"request cancelled after (\d+) tokens", server.log_path.read_text(errors="replace"))
+    assert cancelled and int(cancelled[-1]) < MAX_SEQ_LEN - 64
+    deadline = time.monotonic() + 30  # and the abandoned ensemble request is finished, not left in flight
+    while time.monotonic() < deadline and _ensemble_requests_done(server) < before + 2:
+        time.sleep(0.5)
+    assert _ensemble_requests_done(server) == before + 2

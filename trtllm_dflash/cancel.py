@@ -1,0 +1,33 @@
+"""Client-disconnect signal from `postprocessing` back to the running `dflash` step.
+
+Triton 2.51 propagates a cancelled ensemble request only to steps scheduled after the cancel
+(triton-inference-server/core#263; server#6739), never to the step already running, so the
+decoupled dflash model's `is_cancelled()` stays False when a client leaves an ensemble stream.
+Postprocessing requests created afterwards do see it; postprocessing then drops a marker file named
+by the key the dflash model attached to its responses, and the dflash model checks for it each step.
+Both stubs are children of the same tritonserver, so its pid scopes the marker directory.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def _marker(key: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"trtdflash-cancel-{os.getppid()}" / key
+
+
+def mark_cancelled(key: str) -> None:
+    if key.isalnum():  # keys are uuid hex; never turn a tensor value into an arbitrary path
+        _marker(key).parent.mkdir(exist_ok=True)
+        _marker(key).touch()
+
+
+def is_cancelled(key: str) -> bool:
+    return _marker(key).exists()
+
+
+def clear(key: str) -> None:
+    _marker(key).unlink(missing_ok=True)
