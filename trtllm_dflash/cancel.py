@@ -11,17 +11,22 @@ Both stubs are children of the same tritonserver, so its pid scopes the marker d
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 
+def _marker_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"trtdflash-cancel-{os.getppid()}"
+
+
 def _marker(key: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"trtdflash-cancel-{os.getppid()}" / key
+    return _marker_dir() / key
 
 
 def mark_cancelled(key: str) -> None:
     if key.isalnum():  # keys are uuid hex; never turn a tensor value into an arbitrary path
-        _marker(key).parent.mkdir(exist_ok=True)
+        _marker_dir().mkdir(exist_ok=True)
         _marker(key).touch()
 
 
@@ -31,3 +36,8 @@ def is_cancelled(key: str) -> bool:
 
 def clear(key: str) -> None:
     _marker(key).unlink(missing_ok=True)
+
+
+def remove_all() -> None:
+    """At model unload: drop this server's marker directory."""
+    shutil.rmtree(_marker_dir(), ignore_errors=True)

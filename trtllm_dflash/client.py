@@ -89,6 +89,10 @@ def complete(url: str, request: CompletionRequest, on_text: Callable[[str], None
     done = Completion()
     client = grpcclient.InferenceServerClient(url)
     try:
+        try:
+            client.is_server_live()
+        except InferenceServerException:
+            raise DFlashError(f"Cannot reach Triton at {url}; start it with `trtdflash serve BUILD_DIR` or pass the right --url.") from None
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         t0 = time.perf_counter()
         client.async_stream_infer(request.model, request.inputs(), request_id=uuid.uuid4().hex, enable_empty_final_response=True)

@@ -146,3 +146,4 @@ class TritonPythonModel:
         self.stopping.set()
         for thread in list(self.threads):
             thread.join(timeout=10)
+        cancel.remove_all()
