@@ -8,6 +8,8 @@ A random-init draft stands in for the packaged one until it lands; block size 4 
 import json
 import queue
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +26,7 @@ from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.client import CompletionRequest, complete
 from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.serve import ServerConfig, TritonServer
+from trtllm_dflash.serve import ServerConfig, TritonServer, free_port
 
 PROMPT = "Name three colors."
 MAX_TOKENS = 24
@@ -222,3 +224,37 @@ def test_client_disconnect_mid_stream_does_not_wedge_the_model(server, reference
     while time.monotonic() < deadline and _ensemble_requests_done(server) < before + 2:
         time.sleep(0.5)
     assert _ensemble_requests_done(server) == before + 2
+
+
+def test_serve_cli_prints_endpoints_and_stops_gracefully_on_sigterm(build_dir):
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    proc = subprocess.Popen([TRTDFLASH, "serve", str(build_dir), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+                             "--metrics-port", str(metrics_port)], stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("log "):
+                break
+        assert "Ready.\n" in lines and f"gRPC     127.0.0.1:{grpc_port}" in "".join(lines), "".join(lines)
+        assert grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}").is_server_ready()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert "stopping tritonserver gracefully" in proc.stderr.read()
+        with pytest.raises(Exception):
+            grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}").is_server_live()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+
+
+def test_examples_run_against_the_server(server, reference):
+    root = Path(__file__).resolve().parent.parent / "examples"
+    out = subprocess.run([sys.executable, str(root / "grpc_stream_client.py"), "--url", server.grpc_url, "--prompt", PROMPT,
+                          "--max-tokens", str(MAX_TOKENS)], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.rstrip("\n") == reference["text"].rstrip("\n") and "acceptance length" in out.stderr
+    if shutil.which("curl"):
+        out = subprocess.run([str(root / "http_generate_stream.sh"), server.http_url, PROMPT], capture_output=True, text=True, check=True, timeout=120)
+        events = [json.loads(line[len("data: "):]) for line in out.stdout.splitlines() if line.startswith("data: ")]
+        assert events and events[-1]["finish_reason"]

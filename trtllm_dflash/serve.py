@@ -92,6 +92,14 @@ def locate_tritonserver() -> tuple[Path, Path | None, dict[str, str]]:
     return root / "bin" / "tritonserver", backends, env
 
 
+def _stop_with_parent() -> None:
+    """Linux: the server gets SIGTERM if we die without stopping it (e.g. SIGKILL), so it is never orphaned."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class TritonServer:
     """A tritonserver process on a build's `triton_repo/`; `with TritonServer(cfg) as s:` starts and always stops it."""
 
@@ -142,7 +150,8 @@ class TritonServer:
         cmd, env = self.command()
         with open(self.log_path, "wb") as log:
             # Own session: a Ctrl-C in the terminal reaches us, and we stop the server gracefully.
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, preexec_fn=_stop_with_parent)
         try:
             self._wait_ready()
         except BaseException:
