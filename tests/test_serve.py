@@ -38,7 +38,7 @@ TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")
 @pytest.fixture(scope="module")
 def build_dir(random_draft_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("serve") / "build"
-    return run_build(BuildOptions(output=out, draft=str(random_draft_dir), block_size=BLOCK, max_seq_len=MAX_SEQ_LEN, max_batch_size=4),
+    return run_build(BuildOptions(output=out, draft=str(random_draft_dir), block_size=BLOCK, max_seq_len=MAX_SEQ_LEN, max_batch_size=2),
                      progress=lambda m: None)
 
 
@@ -113,6 +113,7 @@ def test_cli_client_json(server, reference):
 
 
 def test_concurrent_streams_all_complete(server, reference):
+    """Three streams on a build with max_batch_size 2: two run interleaved, the third waits for a slot."""
     results, errors = [None] * 3, []
 
     def run(i):

@@ -132,7 +132,6 @@ class Step:
     files: list[PlannedFile]
     key_inputs: dict
     run: Callable[[Path, Callable[[str], None]], None]
-    long: bool = False
     key: str = field(init=False)
 
     def __post_init__(self):
@@ -272,7 +271,7 @@ def _stage_step(name: str, description: str, dest: str, files: list[Path], hashe
             _stage(f.source, tmp / f.rel)
 
     inputs = {f.rel: hashes[str(f.source)] for f in planned}
-    return Step(name, description, planned, inputs, run, long=sum(f.size for f in planned) >= 64 << 20)
+    return Step(name, description, planned, inputs, run)
 
 
 def _torch_steps(opts: BuildOptions, src: Sources, hashes: dict[str, str]) -> list[Step]:
@@ -318,12 +317,12 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _fmt(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
+    return f"{n:.1f} GiB"
 
 
 def describe(plan: Plan) -> str:

@@ -2,7 +2,8 @@
 
 Each request runs in its own thread and streams one response per verify step (text delta plus
 running DFlash statistics); a lock serializes the steps, so concurrent streams interleave step by
-step on one model copy. A request whose client went away is noticed at the next step
+step on one model copy. At most max_batch_size generations run at once (the build's memory
+estimate assumes that many KV caches); later requests wait for a slot. A request whose client went away is noticed at the next step
 (`response_sender.is_cancelled()`) and stopped, so it never holds the model.
 """
 
@@ -51,6 +52,7 @@ class TritonPythonModel:
         self.max_seq_len = int(param("max_seq_len"))
         self.vocab_rows = self.engine.target.vocab_rows
         self.step_lock = threading.Lock()
+        self.slots = threading.BoundedSemaphore(max(1, int(config["max_batch_size"])))  # concurrent generations
         self.stopping = threading.Event()
         self.threads: set[threading.Thread] = set()
         pb_utils.Logger.log_info(f"dflash ready: block size {self.engine.block_size}, draft {'yes' if self.engine.draft else 'no'}")
@@ -105,9 +107,14 @@ class TritonPythonModel:
         ])
 
     def _serve(self, request, sender):
-        steps, key = None, uuid.uuid4().hex
+        steps, key, slot = None, uuid.uuid4().hex, False
         try:
             job = self._parse(request)
+            while not self.slots.acquire(timeout=0.2):  # all slots busy: queue, but notice a client that left
+                if sender.is_cancelled() or self.stopping.is_set():
+                    sender.send(flags=FINAL)
+                    return
+            slot = True
             stats = GenerationStats()
             steps = self.engine.stream(job["prompt_ids"], max_new_tokens=job["max_new_tokens"], sampling=job["sampling"],
                                        stop_strings=job["stop_strings"], stop_token_ids=job["stop_token_ids"], stats=stats)
@@ -140,6 +147,8 @@ class TritonPythonModel:
             if steps is not None:
                 with self.step_lock:
                     steps.close()
+            if slot:
+                self.slots.release()
             self.threads.discard(threading.current_thread())
 
     def finalize(self):
