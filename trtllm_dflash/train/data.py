@@ -1,0 +1,206 @@
+"""Training data: prompts answered by the target itself (greedy, deployment chat template), on disk as jsonl.
+
+Each record is {"source", "key", "input_ids", "loss_mask"}: prompt + response token ids, with
+loss_mask 1 over the response (including its end-of-turn token). The file is appended batch by
+batch and flushed, so an interrupted generation resumes where it stopped (records are keyed).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import DFlashError
+
+GSM8K_PATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K_HOLDOUT = 200  # the last 200 train records are our unseen math eval set: never train on them
+SOURCES = ("gsm8k", "code")
+CODE_COMPLETE_TEMPLATE = "Complete the following Python function:\n```python\n{code}```"
+
+
+def gsm8k_records(path: Path = GSM8K_PATH, holdout: bool = False) -> list[dict]:
+    """GSM8K train records; holdout=False drops the last GSM8K_HOLDOUT, holdout=True returns only them."""
+    if not path.is_file():
+        raise DFlashError(f"GSM8K data not found at {path}; pass another --data source.")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows[-GSM8K_HOLDOUT:] if holdout else rows[:-GSM8K_HOLDOUT]
+
+
+def gsm8k_prompts() -> list[tuple[str, str]]:
+    return [(f"gsm8k:{i}", r["question"]) for i, r in enumerate(gsm8k_records())]
+
+
+def code_prompts() -> list[tuple[str, str]]:
+    """Coding tasks derived from public stdlib functions (signature + first docstring line), never HumanEval.
+
+    Half ask in prose, half in HumanEval's completion style, so the draft sees both phrasings.
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    seen, out = set(), []
+    for f in sorted(stdlib.rglob("*.py")):
+        if any(p in ("test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo") for p in f.parts):
+            continue
+        try:
+            tree = ast.parse(f.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):  # module functions and class methods
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.name in seen:
+                continue
+            doc = ast.get_docstring(node)
+            line = doc.strip().splitlines()[0].strip().rstrip(".") if doc and doc.strip() else ""
+            if len(line) < 15 or not [a for a in node.args.args if a.arg not in ("self", "cls")]:
+                continue
+            seen.add(node.name)
+            sig = f"{node.name}({ast.unparse(node.args)})"
+            key = f"code:{f.relative_to(stdlib)}:{node.name}"
+            if len(out) % 2 == 0:
+                out.append((key, f"Write a Python function `{sig}` that does the following: {line}."))
+            else:
+                out.append((key, CODE_COMPLETE_TEMPLATE.format(code=f'def {sig}:\n    """{line}."""\n')))
+    return out
+
+
+def load_prompts(sources: tuple[str, ...], seed: int = 0) -> list[tuple[str, str]]:
+    """Shuffle each source, then interleave them, so every prefix of the dataset is a balanced mix."""
+    unknown = [s for s in sources if s not in SOURCES]
+    if unknown:
+        raise DFlashError(f"Unknown --data source {unknown[0]!r}; choose from {', '.join(SOURCES)}.")
+    rng = random.Random(seed)
+    lists = []
+    for s in sources:
+        items = gsm8k_prompts() if s == "gsm8k" else code_prompts()
+        rng.shuffle(items)
+        lists.append(items)
+    out = []
+    for i in range(max(len(x) for x in lists)):
+        out.extend(x[i] for x in lists if i < len(x))
+    return out
+
+
+def read_dataset(path: Path) -> list[dict]:
+    """Records of a dataset file, up to a torn last line (killed mid-write)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def features_path(data_path: Path) -> Path:
+    return data_path.with_suffix(".features.bin")
+
+
+def read_features(data_path: Path, width: int) -> torch.Tensor:
+    """All feature rows of a dataset as one memory-mapped bf16 tensor [rows, width]."""
+    import numpy as np
+
+    raw = np.memmap(features_path(data_path), dtype=np.int16, mode="c")  # copy-on-write: torch wants a writable buffer; nothing writes
+    return torch.from_numpy(raw[: raw.size // width * width].reshape(-1, width)).view(torch.bfloat16)
+
+
+@torch.inference_mode()
+def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, layer_ids: list[int], max_new_tokens: int = 256,
+                     batch_size: int = 16, time_budget: float | None = None, progress=None) -> dict:
+    """Answer prompts with the target (greedy, batched, left-padded) and append records to `path`.
+
+    The tapped features of every token are captured during generation itself (it computes them anyway)
+    and appended to `features_path(path)` as bf16 rows; a record's "feat_offset" is its first row and
+    it has one row per token (the last token, never fed back, gets zeros: training never reads it).
+    Prompts whose key is already in the file are skipped (resume). Stops after `time_budget` seconds.
+    Returns {"records", "response_tokens", "seconds"} of this call.
+    """
+    from ..runtime import DFlashEngine
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = read_dataset(path)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))  # drops a torn last line
+    offset = records[-1]["feat_offset"] + len(records[-1]["input_ids"]) if records else 0
+    feat_path = features_path(path)
+    with open(feat_path, "ab") as ff:
+        ff.truncate(offset * len(layer_ids) * target.hidden_size * 2)  # rows of a batch whose records never got written
+    done = {r["key"] for r in records}
+    todo = [p for p in prompts if p[0] not in done]
+    engine = DFlashEngine(target, None, 1)  # its encode() is the deployment's prompt formatting
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eos = sorted(engine.eos_token_ids)
+    captured: dict[int, list[torch.Tensor]] = {l: [] for l in layer_ids}
+
+    def hook(layer_id):
+        return lambda _m, _i, out: captured[layer_id].append(out[0] if isinstance(out, tuple) else out)
+
+    hooks = [target.layers[l].register_forward_hook(hook(l)) for l in layer_ids]
+    t0, n_rec, n_tok = time.perf_counter(), 0, 0
+    try:
+        with open(path, "a") as f, open(feat_path, "ab") as ff:
+            for i in range(0, len(todo), batch_size):
+                if time_budget is not None and time.perf_counter() - t0 > time_budget:
+                    break
+                batch = todo[i : i + batch_size]
+                ids = [engine.encode(p) for _, p in batch]
+                width = max(len(x) for x in ids)
+                inp = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+                att = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+                out = target.model.generate(input_ids=inp, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
+                                            eos_token_id=eos, pad_token_id=pad)[:, width:].tolist()
+                # one prefill call [b, width], then one call per fed-back token [b, 1] -> [b, width + steps - 1, n_sel*H]
+                feats = torch.cat([torch.cat(captured[l], dim=1) for l in layer_ids], dim=-1).to(torch.bfloat16)
+                for l in layer_ids:
+                    captured[l].clear()
+                rows, lines = [], []
+                for j, ((key, _), prompt_ids, resp) in enumerate(zip(batch, ids, out)):
+                    end = next((k + 1 for k, t in enumerate(resp) if t in eos), len(resp))  # keep the end-of-turn token
+                    rows += [feats[j, width - len(prompt_ids) : width + end - 1], feats.new_zeros(1, feats.shape[-1])]
+                    lines.append(json.dumps({"source": key.split(":")[0], "key": key, "feat_offset": offset,
+                                             "input_ids": prompt_ids + resp[:end], "loss_mask": [0] * len(prompt_ids) + [1] * end}))
+                    offset += len(prompt_ids) + end
+                    n_rec, n_tok = n_rec + 1, n_tok + end
+                ff.write(torch.cat(rows).view(torch.int16).numpy().tobytes())
+                ff.flush()  # rows before records: a record on disk always has its rows
+                f.write("".join(line + "\n" for line in lines))
+                f.flush()
+                if progress:
+                    progress(f"generated {len(done) + n_rec}/{len(prompts)} records, {n_tok} response tokens, "
+                             f"{n_tok / (time.perf_counter() - t0):.0f} tok/s")
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"records": n_rec, "response_tokens": n_tok, "seconds": time.perf_counter() - t0}
+
+
+def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: list[int], num_samples: int | None,
+                 minutes: float | None, max_new_tokens: int, batch_size: int, seed: int = 0, progress=None) -> dict:
+    """The data phase of train-draft: answer prompts into out_dir/data.jsonl, then mark it done in data.json.
+
+    Resumable: a rerun continues an unfinished phase (answered prompts are skipped) and skips a finished one.
+    """
+    meta_path, data_path = out_dir / "data.json", out_dir / "data.jsonl"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {
+        "sources": list(sources), "target_layer_ids": list(layer_ids), "seconds": 0.0, "done": False}
+    if meta["target_layer_ids"] != list(layer_ids):
+        raise DFlashError(f"{out_dir} holds data captured at target layers {meta['target_layer_ids']}, not {list(layer_ids)}; use another --output.")
+    if not meta["done"]:
+        prompts = load_prompts(sources, seed)[:num_samples]
+        budget = None if minutes is None else max(0.0, minutes * 60 - meta["seconds"])
+        r = generate_dataset(target, prompts, data_path, layer_ids=layer_ids, max_new_tokens=max_new_tokens,
+                             batch_size=batch_size, time_budget=budget, progress=progress)
+        meta["seconds"] += r["seconds"]
+        meta.update(done=True, max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=str(target.dtype).removeprefix("torch."))
+    records = read_dataset(data_path)
+    if not records:
+        raise DFlashError(f"No training records in {data_path}; raise --num-samples or the data time budget.")
+    meta["records"] = {s: sum(r["source"] == s for r in records) for s in sorted({r["source"] for r in records})}
+    meta["response_tokens"] = sum(sum(r["loss_mask"]) for r in records)
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
