@@ -113,7 +113,7 @@ def speculative_stream(
 
     while not stats.finish_reason:
         b = min(B, max_new_tokens - stats.num_tokens)  # never draft past the token budget
-        drafts, q = torch.empty(0, dtype=torch.long), None
+        drafts, q = torch.empty(0, dtype=torch.long), torch.empty(0, 0)
         if b > 1:
             # Draft: context K/V of the newly committed tokens (one GEMM, all layers), then one block forward.
             ctx_pos = torch.arange(dcache.length, start)[None]

@@ -27,11 +27,11 @@ def sample(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=gen)[:, 0]
 
 
-def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, gen: torch.Generator) -> tuple[int, int]:
+def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> tuple[int, int]:
     """Standard speculative sampling over a chain.
 
     drafts [k] proposed ids; p [k+1, V] target distributions at the block positions; q [k, V] the
-    draft distributions they were sampled from, or None for a greedy (one-hot) draft.
+    draft distributions they were sampled from.
     Accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); on the first rejection resample from
     normalize(max(p_j - q_j, 0)); after a full accept the bonus comes from p_k.
     Returns (number accepted, bonus token).
@@ -39,17 +39,13 @@ def rejection_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | No
     k = drafts.shape[0]
     idx = torch.arange(k)
     p_d = p[idx, drafts]
-    q_d = torch.ones_like(p_d) if q is None else q[idx, drafts]
+    q_d = q[idx, drafts]
     u = torch.rand(k, generator=gen)
     ok = (u * q_d < p_d).int()  # u < p/q without dividing by zero
     a = int(ok.cumprod(0).sum())
     if a == k:
         return a, int(sample(p[k : k + 1], gen))
-    residual = p[a].clone()
-    if q is None:
-        residual[drafts[a]] = 0.0
-    else:
-        residual = (residual - q[a]).clamp_min_(0.0)
+    residual = (p[a] - q[a]).clamp_min_(0.0)
     total = residual.sum()
     residual = residual / total if total > 0 else p[a]
     return a, int(sample(residual[None], gen))

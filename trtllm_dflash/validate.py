@@ -8,7 +8,7 @@ from .config import DraftConfig
 from .errors import DFlashError
 
 
-def validate_pair(draft: DraftConfig, *, hidden_size: int, num_layers: int, vocab_rows: int, rope_parameters: dict, fc_in: int | None = None) -> None:
+def validate_pair(draft: DraftConfig, *, hidden_size: int, num_layers: int, vocab_rows: int, rope_parameters: dict) -> None:
     """Raise DFlashError with one sentence for the first mismatch; the target is described by plain facts."""
     if draft.hidden_size != hidden_size:
         raise DFlashError(
@@ -20,11 +20,6 @@ def validate_pair(draft: DraftConfig, *, hidden_size: int, num_layers: int, voca
     bad = [i for i in draft.target_layer_ids if not 0 <= i < num_layers]
     if bad:
         raise DFlashError(f"The draft taps target layers {bad}, but the target has only layers 0..{num_layers - 1}; use a draft trained for this target.")
-    expected_fc = len(draft.target_layer_ids) * hidden_size
-    if fc_in is not None and fc_in != expected_fc:
-        raise DFlashError(
-            f"The draft's fc weight reads {fc_in} features, but {len(draft.target_layer_ids)} target layers x hidden {hidden_size} = {expected_fc}; the checkpoint is inconsistent."
-        )
     if not 0 <= draft.mask_token_id < vocab_rows:
         raise DFlashError(f"The draft's mask_token_id {draft.mask_token_id} is not a row of the target's embedding (0..{vocab_rows - 1}).")
     t_theta = float(rope_parameters.get("rope_theta", 1e4))

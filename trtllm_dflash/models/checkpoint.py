@@ -89,7 +89,7 @@ def save_draft(model: DFlashDraftModel, path: str | Path, dtype: torch.dtype = t
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     config = model.config.to_dict()
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")  # transformers 5 / 4 spellings
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})

@@ -1,0 +1,155 @@
+"""Greedy DFlash output equals the target's own greedy decoding, token for token, on the real SmolLM2-135M."""
+
+import pytest
+import torch
+
+from trtllm_dflash.config import SamplingParams
+from trtllm_dflash.generate import GenerationStats, speculative_stream
+from trtllm_dflash.models.checkpoint import load_draft
+from trtllm_dflash.runtime import DFlashEngine
+
+PROMPTS = [
+    ("Write a Python function that checks whether a number is prime.", True),
+    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?", True),
+    ("The capital of France is", False),
+]
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    """The target's own HF generate() greedy output per prompt: the ground truth."""
+    engine = DFlashEngine(target, None, 1)
+    refs = {}
+    for prompt, chat in PROMPTS:
+        ids = engine.encode(prompt, chat)
+        out = target.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                                    eos_token_id=sorted(engine.eos_token_ids), pad_token_id=target.tokenizer.pad_token_id)
+        refs[prompt] = (ids, out[0, len(ids):].tolist())
+    return refs
+
+
+class OracleDraft(torch.nn.Module):
+    """A test double wrapping a real draft: it proposes the target's own continuation, wrong at a few slots.
+
+    The real draft still computes context K/V and its block forward (so caches and positions are
+    exercised); only the logits are replaced, so acceptance runs are long and cropping is frequent.
+    """
+
+    def __init__(self, draft, sequence, wrong_every=5):
+        super().__init__()
+        self.inner, self.config, self.sequence, self.wrong_every = draft, draft.config, sequence, wrong_every
+        self.calls = 0
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
+    def forward(self, noise, positions, ctx_k, ctx_v, masks=None):
+        self.positions = positions[0, 1:].tolist()
+        self.calls += 1
+        return self.inner(noise, positions, ctx_k, ctx_v, masks)
+
+    def compute_logits(self, hidden, lm_head):
+        logits = torch.zeros(hidden.shape[0], lm_head.weight.shape[0])
+        for j, pos in enumerate(self.positions):
+            tok = self.sequence[pos] if pos < len(self.sequence) else 0
+            if (self.calls + j) % self.wrong_every == self.wrong_every - 1:
+                tok = (tok + 1) % logits.shape[1]
+            logits[j, tok] = 1.0
+        return logits
+
+
+def run(target, draft, ids, block_size):
+    stats = GenerationStats()
+    out = [t for step in speculative_stream(target, draft, ids, MAX_NEW, block_size, SamplingParams(), frozenset({2}), stats) for t in step]
+    return out, stats
+
+
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_random_draft_is_lossless(target, random_draft_dir, references, block_size):
+    draft = load_draft(random_draft_dir)
+    target.set_taps(draft.config.target_layer_ids)
+    for prompt, _ in PROMPTS:
+        ids, ref = references[prompt]
+        out, stats = run(target, draft, ids, block_size)
+        assert out == ref, prompt
+        assert stats.steps >= 1
+
+
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_oracle_draft_long_acceptances_are_lossless(target, random_draft_dir, references, block_size):
+    draft = load_draft(random_draft_dir)
+    target.set_taps(draft.config.target_layer_ids)
+    for prompt, _ in PROMPTS:
+        ids, ref = references[prompt]
+        oracle = OracleDraft(draft, ids + ref)
+        out, stats = run(target, oracle, ids, block_size)
+        assert out == ref, prompt
+        if len(ref) > 2 * block_size:
+            assert stats.acceptance_length > 1.5  # long accepted runs really happened
+            assert stats.accepted_tokens < stats.drafted_tokens  # and so did rejections
+
+
+def test_autoregressive_baseline_matches_hf(target, references):
+    engine = DFlashEngine(target, None, 1)
+    for prompt, chat in PROMPTS:
+        ids, ref = references[prompt]
+        result = engine.generate(prompt, chat=chat, max_new_tokens=MAX_NEW)
+        assert result.token_ids == ref
+        assert result.stats.acceptance_length == 1.0
+
+
+def test_stats_and_text(target, random_draft_dir, references):
+    draft = load_draft(random_draft_dir)
+    target.set_taps(draft.config.target_layer_ids)
+    engine = DFlashEngine(target, draft, 16)
+    prompt = PROMPTS[0][0]
+    ids, ref = references[prompt]
+    result = engine.generate(prompt, max_new_tokens=MAX_NEW)
+    assert result.token_ids == ref
+    assert result.text == target.tokenizer.decode(ref, skip_special_tokens=True)
+    s = result.stats
+    assert s.num_tokens == len(ref) and s.prompt_tokens == len(ids)
+    assert s.acceptance_length == pytest.approx((len(ref) - 1) / s.steps)
+    assert sum(s.accepted_per_position) == s.accepted_tokens
+    assert s.tokens_per_second > 0 and s.finish_reason in ("stop", "length")
+
+
+def test_stop_token_and_max_tokens_never_overshoot(target, random_draft_dir, references):
+    draft = load_draft(random_draft_dir)
+    target.set_taps(draft.config.target_layer_ids)
+    prompt = PROMPTS[1][0]
+    ids, ref = references[prompt]
+    oracle = OracleDraft(draft, ids + ref, wrong_every=1000)  # accepts whole blocks
+    stop = ref[10]
+    first = ref.index(stop)
+    stats = GenerationStats()
+    out = [t for s in speculative_stream(target, oracle, ids, MAX_NEW, 16, SamplingParams(), frozenset({stop}), stats) for t in s]
+    assert out == ref[: first + 1] and stats.finish_reason == "stop"
+    for n in (1, 5, 17):
+        stats = GenerationStats()
+        out = [t for s in speculative_stream(target, oracle, ids, n, 16, SamplingParams(), frozenset(), stats) for t in s]
+        assert out == ref[:n] and stats.finish_reason == "length"
+
+
+def test_mask_token_in_output_is_not_a_stop(target, random_draft_dir, references):
+    """Only committed tokens are scanned for stops, so a stop id equal to mask_token_id does not misfire."""
+    draft = load_draft(random_draft_dir)
+    target.set_taps(draft.config.target_layer_ids)
+    ids, ref = references[PROMPTS[0][0]]
+    stats = GenerationStats()
+    stops = frozenset({draft.config.mask_token_id, 2})
+    out = [t for s in speculative_stream(target, draft, ids, MAX_NEW, 16, SamplingParams(), stops, stats) for t in s]
+    assert out == ref
+
+
+def test_stop_strings_end_text(target):
+    engine = DFlashEngine(target, None, 1)
+    full = engine.generate(PROMPTS[0][0], max_new_tokens=MAX_NEW)
+    cut = full.text[20:24]
+    stopped = engine.generate(PROMPTS[0][0], max_new_tokens=MAX_NEW, stop_strings=(cut,))
+    assert stopped.text == full.text[: full.text.index(cut)]
+    assert stopped.stats.finish_reason == "stop"
