@@ -240,8 +240,9 @@ class DFlashDraftModel(nn.Module):
         ]
 
     def embed_block(self, embed_tokens: nn.Module, block_ids: torch.Tensor) -> torch.Tensor:
-        """[anchor, MASK, ...] ids -> noise embedding through the target's (frozen) table."""
-        x = embed_tokens(block_ids)
+        """[anchor, MASK, ...] ids -> noise embedding: raw rows of the target's (frozen) table, times the
+        draft's own input_embedding_scale (z-lab semantics; a scaled embedding module's scale is not applied)."""
+        x = F.embedding(block_ids, embed_tokens.weight)
         return x * self.input_embedding_scale if self.input_embedding_scale != 1.0 else x
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:

@@ -90,7 +90,9 @@ class TargetModel:
     def new_cache(self):
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.config)
+        cache = DynamicCache(config=self.config)
+        cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected drafts
+        return cache
 
     @staticmethod
     def crop(cache, length: int) -> None:

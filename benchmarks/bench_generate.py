@@ -1,0 +1,106 @@
+"""Side-by-side decoding speed: autoregressive (block 1) vs DFlash, per dtype, same prompts, same run.
+
+Reports medians over prompts of tokens/s and acceptance length, and the speed-up of every DFlash
+configuration against the *fastest* autoregressive configuration measured here.
+
+    python benchmarks/bench_generate.py --target smollm2-135m --blocks 1 8 16 --dtypes fp32 bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch
+
+from trtllm_dflash.generate import GenerationStats
+from trtllm_dflash.runtime import DFlashEngine
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
+DEFAULT_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Write a Python function that checks whether a string is a palindrome.",
+]
+
+
+def machine() -> str:
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def load_prompts(n_math: int) -> list[str]:
+    """Held-out GSM8K questions (the last 200 train records are never used for draft training) + code prompts."""
+    math = []
+    if GSM8K.is_file():
+        rows = [json.loads(l) for l in GSM8K.read_text().splitlines() if l.strip()]
+        math = [r["question"] for r in rows[-n_math:]]
+    return math + DEFAULT_PROMPTS
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", default=None, help="default: the target's packaged draft")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    ap.add_argument("--math-prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generate.json"))
+    args = ap.parse_args(argv)
+
+    prompts = load_prompts(args.math_prompts)
+    rows = []
+    for dtype in args.dtypes:
+        engine = DFlashEngine.load(args.target, args.draft, dtype=dtype, block_size=max(args.blocks), progress=lambda m: None)
+        encoded = [engine.encode(p) for p in prompts]
+        engine.generate(prompts[0], max_new_tokens=8)  # warm-up
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for block in args.blocks:
+                tps, taus, outputs = [], [], []
+                for ids in encoded:
+                    stats = GenerationStats()
+                    toks = [t for new, _ in engine.stream(ids, max_new_tokens=args.max_new_tokens, block_size=block, stats=stats) for t in new]
+                    tps.append(stats.tokens_per_second)
+                    taus.append(stats.acceptance_length)
+                    outputs.append(toks)
+                row = {"dtype": dtype, "threads": threads, "block_size": block, "median_tokens_per_second": statistics.median(tps),
+                       "median_acceptance_length": statistics.median(taus), "tokens_per_second": tps, "acceptance_length": taus,
+                       "outputs": outputs}
+                rows.append(row)
+                print(f"{dtype:5s} threads={threads} block={block:2d}: {row['median_tokens_per_second']:6.1f} tok/s (median), "
+                      f"tau {row['median_acceptance_length']:.2f}", flush=True)
+
+    baselines = [r for r in rows if r["block_size"] == 1]
+    best = max(baselines, key=lambda r: r["median_tokens_per_second"]) if baselines else None
+    for r in rows:
+        same = [b for b in baselines if b["dtype"] == r["dtype"] and b["threads"] == r["threads"]]
+        r["lossless_vs_same_dtype_block1"] = bool(same) and r["outputs"] == same[0]["outputs"]
+        r["speedup_vs_fastest_baseline"] = r["median_tokens_per_second"] / best["median_tokens_per_second"] if best else None
+        del r["outputs"]
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+              "target": args.target, "draft": args.draft or "default", "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "fastest_baseline": {k: best[k] for k in ("dtype", "threads")} if best else None,
+              "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print("\n| dtype | threads | block | tok/s (median) | tau (median) | speed-up vs fastest AR | greedy output = AR |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['threads']} | {r['block_size']} | {r['median_tokens_per_second']:.1f} | "
+              f"{r['median_acceptance_length']:.2f} | {r['speedup_vs_fastest_baseline']:.2f}x | {r['lossless_vs_same_dtype_block1']} |")
+    print(f"\n{report['machine']}; {report['date']}; written to {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
