@@ -239,8 +239,12 @@ def test_serve_cli_prints_endpoints_and_stops_gracefully_on_sigterm(build_dir):
                 break
         assert "Ready.\n" in lines and f"gRPC     127.0.0.1:{grpc_port}" in "".join(lines), "".join(lines)
         assert grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}").is_server_ready()
+        done = complete(f"127.0.0.1:{grpc_port}", CompletionRequest("Hi", 64, True), timeout=120)
+        assert done.finish_reason == "stop" and done.text  # ends on EOS: the last delta is empty
+        t0 = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        assert time.perf_counter() - t0 < 20, "graceful stop waited for a request the ensemble never released"
         assert "stopping tritonserver gracefully" in proc.stderr.read()
         with pytest.raises(Exception):
             grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}").is_server_live()

@@ -122,18 +122,19 @@ class TritonPythonModel:
             while True:
                 if sender.is_cancelled() or cancel.is_cancelled(key) or self.stopping.is_set():
                     pb_utils.Logger.log_info(f"dflash: request cancelled after {stats.num_tokens} tokens")
+                    sender.send(flags=FINAL)
                     break
                 with self.step_lock:
                     step = next(steps, None)
-                if step is None:
-                    if not job["streaming"]:
-                        sender.send(self._response(pending, stats, key))
+                pending += step[1] if step else ""
+                if step is None or stats.finish_reason:
+                    # The last response carries the FINAL flag itself: a separate flag-only final after an
+                    # empty-text response leaves the ensemble holding the request (Triton 2.51; unload hangs).
+                    sender.send(self._response(pending, stats, key), flags=FINAL)
                     break
-                pending += step[1]
-                if job["streaming"] and (pending or stats.finish_reason):
+                if job["streaming"] and pending:
                     sender.send(self._response(pending, stats, key))
                     pending = ""
-            sender.send(flags=FINAL)
         except DFlashError as e:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=FINAL)
         except Exception as e:  # a bug or a lost client: report it, keep serving others
