@@ -297,6 +297,11 @@ def _torch_steps(opts: BuildOptions, src: Sources, hashes: dict[str, str]) -> li
     return steps
 
 
+# Backend -> its steps after resolve/validate. The trtllm entry (checkpoint conversion, quantization,
+# TP sharding, llmapi repository) lands with the TensorRT-LLM backend; BuildOptions.check() refuses it until then.
+BACKEND_STEPS: dict[str, Callable[[BuildOptions, Sources, dict[str, str]], list[Step]]] = {"torch": _torch_steps}
+
+
 def make_plan(opts: BuildOptions, progress: Callable[[str], None] = print) -> Plan:
     opts.check()
     src = resolve_sources(opts, progress)
@@ -304,7 +309,7 @@ def make_plan(opts: BuildOptions, progress: Callable[[str], None] = print) -> Pl
     progress("Hashing sources...")
     for p in src.target_files + src.draft_files:
         hashes[str(p)] = _hash(p, hashes)
-    return Plan(opts, src, _torch_steps(opts, src, hashes), hashes)
+    return Plan(opts, src, BACKEND_STEPS[opts.backend](opts, src, hashes), hashes)
 
 
 def _versions() -> dict[str, str]:
