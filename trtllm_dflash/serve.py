@@ -12,6 +12,7 @@ and `--disable-auto-complete-config` (the templates are complete).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -77,7 +78,8 @@ def locate_tritonserver() -> tuple[Path, Path | None, dict[str, str]]:
     stub = root / "python_backend_stubs" / pyver / "triton_python_backend_stub"
     if not stub.is_file():
         raise DFlashError(f"nvidia-pytriton ships no python backend stub for Python {pyver}; use Python 3.8-3.13.")
-    backends = cache_dir() / "triton" / f"backends-py{pyver}"
+    venv_key = hashlib.sha256(str(root).encode()).hexdigest()[:8]  # one backend dir per installation
+    backends = cache_dir() / "triton" / f"backends-py{pyver}-{venv_key}"
     py_backend = backends / "python"
     py_backend.mkdir(parents=True, exist_ok=True)
     for src in (root / "backends" / "python" / "libtriton_python.so", root / "backends" / "python" / "triton_python_backend_utils.py", stub):
@@ -117,9 +119,12 @@ class TritonServer:
         self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log", dir=self._log_dir())[1])
 
     @staticmethod
-    def _log_dir() -> Path:
+    def _log_dir(keep: int = 20) -> Path:
+        """One log per server start; only the newest `keep` are kept."""
         d = cache_dir() / "triton" / "logs"
         d.mkdir(parents=True, exist_ok=True)
+        for old in sorted(d.glob("tritonserver-*.log"), key=lambda p: p.stat().st_mtime)[:-keep]:
+            old.unlink(missing_ok=True)
         return d
 
     @property
