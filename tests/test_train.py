@@ -173,3 +173,21 @@ def test_tiny_training_run_resumes_and_is_lossless(target_dir, tmp_path, monkeyp
     spec = engine.generate("What is 12 times 7?", max_new_tokens=16)
     plain = [t for new, _ in engine.stream(ids, max_new_tokens=16, block_size=1) for t in new]
     assert spec.token_ids == plain and spec.stats.steps > 0
+
+
+def test_shipped_draft_accepts_on_fixed_prompts(one_thread):
+    """Smoke check of the packaged artefact (the quality bar is benchmarks/bench_acceptance.py)."""
+    from trtllm_dflash.resolve import DRAFTS_DIR
+    from trtllm_dflash.runtime import DFlashEngine
+
+    if not (DRAFTS_DIR / "smollm2-135m" / "config.json").is_file():
+        pytest.skip("no packaged smollm2-135m draft")
+    engine = DFlashEngine.load("smollm2-135m", progress=lambda m: None)
+    assert engine.draft is not None
+    prompts = ["A baker sells 24 muffins a day at $3 each. How much money does he make in a week?",
+               "Write a Python function that returns the sum of the squares of a list of numbers."]
+    steps = tokens = 0
+    for p in prompts:
+        s = engine.generate(p, max_new_tokens=64).stats
+        steps, tokens = steps + s.steps, tokens + s.num_tokens - 1
+    assert tokens / steps > 1.5
