@@ -44,8 +44,14 @@ def build_dir(random_draft_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(build_dir):
-    with TritonServer(ServerConfig(build_dir, grpc_port=0, http_port=0, metrics_port=0)) as s:
+    """Always stopped, also when tests fail; after all the module's requests it must still stop promptly."""
+    s = TritonServer(ServerConfig(build_dir, grpc_port=0, http_port=0, metrics_port=0)).start()
+    try:
         yield s
+    finally:
+        t0 = time.perf_counter()
+        s.stop()
+    assert time.perf_counter() - t0 < 20, f"graceful stop waited for requests Triton never released; see {s.log_path}"
 
 
 @pytest.fixture(scope="module")

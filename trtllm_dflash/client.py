@@ -86,7 +86,7 @@ def complete(url: str, request: CompletionRequest, on_text: Callable[[str], None
     from tritonclient.utils import InferenceServerException
 
     responses: queue.Queue = queue.Queue()
-    done = Completion()
+    done, finished = Completion(), False
     client = grpcclient.InferenceServerClient(url)
     try:
         try:
@@ -120,11 +120,14 @@ def complete(url: str, request: CompletionRequest, on_text: Callable[[str], None
                 break
         done.wall_time = time.perf_counter() - t0
         done.text = "".join(done.pieces)
+        finished = True
         return done
     except InferenceServerException as e:
         raise DFlashError(f"Cannot talk to Triton at {url}: {e.message()}") from None
     finally:
         try:
-            client.stop_stream(cancel_requests=True)
+            # Cancel only what is still running: cancelling a finished stream makes Triton 2.51 keep the
+            # ensemble referenced, and a later graceful shutdown then waits out its 30 s exit timeout.
+            client.stop_stream(cancel_requests=not finished)
         finally:
             client.close()
