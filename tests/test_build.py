@@ -131,3 +131,15 @@ def test_serve_and_client_explain_what_is_wrong(tmp_path):
     assert r.exit_code == 2 and "is not a trtdflash build output" in r.output
     r = CliRunner().invoke(main, ["client", "--url", "127.0.0.1:1", "--prompt", "hi"])
     assert r.exit_code == 2 and "Cannot reach Triton at 127.0.0.1:1" in r.output
+
+
+def test_serve_refuses_a_port_in_use(random_draft_dir, tmp_path):
+    import socket
+
+    out = run_build(_opts(tmp_path / "build", random_draft_dir), progress=lambda m: None)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = CliRunner().invoke(main, ["serve", str(out), "--grpc-port", str(port), "--http-port", "0", "--metrics-port", "0"])
+    assert r.exit_code == 2 and f"Cannot use 127.0.0.1:{port}" in r.output and "--grpc-port" in r.output

@@ -151,7 +151,17 @@ class TritonServer:
             cmd.append(f"--backend-directory={backends}")
         return cmd, {**os.environ, **env}
 
+    def _check_ports(self) -> None:
+        for flag, port in (("--grpc-port", self.grpc_port), ("--http-port", self.http_port), ("--metrics-port", self.metrics_port)):
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is fine, a listener is not
+                try:
+                    sock.bind((self.host, port))
+                except OSError as e:
+                    raise DFlashError(f"Cannot use {self.host}:{port} ({e.strerror}); pick another {flag} or stop what is listening there.") from None
+
     def start(self) -> "TritonServer":
+        self._check_ports()
         cmd, env = self.command()
         with open(self.log_path, "wb") as log:
             # Own session: a Ctrl-C in the terminal reaches us, and we stop the server gracefully.
