@@ -269,3 +269,13 @@ def test_examples_run_against_the_server(server, reference):
         out = subprocess.run([str(root / "http_generate_stream.sh"), server.http_url, PROMPT], capture_output=True, text=True, check=True, timeout=120)
         events = [json.loads(line[len("data: "):]) for line in out.stdout.splitlines() if line.startswith("data: ")]
         assert events and events[-1]["finish_reason"]
+
+
+def test_stop_words_and_seeded_sampling(server, reference):
+    cut = reference["text"].index(reference["text"].split()[2])  # stop at the third word
+    done = _complete(server, stop_words=(reference["text"].split()[2],))
+    assert done.text == reference["text"][:cut] and done.finish_reason == "stop"
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=7)
+    first, second = (_complete(server, max_tokens=12, sampling=sampling) for _ in range(2))
+    assert first.text and first.text == second.text
+    assert first.num_tokens == 12 or first.finish_reason == "stop"
