@@ -279,3 +279,11 @@ def test_stop_words_and_seeded_sampling(server, reference):
     first, second = (_complete(server, max_tokens=12, sampling=sampling) for _ in range(2))
     assert first.text and first.text == second.text
     assert first.num_tokens == 12 or first.finish_reason == "stop"
+
+
+def test_exclude_input_in_output_false_prepends_the_prompt(server, reference):
+    results, errors = _raw_stream(server, {"text_input": _text(PROMPT.encode()), "max_tokens": _i32(MAX_TOKENS),
+                                           "exclude_input_in_output": (np.array([[False]]), "BOOL")})
+    assert not errors
+    text = "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r in results if r.get_response().outputs)
+    assert PROMPT in text and text.endswith(reference["text"]) and len(text) > len(reference["text"])

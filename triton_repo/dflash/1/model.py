@@ -3,8 +3,11 @@
 Each request runs in its own thread and streams one response per verify step (text delta plus
 running DFlash statistics); a lock serializes the steps, so concurrent streams interleave step by
 step on one model copy. At most max_batch_size generations run at once (the build's memory
-estimate assumes that many KV caches); later requests wait for a slot. A request whose client went away is noticed at the next step
-(`response_sender.is_cancelled()`) and stopped, so it never holds the model.
+estimate assumes that many KV caches); later requests wait for a slot.
+
+A request whose client went away is stopped at its next step, so it never holds the model:
+directly through `response_sender.is_cancelled()`, and behind the ensemble through a marker that
+postprocessing leaves (Triton 2.51 does not cancel a running ensemble step; see trtllm_dflash/cancel.py).
 """
 
 import json
