@@ -2,7 +2,8 @@
 
 One server per module, on free loopback ports, always stopped (context manager). Greedy decoding
 is lossless, so the served text must equal `trtdflash generate` with the same draft and block size.
-A random-init draft stands in for the packaged one until it lands; block size 4 keeps the CPU cost low.
+The packaged default draft is used once it has landed, a random-init draft until then; block size 4
+keeps the CPU cost low.
 """
 
 import json
@@ -25,7 +26,7 @@ import tritonclient.grpc as grpcclient
 from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.client import CompletionRequest, complete
 from trtllm_dflash.config import SamplingParams
-from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.resolve import resolve_draft
 from trtllm_dflash.serve import ServerConfig, TritonServer, free_port
 
 PROMPT = "Name three colors."
@@ -36,9 +37,16 @@ TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")
 
 
 @pytest.fixture(scope="module")
-def build_dir(random_draft_dir, tmp_path_factory):
+def draft_dir(random_draft_dir):
+    """The packaged default draft once it has landed (then the build uses the embedded default), else a random one."""
+    return resolve_draft(None, "smollm2-135m") or random_draft_dir
+
+
+@pytest.fixture(scope="module")
+def build_dir(draft_dir, random_draft_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("serve") / "build"
-    return run_build(BuildOptions(output=out, draft=str(random_draft_dir), block_size=BLOCK, max_seq_len=MAX_SEQ_LEN, max_batch_size=2),
+    draft = None if draft_dir != random_draft_dir else str(draft_dir)
+    return run_build(BuildOptions(output=out, draft=draft, block_size=BLOCK, max_seq_len=MAX_SEQ_LEN, max_batch_size=2),
                      progress=lambda m: None)
 
 
@@ -55,10 +63,10 @@ def server(build_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(random_draft_dir):
+def reference(draft_dir):
     """What `trtdflash generate` prints for the same prompt and settings (greedy)."""
     out = subprocess.run(
-        [TRTDFLASH, "generate", "--draft", str(random_draft_dir), "--block-size", str(BLOCK), "--max-new-tokens", str(MAX_TOKENS),
+        [TRTDFLASH, "generate", "--draft", str(draft_dir), "--block-size", str(BLOCK), "--max-new-tokens", str(MAX_TOKENS),
          "--prompt", PROMPT, "--json"], capture_output=True, text=True, check=True, timeout=300)
     return json.loads(out.stdout)
 
