@@ -100,6 +100,7 @@ def _no_tokenizer_target(target_dir, dst):
     (["--dtype", "fp8"], "--dtype must be one of fp32, bf16"),
     (["--no-draft"], "contradict"),
     ("BAD_MASK", "mask_token_id 999999 is not a row"),
+    ("FC_WIDTH", "fc.weight has shape"),
     ("NO_TOKENIZER", "has no tokenizer"),
     ("MISSING_DRAFT", "does not exist"),
 ])
@@ -108,6 +109,8 @@ def test_bad_build_input_is_one_sentence_and_writes_nothing(random_draft_dir, ta
     draft, target = str(random_draft_dir), "smollm2-135m"
     if args == "BAD_MASK":
         draft, args = str(_edited_draft(random_draft_dir, tmp_path / "bad", mask_token_id=999999)), []
+    elif args == "FC_WIDTH":  # 3 taps in the config, an fc written for 2: caught from the safetensors header
+        draft, args = str(_edited_draft(random_draft_dir, tmp_path / "bad", target_layer_ids=[1, 5, 9])), []
     elif args == "NO_TOKENIZER":
         target, args = str(_no_tokenizer_target(target_dir, tmp_path / "tgt")), []
     elif args == "MISSING_DRAFT":

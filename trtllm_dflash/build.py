@@ -31,8 +31,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+from .config import rope_of
 from .errors import DFlashError
-from .models.checkpoint import read_draft_config
+from .models.checkpoint import check_draft
 from .repository import TEMPLATE_DIR, RepoParams, emit_repository, template_files
 from .resolve import resolve_draft, resolve_target, sha256_file
 from .validate import validate_block_size, validate_pair
@@ -242,15 +243,13 @@ def resolve_sources(opts: BuildOptions, progress: Callable[[str], None]) -> Sour
         )
     draft_cfg, draft_files, draft_params = None, [], 0
     if draft_dir is not None:
-        draft_cfg = read_draft_config(draft_dir)
+        draft_cfg = check_draft(draft_dir)
         draft_files = [draft_dir / "config.json"] + sorted(draft_dir.glob("*.safetensors")) + (
             [draft_dir / "model.safetensors.index.json"] if (draft_dir / "model.safetensors.index.json").is_file() else [])
         if len(draft_files) < 2:
             raise DFlashError(f"Draft checkpoint {draft_dir} has no model.safetensors.")
         draft_params, _ = _safetensors_facts([p for p in draft_files if p.suffix == ".safetensors"])
-        rope = dict(getattr(text, "rope_parameters", None) or {})
-        rope.setdefault("rope_theta", getattr(text, "rope_theta", 1e4))
-        validate_pair(draft_cfg, hidden_size=hidden, num_layers=n_layers, vocab_rows=vocab_rows, rope_parameters=rope)
+        validate_pair(draft_cfg, hidden_size=hidden, num_layers=n_layers, vocab_rows=vocab_rows, rope_parameters=rope_of(text))
         kv_per_token += 2 * draft_cfg.num_hidden_layers * draft_cfg.num_key_value_heads * draft_cfg.head_dim * b
     if opts.block_size is not None and opts.block_size > 1 and draft_cfg is None:
         raise DFlashError(f"--block-size {opts.block_size} needs a draft; drop --no-draft or use --block-size 1.")

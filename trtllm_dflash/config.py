@@ -18,6 +18,13 @@ def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     return [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
 
 
+def rope_of(text_config) -> dict:
+    """A target config's RoPE settings in transformers 5 form (rope_parameters), legacy rope_theta folded in."""
+    rope = dict(getattr(text_config, "rope_parameters", None) or {})
+    rope.setdefault("rope_theta", getattr(text_config, "rope_theta", 1e4))
+    return rope
+
+
 @dataclass
 class DraftConfig:
     """A DFlash draft's config.json (z-lab format, read by TensorRT-LLM, vLLM and SGLang)."""
@@ -65,7 +72,7 @@ class DraftConfig:
                    mask_token_id: int, target_layer_ids: list[int] | None = None) -> "DraftConfig":
         """A fresh draft shaped after the target's own layers (width, heads, RoPE), as z-lab drafts are."""
         n_target = text_config.num_hidden_layers
-        rope = dict(getattr(text_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(text_config, "rope_theta", 1e4)})
+        rope = {"rope_type": "default", **rope_of(text_config)}
         return cls(
             hidden_size=text_config.hidden_size,
             num_hidden_layers=num_layers,

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..config import DRAFT_ARCHITECTURE, DraftConfig
@@ -53,31 +53,47 @@ def _weight_files(path: Path) -> list[Path]:
     raise DFlashError(f"Draft checkpoint {path} has no model.safetensors.")
 
 
-def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
-    path = Path(path)
-    config = read_draft_config(path)
-    state = {}
-    for f in _weight_files(path):
-        try:
-            state.update(load_file(f))
-        except (SafetensorError, OSError) as e:
-            raise DFlashError(f"Draft weights {f} are not a readable safetensors file ({e}); re-export the draft.") from None
-    model = DFlashDraftModel(config)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+def _check_names_and_shapes(path: Path, shapes: dict[str, tuple[int, ...]], config: DraftConfig) -> None:
+    with torch.device("meta"):  # expected shapes without allocating weights
+        expected = {k: tuple(v.shape) for k, v in DFlashDraftModel(config).state_dict().items()}
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
     if missing or unexpected:
         extra = [k for k in unexpected if k.split(".")[0] in ("embed_tokens", "lm_head")]
         hint = " (a DFlash draft shares the target's embedding and LM head and must not carry its own)" if extra else ""
         raise DFlashError(
             f"Draft weights in {path} do not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}{hint}."
         )
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
+    for name, shape in shapes.items():
+        if shape != expected[name]:
             raise DFlashError(
-                f"Draft tensor {name} has shape {tuple(tensor.shape)} but its config implies {tuple(expected[name].shape)}; "
+                f"Draft tensor {name} has shape {shape} but its config implies {expected[name]}; "
                 "the checkpoint and its config.json disagree."
             )
+
+
+def check_draft(path: str | Path) -> DraftConfig:
+    """Validate config and tensor names/shapes from the safetensors headers only (cheap: for build plans)."""
+    path = Path(path)
+    config = read_draft_config(path)
+    shapes = {}
+    for f in _weight_files(path):
+        try:
+            with safe_open(f, framework="pt") as st:
+                shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+        except (SafetensorError, OSError) as e:
+            raise DFlashError(f"Draft weights {f} are not a readable safetensors file ({e}); re-export the draft.") from None
+    _check_names_and_shapes(path, shapes, config)
+    return config
+
+
+def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
+    path = Path(path)
+    config = check_draft(path)
+    state = {}
+    for f in _weight_files(path):
+        state.update(load_file(f))
+    model = DFlashDraftModel(config)
     model.load_state_dict(state)
     return model.to(dtype).eval()
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..errors import DFlashError
+from ..config import rope_of
 
 RECURRENT_HINTS = ("mamba", "rwkv", "recurrent", "linear_attention", "gated_deltanet", "xlstm")
 
@@ -68,10 +69,7 @@ class TargetModel:
 
     @property
     def rope_parameters(self) -> dict:
-        rp = getattr(self.text_config, "rope_parameters", None) or {}
-        if "rope_theta" not in rp and hasattr(self.text_config, "rope_theta"):
-            rp = {**rp, "rope_theta": self.text_config.rope_theta}
-        return dict(rp)
+        return rope_of(self.text_config)
 
     def set_taps(self, layer_ids: list[int]) -> None:
         """Register hooks on the decoder layers whose outputs the draft reads."""
