@@ -39,7 +39,7 @@ from .resolve import resolve_draft, resolve_target, sha256_file
 from .validate import validate_block_size, validate_pair
 
 BACKENDS = ("torch", "trtllm")
-QUANT_CHOICES = ("none", "fp8", "nvfp4", "int8_sq", "w4a16_awq")
+QUANT_CHOICES = ("none", "fp8", "nvfp4", "mxfp4")  # ModelOpt unified-HF formats TensorRT-LLM loads
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1

@@ -101,7 +101,7 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 or bf16.")
 @click.option("--backend", default="torch", show_default=True, help="torch (embedded PyTorch runtime) or trtllm (TensorRT-LLM, needs a GPU).")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (trtllm backend).")
-@click.option("--quant", default="none", show_default=True, help="none, fp8, nvfp4, int8_sq or w4a16_awq (trtllm backend).")
+@click.option("--quant", default="none", show_default=True, help="none, fp8, nvfp4 or mxfp4 (trtllm backend).")
 @click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
 @user_errors
