@@ -55,6 +55,8 @@ def main() -> None:
               "draft": str(a.draft or "packaged default"), "block_size": engine.block_size, "dtype": a.dtype,
               "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "sets": {}}
     for name, prompts in prompt_sets(a.math, a.code).items():
+        if not prompts:
+            continue
         rows = []
         for key, prompt in prompts:
             r = engine.generate(prompt, max_new_tokens=a.max_new_tokens)
@@ -68,7 +70,8 @@ def main() -> None:
                                 "tau_pooled": round(decoded / max(steps, 1), 3), "tok_per_s_mean": round(statistics.mean(x["tok_per_s"] for x in rows), 2),
                                 "rows": rows}
         print(f"== {name}: mean tau {report['sets'][name]['tau_mean']:.2f}, median {report['sets'][name]['tau_median']:.2f}", flush=True)
-    out = Path(a.out or Path(__file__).parent / "results" / f"acceptance-{a.target}-{time.strftime('%Y%m%d-%H%M')}.json")
+    sets = "-".join(report["sets"])
+    out = Path(a.out or Path(__file__).parent / "results" / f"acceptance-{a.target}-{sets}-{time.strftime('%Y%m%d-%H%M')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
