@@ -31,6 +31,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+from .atomic import replace_dir
 from .config import rope_of
 from .errors import DFlashError
 from .models.checkpoint import check_draft
@@ -421,13 +422,7 @@ def run_build(opts: BuildOptions, progress: Callable[[str], None] = print, dry_r
             "steps": steps_meta,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if out.exists():
-            old_dir = out.with_name(f".{out.name}.old{os.getpid()}")
-            out.rename(old_dir)
-            tmp.rename(out)
-            shutil.rmtree(old_dir)
-        else:
-            tmp.rename(out)
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     progress(f"Built {out} ({len(plan.steps)} steps, {sum(not r for r in reuse.values())} run, {sum(reuse.values())} reused).")

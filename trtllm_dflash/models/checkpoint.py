@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from ..atomic import replace_dir
 from ..config import DRAFT_ARCHITECTURE, DraftConfig
 from ..errors import DFlashError
 from .draft import DFlashDraftModel
@@ -104,17 +105,14 @@ def save_draft(model: DFlashDraftModel, path: str | Path, dtype: torch.dtype = t
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config = model.config.to_dict()
-    config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")  # transformers 5 / 4 spellings
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
-    if path.exists():
-        old = path.with_name(f".{path.name}.old{os.getpid()}")
-        path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(path)
+    try:
+        config = model.config.to_dict()
+        config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")  # transformers 5 / 4 spellings
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        replace_dir(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
