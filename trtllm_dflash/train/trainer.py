@@ -30,7 +30,7 @@ from .data import read_dataset, read_features
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # paper / ModelOpt loss decay per block size
 STATE_FILE = "state.pt"
 DRAFT_SUBDIR = "draft"
-RUN_FILES = {"data.json", "data.jsonl", "data.features.bin", STATE_FILE, DRAFT_SUBDIR, "train_log.jsonl", "args.json"}
+RUN_FILES = {"data.json", "data.jsonl", "data.features.bin", STATE_FILE, DRAFT_SUBDIR, "train_log.jsonl"}
 
 
 @dataclass
@@ -199,8 +199,8 @@ def acceptance_stats(correct: torch.Tensor, valid: torch.Tensor, block_size: int
 class DraftTrainer:
     """Owns draft, optimiser, schedule, data order and checkpoints of one run in `out_dir`."""
 
-    def __init__(self, target, out_dir: Path, args: TrainArgs, progress=None):
-        self.target, self.out_dir, self.args, self.progress = target, out_dir, args, progress
+    def __init__(self, target, out_dir: Path, args: TrainArgs):
+        self.target, self.out_dir, self.args = target, out_dir, args
         self.records = [self._clip(r) for r in read_dataset(out_dir / "data.jsonl")]
         meta = json.loads((out_dir / "data.json").read_text())
         self.feat_layer_ids = meta["target_layer_ids"]
