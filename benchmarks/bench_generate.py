@@ -12,7 +12,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -24,17 +23,13 @@ import torch
 
 from trtllm_dflash.generate import GenerationStats
 from trtllm_dflash.runtime import DFlashEngine
+from trtllm_dflash.train.trainer import machine_info
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
 DEFAULT_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "Write a Python function that checks whether a string is a palindrome.",
 ]
-
-
-def machine() -> str:
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def load_prompts(n_math: int) -> list[str]:
@@ -87,8 +82,9 @@ def main(argv=None):
         same = [b for b in baselines if b["dtype"] == r["dtype"] and b["threads"] == r["threads"]]
         r["lossless_vs_same_dtype_block1"] = bool(same) and r["outputs"] == same[0]["outputs"]
         r["speedup_vs_fastest_baseline"] = r["median_tokens_per_second"] / best["median_tokens_per_second"] if best else None
+    for r in rows:
         del r["outputs"]
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
               "target": args.target, "draft": args.draft or "default", "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "fastest_baseline": {k: best[k] for k in ("dtype", "threads")} if best else None,
               "rows": rows}
@@ -99,7 +95,8 @@ def main(argv=None):
     for r in rows:
         print(f"| {r['dtype']} | {r['threads']} | {r['block_size']} | {r['median_tokens_per_second']:.1f} | "
               f"{r['median_acceptance_length']:.2f} | {r['speedup_vs_fastest_baseline']:.2f}x | {r['lossless_vs_same_dtype_block1']} |")
-    print(f"\n{report['machine']}; {report['date']}; written to {args.out}")
+    m = report["machine"]
+    print(f"\n{m['cpu']}, {m['cores']} cores, torch {m['torch']}; {report['date']}; written to {args.out}")
 
 
 if __name__ == "__main__":

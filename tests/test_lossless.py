@@ -29,6 +29,13 @@ def references(target):
     return refs
 
 
+@pytest.fixture(scope="module")
+def draft(target, random_draft_dir):
+    model = load_draft(random_draft_dir)
+    target.set_taps(model.config.target_layer_ids)
+    return model
+
+
 class OracleDraft(torch.nn.Module):
     """A test double wrapping a real draft: it proposes the target's own continuation, wrong at a few slots.
 
@@ -69,9 +76,7 @@ def run(target, draft, ids, block_size):
 
 
 @pytest.mark.parametrize("block_size", [2, 8, 16])
-def test_random_draft_is_lossless(target, random_draft_dir, references, block_size):
-    draft = load_draft(random_draft_dir)
-    target.set_taps(draft.config.target_layer_ids)
+def test_random_draft_is_lossless(target, draft, references, block_size):
     for prompt, _ in PROMPTS:
         ids, ref = references[prompt]
         out, stats = run(target, draft, ids, block_size)
@@ -80,9 +85,7 @@ def test_random_draft_is_lossless(target, random_draft_dir, references, block_si
 
 
 @pytest.mark.parametrize("block_size", [2, 8, 16])
-def test_oracle_draft_long_acceptances_are_lossless(target, random_draft_dir, references, block_size):
-    draft = load_draft(random_draft_dir)
-    target.set_taps(draft.config.target_layer_ids)
+def test_oracle_draft_long_acceptances_are_lossless(target, draft, references, block_size):
     for prompt, _ in PROMPTS:
         ids, ref = references[prompt]
         oracle = OracleDraft(draft, ids + ref)
@@ -102,9 +105,7 @@ def test_autoregressive_baseline_matches_hf(target, references):
         assert result.stats.acceptance_length == 1.0
 
 
-def test_stats_and_text(target, random_draft_dir, references):
-    draft = load_draft(random_draft_dir)
-    target.set_taps(draft.config.target_layer_ids)
+def test_stats_and_text(target, draft, references):
     engine = DFlashEngine(target, draft, 16)
     prompt = PROMPTS[0][0]
     ids, ref = references[prompt]
@@ -118,9 +119,7 @@ def test_stats_and_text(target, random_draft_dir, references):
     assert s.tokens_per_second > 0 and s.finish_reason in ("stop", "length")
 
 
-def test_stop_token_and_max_tokens_never_overshoot(target, random_draft_dir, references):
-    draft = load_draft(random_draft_dir)
-    target.set_taps(draft.config.target_layer_ids)
+def test_stop_token_and_max_tokens_never_overshoot(target, draft, references):
     prompt = PROMPTS[1][0]
     ids, ref = references[prompt]
     oracle = OracleDraft(draft, ids + ref, wrong_every=1000)  # accepts whole blocks
@@ -135,10 +134,8 @@ def test_stop_token_and_max_tokens_never_overshoot(target, random_draft_dir, ref
         assert out == ref[:n] and stats.finish_reason == "length"
 
 
-def test_mask_token_in_output_is_not_a_stop(target, random_draft_dir, references):
+def test_mask_token_in_output_is_not_a_stop(target, draft, references):
     """Only committed tokens are scanned for stops, so a stop id equal to mask_token_id does not misfire."""
-    draft = load_draft(random_draft_dir)
-    target.set_taps(draft.config.target_layer_ids)
     ids, ref = references[PROMPTS[0][0]]
     stats = GenerationStats()
     stops = frozenset({draft.config.mask_token_id, 2})
