@@ -80,12 +80,6 @@ def speculative_stream(
     max_new_tokens = min(max_new_tokens, target.max_positions - n)
     stats.prompt_tokens, stats.accepted_per_position = n, [0] * (B - 1)
 
-    def pick(logits):  # logits [T, V] -> ids [T], target distributions [T, V] (None when greedy)
-        if sampling.greedy:
-            return logits.argmax(-1), None
-        probs = sampling_probs(logits, sampling)
-        return sample(probs, gen), probs
-
     def commit(tokens: list[int]) -> list[int]:  # cut at the first stop token and at max_new_tokens
         out = []
         for t in tokens[: max_new_tokens - stats.num_tokens]:
@@ -102,7 +96,8 @@ def speculative_stream(
     # Prefill: target cache holds positions [0, n); `token` (position n) is committed but not yet fed.
     cache = target.new_cache()
     logits, feats = target.forward(torch.tensor([prompt_ids]), 0, cache, capture=B > 1, logits_to_keep=1)
-    token = int(pick(logits[0, -1:])[0][0])
+    last = logits[0, -1:]  # [1, V]
+    token = int(last.argmax(-1)[0] if sampling.greedy else sample(sampling_probs(last, sampling), gen)[0])
     stats.time_to_first_token = time.perf_counter() - t0
     yield commit([token])
     start = n  # position of `token`

@@ -87,9 +87,6 @@ class GenerationResult:
     token_ids: list[int]
     stats: GenerationStats
 
-    def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, **self.stats.to_dict()}
-
 
 class DFlashEngine:
     def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int):

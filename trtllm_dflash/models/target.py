@@ -113,14 +113,3 @@ class TargetModel:
             self._capture = False
             self._captured.clear()
         return out.logits, feats
-
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Tapped features over whole (right-padded) sequences without a cache, for training."""
-        self._capture = True
-        try:
-            with torch.inference_mode():
-                self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            return torch.cat([self._captured[l] for l in self._taps], dim=-1)
-        finally:
-            self._capture = False
-            self._captured.clear()
