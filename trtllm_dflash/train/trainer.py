@@ -363,7 +363,7 @@ def machine_info() -> dict:
 
 
 def run_training(target, out_dir: Path, args: TrainArgs, data_meta: dict, resume: bool, progress_bar: bool = True,
-                 command: str | None = None) -> dict:
+                 command: str | None = None, target_name: str | None = None) -> dict:
     """Train (or continue) a draft from out_dir's data; returns the training card, also written as draft/training.json."""
     from tqdm import tqdm
 
@@ -383,7 +383,7 @@ def run_training(target, out_dir: Path, args: TrainArgs, data_meta: dict, resume
 
     def card() -> dict:
         return {
-            "target": str(target.path), "command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "target": target_name or str(target.path), "command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": machine_info(),
             "data": {k: data_meta.get(k) for k in ("sources", "records", "response_tokens", "seconds", "max_new_tokens", "dtype")},
             "train_records": len(trainer.train), "val_records": len(trainer.val),
@@ -469,6 +469,6 @@ def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gs
                         max_new_tokens=gen_max_new_tokens, batch_size=gen_batch_size, seed=args.seed,
                         progress=log if progress_bar else None)
     log(f"Training on {sum(meta['records'].values())} records ({meta['response_tokens']} response tokens)")
-    card = run_training(tm, out_dir, args, meta, resume, progress_bar=progress_bar, command=command)
+    card = run_training(tm, out_dir, args, meta, resume, progress_bar=progress_bar, command=command, target_name=target)
     log(f"Draft written to {out_dir / DRAFT_SUBDIR} (val tau {card['final_metrics'].get('val_tau', float('nan')):.2f})")
     return card
