@@ -174,20 +174,38 @@ def test_tiny_training_run_resumes_and_is_lossless(target_dir, tmp_path, monkeyp
     plain = [t for new, _ in engine.stream(ids, max_new_tokens=16, block_size=1) for t in new]
     assert spec.token_ids == plain and spec.stats.steps > 0
 
+    # warm start on the same data in a new run: starts from the draft's weights, records where it came from
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    for name in ("data.json", "data.jsonl", "data.features.bin"):
+        (warm / name).write_bytes((out / name).read_bytes())
+    with pytest.raises(DFlashError, match="different block_size"):
+        train_draft(str(target_dir), warm, resume=True, init_from=str(out / "draft"), **{**kw, "block_size": 8})
+    card = train_draft(str(target_dir), warm, resume=True, init_from=str(out / "draft"), **{**kw, "steps": 2})
+    assert card["steps"] == 2 and card["initialized_from"]["steps"] == 10
+    args = tr.TrainArgs(**{**card["hyperparameters"], "gamma": None})
+    start = tr.DraftTrainer(engine.target, warm, args).draft.state_dict()
+    assert all(torch.equal(start[k], v) for k, v in draft.state_dict().items())
 
-def test_shipped_draft_accepts_on_fixed_prompts(one_thread):
-    """Smoke check of the packaged artefact (the quality bar is benchmarks/bench_acceptance.py)."""
-    from trtllm_dflash.resolve import DRAFTS_DIR
+def test_greedy_batch_equals_generate_and_captures_aligned_features(target, one_thread):
+    """The data phase's batched loop: each row's answer is HF generate() of that prompt alone, rows that end
+    leave the batch without disturbing the others, and feature row i is the tapped layers' output at token i."""
     from trtllm_dflash.runtime import DFlashEngine
+    from trtllm_dflash.train.data import greedy_batch
 
-    if not (DRAFTS_DIR / "smollm2-135m" / "config.json").is_file():
-        pytest.skip("no packaged smollm2-135m draft")
-    engine = DFlashEngine.load("smollm2-135m", progress=lambda m: None)
-    assert engine.draft is not None
-    prompts = ["A baker sells 24 muffins a day at $3 each. How much money does he make in a week?",
-               "Write a Python function that returns the sum of the squares of a list of numbers."]
-    steps = tokens = 0
-    for p in prompts:
-        s = engine.generate(p, max_new_tokens=64).stats
-        steps, tokens = steps + s.steps, tokens + s.num_tokens - 1
-    assert tokens / steps > 1.5
+    engine = DFlashEngine(target, None, 1)
+    prompts = [engine.encode(p) for p in ("What is 3 + 4?", "Name a prime number larger than 10 and explain why.", "Hi")]
+    layers, pad = [1, 14, 27], target.tokenizer.pad_token_id
+    answers, feats = greedy_batch(target, prompts, layer_ids=layers, max_new_tokens=12, eos=set(), pad=pad)
+    with torch.inference_mode():
+        for p, a, f in zip(prompts, answers, feats):
+            x = torch.tensor([p])  # explicit mask: generate() would infer one that hides the template's pad-id tokens
+            ref = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
+            assert a == ref
+            hs = target.model(torch.tensor([p + a]), output_hidden_states=True).hidden_states
+            want = torch.cat([hs[l + 1][0] for l in layers], dim=-1)
+            assert f.shape == want.shape and f.dtype == torch.bfloat16
+            assert torch.allclose(f[:-1].float(), want[:-1], rtol=1e-2, atol=1e-2) and not f[-1].any()
+    stop = answers[0][2]  # row 0 ends after 3 tokens; any row meeting it ends there too, the rest run on
+    cut, _ = greedy_batch(target, prompts, layer_ids=layers, max_new_tokens=12, eos={stop}, pad=pad)
+    assert cut == [a[: a.index(stop) + 1] if stop in a else a for a in answers] and len(cut[0]) == 3

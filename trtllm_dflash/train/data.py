@@ -110,15 +110,72 @@ def read_features(data_path: Path, width: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_new_tokens: int, eos: set[int], pad: int):
+    """Greedy answers of a batch of prompts, and the tapped features [len(prompt + answer), n_sel*H] (bf16) of each.
+
+    A lean loop instead of `generate()` (measured 4-5x faster here): left-padded prefill with logits of the
+    last position only (HF's makes logits of every position of every row), a preallocated cache (a growing
+    one copies itself every step), and a row leaves the batch and its cache rows when its answer ends.
+    The answer keeps its end token; its features row is zeros (never fed back, training never reads it).
+    """
+    from transformers import StaticCache
+
+    n, width = len(prompts), max(len(x) for x in prompts)
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook(layer_id):
+        return lambda _m, _i, out: captured.__setitem__(layer_id, out[0] if isinstance(out, tuple) else out)
+
+    hooks = [target.layers[l].register_forward_hook(hook(l)) for l in layer_ids]
+
+    def step_features() -> torch.Tensor:  # [rows, t, n_sel*H] of the last forward, in layer_ids order
+        return torch.cat([captured[l] for l in layer_ids], dim=-1).to(torch.bfloat16)
+
+    try:
+        ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts])
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        cache = StaticCache(config=target.model.config, max_cache_len=width + max_new_tokens)
+        h = target.model.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
+        feats = step_features()
+        per_row = [[feats[i, width - len(x):]] for i, x in enumerate(prompts)]
+        answers: list[list[int]] = [[] for _ in range(n)]
+        rows = torch.arange(n)  # batch row -> prompt index
+        nxt = target.lm_head(h[:, -1]).argmax(-1)
+        pos = pos[:, -1]
+        for step in range(max_new_tokens):
+            for i, t in zip(rows.tolist(), nxt.tolist()):
+                answers[i].append(t)
+            alive = torch.tensor([t not in eos for t in nxt.tolist()]) if step + 1 < max_new_tokens else torch.zeros(len(rows), dtype=torch.bool)
+            if not alive.any():
+                break
+            if not alive.all():
+                keep = torch.nonzero(alive).flatten()
+                for layer in cache.layers:  # StaticLayer has no batch_select_indices (transformers 5.23)
+                    layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+                rows, nxt, mask, pos = rows[keep], nxt[keep], mask[keep], pos[keep]
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            pos = pos + 1
+            h = target.model.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], past_key_values=cache,
+                                   cache_position=torch.tensor([width + step]), use_cache=True).last_hidden_state
+            for i, f in zip(rows.tolist(), step_features()):
+                per_row[i].append(f)
+            nxt = target.lm_head(h[:, -1]).argmax(-1)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    feats_out = [torch.cat(f + [f[0].new_zeros(1, f[0].shape[-1])]) for f in per_row]
+    return answers, feats_out
+
+
 def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, layer_ids: list[int], max_new_tokens: int = 256,
                      batch_size: int = 16, time_budget: float | None = None, progress=None) -> dict:
-    """Answer prompts with the target (greedy, batched, left-padded) and append records to `path`.
+    """Answer prompts with the target (greedy, batched) and append records to `path`.
 
     The tapped features of every token are captured during generation itself (it computes them anyway)
     and appended to `features_path(path)` as bf16 rows; a record's "feat_offset" is its first row and
-    it has one row per token (the last token, never fed back, gets zeros: training never reads it).
-    Prompts whose key is already in the file are skipped (resume). Stops after `time_budget` seconds.
-    Returns {"records", "response_tokens", "seconds"} of this call.
+    it has one row per token. Prompts whose key is already in the file are skipped (resume).
+    Stops after `time_budget` seconds. Returns {"records", "response_tokens", "seconds"} of this call.
     """
     from ..runtime import DFlashEngine
 
@@ -134,48 +191,28 @@ def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, laye
     engine = DFlashEngine(target, None, 1)  # its encode() is the deployment's prompt formatting
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    eos = sorted(engine.eos_token_ids)
-    captured: dict[int, list[torch.Tensor]] = {l: [] for l in layer_ids}
-
-    def hook(layer_id):
-        return lambda _m, _i, out: captured[layer_id].append(out[0] if isinstance(out, tuple) else out)
-
-    hooks = [target.layers[l].register_forward_hook(hook(l)) for l in layer_ids]
     t0, n_rec, n_tok = time.perf_counter(), 0, 0
-    try:
-        with open(path, "a") as f, open(feat_path, "ab") as ff:
-            for i in range(0, len(todo), batch_size):
-                if time_budget is not None and time.perf_counter() - t0 > time_budget:
-                    break
-                batch = todo[i : i + batch_size]
-                ids = [engine.encode(p) for _, p in batch]
-                width = max(len(x) for x in ids)
-                inp = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-                att = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-                out = target.model.generate(input_ids=inp, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
-                                            eos_token_id=eos, pad_token_id=pad)[:, width:].tolist()
-                # one prefill call [b, width], then one call per fed-back token [b, 1] -> [b, width + steps - 1, n_sel*H]
-                feats = torch.cat([torch.cat(captured[l], dim=1) for l in layer_ids], dim=-1).to(torch.bfloat16)
-                for l in layer_ids:
-                    captured[l].clear()
-                rows, lines = [], []
-                for j, ((key, _), prompt_ids, resp) in enumerate(zip(batch, ids, out)):
-                    end = next((k + 1 for k, t in enumerate(resp) if t in eos), len(resp))  # keep the end-of-turn token
-                    rows += [feats[j, width - len(prompt_ids) : width + end - 1], feats.new_zeros(1, feats.shape[-1])]
-                    lines.append(json.dumps({"source": key.split(":")[0], "key": key, "feat_offset": offset,
-                                             "input_ids": prompt_ids + resp[:end], "loss_mask": [0] * len(prompt_ids) + [1] * end}))
-                    offset += len(prompt_ids) + end
-                    n_rec, n_tok = n_rec + 1, n_tok + end
-                ff.write(torch.cat(rows).view(torch.int16).numpy().tobytes())
-                ff.flush()  # rows before records: a record on disk always has its rows
-                f.write("".join(line + "\n" for line in lines))
-                f.flush()
-                if progress:
-                    progress(f"generated {len(done) + n_rec}/{len(prompts)} records, {n_tok} response tokens, "
-                             f"{n_tok / (time.perf_counter() - t0):.0f} tok/s")
-    finally:
-        for h in hooks:
-            h.remove()
+    with open(path, "a") as f, open(feat_path, "ab") as ff:
+        for i in range(0, len(todo), batch_size):
+            if time_budget is not None and time.perf_counter() - t0 > time_budget:
+                break
+            batch = todo[i : i + batch_size]
+            ids = [engine.encode(p) for _, p in batch]
+            answers, feats = greedy_batch(target, ids, layer_ids=layer_ids, max_new_tokens=max_new_tokens,
+                                          eos=engine.eos_token_ids, pad=pad)
+            lines = []
+            for (key, _), prompt_ids, resp in zip(batch, ids, answers):
+                lines.append(json.dumps({"source": key.split(":")[0], "key": key, "feat_offset": offset,
+                                         "input_ids": prompt_ids + resp, "loss_mask": [0] * len(prompt_ids) + [1] * len(resp)}))
+                offset += len(prompt_ids) + len(resp)
+                n_rec, n_tok = n_rec + 1, n_tok + len(resp)
+            ff.write(torch.cat(feats).view(torch.int16).numpy().tobytes())
+            ff.flush()  # rows before records: a record on disk always has its rows
+            f.write("".join(line + "\n" for line in lines))
+            f.flush()
+            if progress:
+                progress(f"generated {len(done) + n_rec}/{len(prompts)} records, {n_tok} response tokens, "
+                         f"{n_tok / (time.perf_counter() - t0):.0f} tok/s")
     return {"records": n_rec, "response_tokens": n_tok, "seconds": time.perf_counter() - t0}
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..config import DraftConfig
 from ..errors import DFlashError
-from ..models.checkpoint import save_draft
+from ..models.checkpoint import load_draft, save_draft
 from ..models.draft import DFlashDraftModel, dflash_attention_mask
 from .data import read_dataset, read_features
 
@@ -56,6 +56,7 @@ class TrainArgs:
     checkpoint_minutes: float = 5.0
     bf16: bool = True
     seed: int = 0
+    init_from: str | None = None  # a draft of the same architecture to start from (warm start on new data)
 
     @property
     def loss_gamma(self) -> float:
@@ -223,6 +224,7 @@ class DraftTrainer:
         torch.manual_seed(args.seed)
         self.draft = DFlashDraftModel(config)
         self.draft.init_weights(generator=torch.Generator().manual_seed(args.seed))
+        self.init_card = self._warm_start(Path(args.init_from)) if args.init_from else None
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         warmup = max(1, int(args.warmup_ratio * self.total_steps))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
@@ -232,6 +234,19 @@ class DraftTrainer:
         self.generator = torch.Generator().manual_seed(args.seed + 1)
         self.step, self.epoch, self.cursor, self.train_seconds = 0, 0, 0, 0.0
         self.last_eval: dict = {}
+
+    def _warm_start(self, path: Path) -> dict:
+        """Load an earlier draft's weights; returns its training card (or {}) for the new card's provenance."""
+        start = load_draft(path)
+        a, b = start.config, self.draft.config
+        keys = ("num_hidden_layers", "block_size", "hidden_size", "target_layer_ids", "mask_token_id", "vocab_size")
+        diff = [k for k in keys if getattr(a, k) != getattr(b, k)]
+        if diff:
+            raise DFlashError(f"--init-from {path} has a different {diff[0]} ({getattr(a, diff[0])} vs {getattr(b, diff[0])}); "
+                              "match --num-layers/--block-size/--mask-token-id to it.")
+        self.draft.load_state_dict(start.state_dict())
+        card = path / "training.json"
+        return json.loads(card.read_text()) if card.is_file() else {}
 
     def _clip(self, r: dict) -> dict:
         n = self.args.max_seq_len
@@ -391,6 +406,8 @@ def run_training(target, out_dir: Path, args: TrainArgs, data_meta: dict, resume
             "steps": trainer.step, "total_steps": trainer.total_steps, "epochs_seen": round(trainer.step * args.seqs_per_step / len(trainer.train), 3),
             "hyperparameters": {**asdict(args), "gamma": args.loss_gamma},
             "train_seconds": round(trainer.train_seconds, 1), "final_metrics": trainer.last_eval,
+            **({"initialized_from": {"path": args.init_from, **{k: trainer.init_card.get(k) for k in ("command", "date", "steps", "train_seconds", "data")}}}
+               if args.init_from else {}),
         }
 
     bar = tqdm(total=trainer.total_steps, initial=trainer.step, disable=not progress_bar, dynamic_ncols=True, mininterval=5)
@@ -429,7 +446,7 @@ def default_mask_token_id(target) -> int:
 
 
 def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gsm8k", "code"), num_samples: int | None = None,
-                data_minutes: float | None = None, gen_max_new_tokens: int = 192, gen_batch_size: int = 32,
+                data_minutes: float | None = None, gen_max_new_tokens: int = 192, gen_batch_size: int = 64,
                 mask_token_id: int | None = None, resume: bool = False, progress_bar: bool = True, command: str | None = None,
                 log=print, **train_args) -> dict:
     """`trtdflash train-draft`: data phase (target answers prompts) then training; returns the training card.
