@@ -211,6 +211,7 @@ def quickstart(output, draft, prompt, max_tokens):
 @click.option("--max-seq-len", type=int, default=1024, show_default=True)
 @click.option("--anchors-per-seq", type=int, default=64, show_default=True)
 @click.option("--seqs-per-step", type=int, default=4, show_default=True)
+@click.option("--eval-every", type=int, default=100, show_default=True, help="Steps between held-out evaluations.")
 @click.option("--mask-token-id", type=int, default=None, help="Embedding row used as MASK (default: first unused row).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True, help="Data generation and autocast.")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -219,14 +220,14 @@ def quickstart(output, draft, prompt, max_tokens):
 @click.option("--resume", is_flag=True, help="Continue the run in --output from its last checkpoint.")
 @user_errors
 def train_draft(target, output, data, num_samples, data_minutes, gen_max_new_tokens, gen_batch_size, num_layers, block_size, steps,
-                epochs, lr, max_seq_len, anchors_per_seq, seqs_per_step, mask_token_id, dtype, seed, init_from, resume):
+                epochs, lr, max_seq_len, anchors_per_seq, seqs_per_step, eval_every, mask_token_id, dtype, seed, init_from, resume):
     """Train a DFlash draft for a target on its own greedy answers (CPU is fine for small targets)."""
     from .train.trainer import train_draft as run
 
     run(target, output, data=data, num_samples=num_samples, data_minutes=data_minutes, gen_max_new_tokens=gen_max_new_tokens,
         gen_batch_size=gen_batch_size, mask_token_id=mask_token_id, resume=resume, command="trtdflash " + " ".join(sys.argv[1:]),
         log=lambda m: click.echo(m, err=True), num_layers=num_layers, block_size=block_size, steps=steps, epochs=epochs, lr=lr,
-        max_seq_len=max_seq_len, anchors_per_seq=anchors_per_seq, seqs_per_step=seqs_per_step, bf16=dtype == "bf16", seed=seed, init_from=init_from)
+        max_seq_len=max_seq_len, anchors_per_seq=anchors_per_seq, seqs_per_step=seqs_per_step, eval_every=eval_every, bf16=dtype == "bf16", seed=seed, init_from=init_from)
 
 
 if __name__ == "__main__":

@@ -210,7 +210,8 @@ class DraftTrainer:
         if len(cols) != len(args.target_layer_ids):
             raise DFlashError(f"The data holds features of target layers {self.feat_layer_ids}, not all of {args.target_layer_ids}.")
         h = target.hidden_size
-        self.feat_cols = torch.cat([torch.arange(c * h, (c + 1) * h) for c in cols])
+        whole = cols == list(range(len(self.feat_layer_ids)))  # the usual case: a slice, not a gather
+        self.feat_cols = slice(None) if whole else torch.cat([torch.arange(c * h, (c + 1) * h) for c in cols])
         is_val = [zlib.crc32(r["key"].encode()) % 1000 < args.val_fraction * 1000 for r in self.records]
         self.val = [r for r, v in zip(self.records, is_val) if v]
         self.train = [r for r, v in zip(self.records, is_val) if not v and len(valid_anchors(torch.tensor(r["loss_mask"])))]
@@ -466,6 +467,8 @@ def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gs
         raise DFlashError(f"--block-size must be at least 2 for a draft, got {args.block_size}.")
     if args.steps is not None and args.steps < 1 or args.epochs <= 0:
         raise DFlashError("--steps must be at least 1 and --epochs positive.")
+    if args.eval_every < 1:
+        raise DFlashError(f"--eval-every must be at least 1, got {args.eval_every}.")
     if args.lr <= 0 or not math.isfinite(args.lr):
         raise DFlashError(f"--lr must be a positive number, got {args.lr}.")
     if args.max_seq_len < args.block_size + 2:
