@@ -113,7 +113,7 @@ def read_features(data_path: Path, width: int) -> torch.Tensor:
 def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_new_tokens: int, eos: set[int], pad: int):
     """Greedy answers of a batch of prompts, and the tapped features [len(prompt + answer), n_sel*H] (bf16) of each.
 
-    A lean loop instead of `generate()` (measured 4-5x faster here): left-padded prefill with logits of the
+    A lean loop instead of `generate()` (benchmarks/bench_datagen.py compares them): left-padded prefill with logits of the
     last position only (HF's makes logits of every position of every row), a preallocated cache (a growing
     one copies itself every step), and a row leaves the batch and its cache rows when its answer ends.
     The answer keeps its end token; its features row is zeros (never fed back, training never reads it).
@@ -136,7 +136,8 @@ def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts])
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         cache = StaticCache(config=target.model.config, max_cache_len=width + max_new_tokens)
-        h = target.model.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
+        decoder = target.model.get_decoder()  # the body without the LM head
+        h = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
         feats = step_features()
         per_row = [[feats[i, width - len(x):]] for i, x in enumerate(prompts)]
         answers: list[list[int]] = [[] for _ in range(n)]
@@ -156,7 +157,7 @@ def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_
                 rows, nxt, mask, pos = rows[keep], nxt[keep], mask[keep], pos[keep]
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
             pos = pos + 1
-            h = target.model.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], past_key_values=cache,
+            h = decoder(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], past_key_values=cache,
                                    cache_position=torch.tensor([width + step]), use_cache=True).last_hidden_state
             for i, f in zip(rows.tolist(), step_features()):
                 per_row[i].append(f)
