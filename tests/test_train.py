@@ -187,6 +187,25 @@ def test_tiny_training_run_resumes_and_is_lossless(target_dir, tmp_path, monkeyp
     start = tr.DraftTrainer(engine.target, warm, args).draft.state_dict()
     assert all(torch.equal(start[k], v) for k, v in draft.state_dict().items())
 
+
+def test_shipped_draft_accepts_on_fixed_prompts(one_thread):
+    """Smoke check of the packaged artefact (the quality bar is benchmarks/bench_acceptance.py)."""
+    from trtllm_dflash.resolve import DRAFTS_DIR
+    from trtllm_dflash.runtime import DFlashEngine
+
+    if not (DRAFTS_DIR / "smollm2-135m" / "config.json").is_file():
+        pytest.skip("no packaged smollm2-135m draft")
+    engine = DFlashEngine.load("smollm2-135m", progress=lambda m: None)
+    assert engine.draft is not None
+    prompts = ["A baker sells 24 muffins a day at $3 each. How much money does he make in a week?",
+               "Write a Python function that returns the sum of the squares of a list of numbers."]
+    steps = tokens = 0
+    for p in prompts:
+        s = engine.generate(p, max_new_tokens=64).stats
+        steps, tokens = steps + s.steps, tokens + s.num_tokens - 1
+    assert tokens / steps > 1.5
+
+
 def test_greedy_batch_equals_generate_and_captures_aligned_features(target, one_thread):
     """The data phase's batched loop: each row's answer is HF generate() of that prompt alone, rows that end
     leave the batch without disturbing the others, and feature row i is the tapped layers' output at token i."""
