@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -99,17 +100,33 @@ class TargetModel:
         if remove > 0:
             cache.crop(-remove)
 
+    @contextmanager
+    def _capturing(self, enabled: bool):
+        """Record the tapped layers' outputs in the forwards inside; yields `features()` -> [b, T, n_sel*H] of the last one, or None."""
+        self._capture = enabled and bool(self._taps)
+        try:
+            yield lambda: torch.cat([self._captured[l] for l in self._taps], dim=-1) if self._capture else None
+        finally:
+            self._capture = False
+            self._captured.clear()
+
+    @contextmanager
+    def tapped(self, layer_ids: list[int]):
+        """Capture `layer_ids` in forwards run outside `forward` (the data phase's own loop); the taps are restored after."""
+        previous = self._taps
+        self.set_taps(layer_ids)
+        try:
+            with self._capturing(True) as features:
+                yield features
+        finally:
+            self.set_taps(previous)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, cache, capture: bool, logits_to_keep: int = 0):
         """input_ids [b, T] at positions start..start+T-1 -> logits [b, T|keep, V], features [b, T, n_sel*H] or None."""
         positions = torch.arange(start, start + input_ids.shape[1]).expand(input_ids.shape[0], -1)
-        self._capture = capture and bool(self._taps)
-        try:
+        with self._capturing(capture) as features:
             out = self.model(
                 input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
             )
-            feats = torch.cat([self._captured[l] for l in self._taps], dim=-1) if self._capture else None
-        finally:
-            self._capture = False
-            self._captured.clear()
-        return out.logits, feats
+            return out.logits, features()

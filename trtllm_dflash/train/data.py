@@ -113,32 +113,23 @@ def read_features(data_path: Path, width: int) -> torch.Tensor:
 def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_new_tokens: int, eos: set[int], pad: int):
     """Greedy answers of a batch of prompts, and the tapped features [len(prompt + answer), n_sel*H] (bf16) of each.
 
-    A lean loop instead of `generate()` (benchmarks/bench_datagen.py compares them): left-padded prefill with logits of the
-    last position only (HF's makes logits of every position of every row), a preallocated cache (a growing
-    one copies itself every step), and a row leaves the batch and its cache rows when its answer ends.
+    A lean loop instead of `generate()` (benchmarks/bench_datagen.py compares them): left-padded prefill
+    with logits of the last position only (HF's makes logits of every position of every row), a preallocated
+    cache (a growing one copies itself every step), and a row leaves the batch and its cache rows when its
+    answer ends.
     The answer keeps its end token; its features row is zeros (never fed back, training never reads it).
     """
     from transformers import StaticCache
 
     n, width = len(prompts), max(len(x) for x in prompts)
-    captured: dict[int, torch.Tensor] = {}
-
-    def hook(layer_id):
-        return lambda _m, _i, out: captured.__setitem__(layer_id, out[0] if isinstance(out, tuple) else out)
-
-    hooks = [target.layers[l].register_forward_hook(hook(l)) for l in layer_ids]
-
-    def step_features() -> torch.Tensor:  # [rows, t, n_sel*H] of the last forward, in layer_ids order
-        return torch.cat([captured[l] for l in layer_ids], dim=-1).to(torch.bfloat16)
-
-    try:
+    with target.tapped(layer_ids) as features:
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts])
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         cache = StaticCache(config=target.model.config, max_cache_len=width + max_new_tokens)
         decoder = target.model.get_decoder()  # the body without the LM head
         h = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
-        feats = step_features()
+        feats = features().to(torch.bfloat16)  # [n, width, n_sel*H]
         per_row = [[feats[i, width - len(x):]] for i, x in enumerate(prompts)]
         answers: list[list[int]] = [[] for _ in range(n)]
         rows = torch.arange(n)  # batch row -> prompt index
@@ -147,7 +138,9 @@ def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_
         for step in range(max_new_tokens):
             for i, t in zip(rows.tolist(), nxt.tolist()):
                 answers[i].append(t)
-            alive = torch.tensor([t not in eos for t in nxt.tolist()]) if step + 1 < max_new_tokens else torch.zeros(len(rows), dtype=torch.bool)
+            if step + 1 == max_new_tokens:
+                break
+            alive = torch.tensor([t not in eos for t in nxt.tolist()])
             if not alive.any():
                 break
             if not alive.all():
@@ -158,13 +151,10 @@ def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
             pos = pos + 1
             h = decoder(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], past_key_values=cache,
-                                   cache_position=torch.tensor([width + step]), use_cache=True).last_hidden_state
-            for i, f in zip(rows.tolist(), step_features()):
+                        cache_position=torch.tensor([width + step]), use_cache=True).last_hidden_state
+            for i, f in zip(rows.tolist(), features().to(torch.bfloat16)):
                 per_row[i].append(f)
             nxt = target.lm_head(h[:, -1]).argmax(-1)
-    finally:
-        for hk in hooks:
-            hk.remove()
     feats_out = [torch.cat(f + [f[0].new_zeros(1, f[0].shape[-1])]) for f in per_row]
     return answers, feats_out
 
