@@ -14,6 +14,7 @@ from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.train import trainer as tr
+from trtllm_dflash.train.data import code_prompts, remaining_prompts
 from trtllm_dflash.train.trainer import (
     block_hidden, build_blocks, check_output_dir, chunked_lm_head_ce, loss_weights, sample_anchors, train_draft,
     training_mask, valid_anchors,
@@ -113,6 +114,23 @@ def test_chunked_ce_matches_autograd_reference():
     ref.backward()
     assert torch.allclose(loss, ref, atol=1e-5) and torch.allclose(h.grad, h2.grad, atol=1e-5)
     assert correct.tolist() == (head(h2).argmax(-1) == y).tolist()
+
+
+def test_code_prompts_keep_stdlib_keys_first_and_add_installed_libraries():
+    prompts = code_prompts()
+    keys = [k for k, _ in prompts]
+    first_site = next(i for i, k in enumerate(keys) if k.startswith("code:site:"))
+    assert first_site > 1000 and all(k.startswith("code:site:") for k in keys[first_site:])
+    assert any(k.startswith("code:site:numpy/") for k in keys) and len(set(keys)) == len(keys)
+    assert not {k.rsplit(":", 1)[1] for k in keys} & {"has_close_elements", "separate_paren_groups"}  # HumanEval stays unseen
+
+
+def test_remaining_prompts_stay_a_balanced_mix_after_a_source_grew():
+    math_, code = [(f"gsm8k:{i}", "q") for i in range(6)], [(f"code:{i}", "c") for i in range(3)]
+    done = {k for k, _ in math_[:3] + code}
+    grown = code + [(f"code:{i}", "c") for i in range(3, 8)]
+    todo = [k for k, _ in remaining_prompts(math_ + grown, done)]
+    assert todo == ["gsm8k:3", "code:3", "gsm8k:4", "code:4", "gsm8k:5", "code:5", "code:6", "code:7"]
 
 
 def test_output_dir_refusals(tmp_path):

@@ -36,34 +36,51 @@ def gsm8k_prompts() -> list[tuple[str, str]]:
     return [(f"gsm8k:{i}", r["question"]) for i, r in enumerate(gsm8k_records())]
 
 
+CODE_PACKAGES = ("networkx", "sympy", "numpy", "mpmath", "matplotlib", "jinja2", "click")  # installed with ours, after the stdlib
+
+
+def _package_roots() -> list[tuple[str, Path]]:
+    """(key prefix, root) of the stdlib, then of CODE_PACKAGES that are installed: stdlib keys stay stable."""
+    import importlib.util
+
+    roots = [("", Path(sysconfig.get_paths()["stdlib"]))]
+    for name in CODE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            root = Path(spec.origin).parent
+            roots.append((f"site:{name}/", root))
+    return roots
+
+
 def code_prompts() -> list[tuple[str, str]]:
-    """Coding tasks derived from public stdlib functions (signature + first docstring line), never HumanEval.
+    """Coding tasks derived from public library functions (signature + first docstring line), never HumanEval.
 
     Half ask in prose, half in HumanEval's completion style, so the draft sees both phrasings.
     """
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
     seen, out = set(), []
-    for f in sorted(stdlib.rglob("*.py")):
-        if any(p in ("test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo") for p in f.parts):
-            continue
-        try:
-            tree = ast.parse(f.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):  # module functions and class methods
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.name in seen:
+    for prefix, root in _package_roots():
+        for f in sorted(root.rglob("*.py")):
+            rel = f.relative_to(root)
+            if any(p in ("test", "tests", "testing", "idlelib", "site-packages", "lib2to3", "turtledemo") for p in rel.parts):
                 continue
-            doc = ast.get_docstring(node)
-            line = doc.strip().splitlines()[0].strip().rstrip(".") if doc and doc.strip() else ""
-            if len(line) < 15 or not [a for a in node.args.args if a.arg not in ("self", "cls")]:
+            try:
+                tree = ast.parse(f.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, ValueError):
                 continue
-            seen.add(node.name)
-            sig = f"{node.name}({ast.unparse(node.args)})"
-            key = f"code:{f.relative_to(stdlib)}:{node.name}"
-            if len(out) % 2 == 0:
-                out.append((key, f"Write a Python function `{sig}` that does the following: {line}."))
-            else:
-                out.append((key, CODE_COMPLETE_TEMPLATE.format(code=f'def {sig}:\n    """{line}."""\n')))
+            for node in ast.walk(tree):  # module functions and class methods
+                if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.name in seen:
+                    continue
+                doc = ast.get_docstring(node)
+                line = doc.strip().splitlines()[0].strip().rstrip(".") if doc and doc.strip() else ""
+                if len(line) < 15 or not [a for a in node.args.args if a.arg not in ("self", "cls")]:
+                    continue
+                seen.add(node.name)
+                sig = f"{node.name}({ast.unparse(node.args)})"
+                key = f"code:{prefix}{rel}:{node.name}"
+                if len(out) % 2 == 0:
+                    out.append((key, f"Write a Python function `{sig}` that does the following: {line}."))
+                else:
+                    out.append((key, CODE_COMPLETE_TEMPLATE.format(code=f'def {sig}:\n    """{line}."""\n')))
     return out
 
 
@@ -78,10 +95,23 @@ def load_prompts(sources: tuple[str, ...], seed: int = 0) -> list[tuple[str, str
         items = gsm8k_prompts() if s == "gsm8k" else code_prompts()
         rng.shuffle(items)
         lists.append(items)
+    return interleave(lists)
+
+
+def interleave(lists: list[list]) -> list:
     out = []
-    for i in range(max(len(x) for x in lists)):
+    for i in range(max(map(len, lists), default=0)):
         out.extend(x[i] for x in lists if i < len(x))
     return out
+
+
+def remaining_prompts(prompts: list[tuple[str, str]], done: set[str]) -> list[tuple[str, str]]:
+    """Unanswered prompts, re-interleaved by source, so what remains stays a balanced mix when a source grew."""
+    by_source: dict[str, list] = {}
+    for p in prompts:
+        if p[0] not in done:
+            by_source.setdefault(p[0].split(":")[0], []).append(p)
+    return interleave(list(by_source.values()))
 
 
 def read_dataset(path: Path) -> list[dict]:
@@ -178,7 +208,7 @@ def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, laye
     with open(feat_path, "ab") as ff:
         ff.truncate(offset * len(layer_ids) * target.hidden_size * 2)  # rows of a batch whose records never got written
     done = {r["key"] for r in records}
-    todo = [p for p in prompts if p[0] not in done]
+    todo = remaining_prompts(prompts, done)
     engine = DFlashEngine(target, None, 1)  # its encode() is the deployment's prompt formatting
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -140,19 +140,15 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
                 h = h.detach().requires_grad_(need_grad)
                 logits = draft.compute_logits(h, lm_head)  # [chunk, V]
             with torch.no_grad():
-                z = logits.detach().float()
-                top, best = z.max(-1)
-                z_y = z.gather(1, y[:, None])[:, 0]
-                p = z.sub_(top[:, None]).exp_()  # in place: z is ours
-                norm = p.sum(-1)
-                total += ((top + norm.log() - z_y) * w).sum()  # logsumexp - logit_y
-                correct.append(best == y)
+                z = logits.detach()
+                correct.append(z.argmax(-1) == y)
+                p = torch.softmax(z, -1, dtype=torch.float32)  # one fused pass over [chunk, V], fp32 out
+                total += (-p.gather(1, y[:, None])[:, 0].clamp_min(1e-30).log() * w).sum()
                 if need_grad:
-                    g = p.div_(norm[:, None])
-                    g[torch.arange(len(y)), y] -= 1
-                    g.mul_(w[:, None])
+                    p[torch.arange(len(y)), y] -= 1
+                    g = p.mul_(w[:, None]).to(logits.dtype)
             if need_grad:
-                grads.append(torch.autograd.grad(logits, h, g.to(logits.dtype))[0])
+                grads.append(torch.autograd.grad(logits, h, g)[0])
         ctx.save_for_backward(torch.cat(grads) if need_grad else hidden.new_zeros(0))
         correct = torch.cat(correct)
         ctx.mark_non_differentiable(correct)
@@ -164,7 +160,14 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
         return g * grad_total, None, None, None, None, None, None
 
 
-def sampled_lm_head(lm_head, data_vocab: torch.Tensor, negatives: int, generator: torch.Generator):
+def frozen_head(weight: torch.Tensor, dtype: torch.dtype) -> torch.nn.Linear:
+    """A frozen LM head already in the autocast dtype: autocast would recast a frozen weight at every chunk."""
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype).requires_grad_(False)
+    head.weight.data = weight.to(dtype)
+    return head
+
+
+def sampled_lm_head(lm_head, data_vocab: torch.Tensor, negatives: int, generator: torch.Generator, dtype: torch.dtype):
     """A frozen head over the tokens the data uses plus `negatives` random others, and the full-id -> row map.
 
     The LM head is ~2/3 of a CPU training step; the target's own answers use a few thousand of its ids,
@@ -176,8 +179,7 @@ def sampled_lm_head(lm_head, data_vocab: torch.Tensor, negatives: int, generator
     outside[data_vocab] = False
     others = torch.nonzero(outside).flatten()
     ids = torch.cat([data_vocab, others[torch.randperm(len(others), generator=generator)[:negatives]]])
-    head = torch.nn.Linear(lm_head.weight.shape[1], len(ids), bias=False).requires_grad_(False)
-    head.weight.data = lm_head.weight.data[ids]
+    head = frozen_head(lm_head.weight.data[ids], dtype)
     row = torch.full((v,), -1, dtype=torch.long)
     row[ids] = torch.arange(len(ids))
     return head, row
@@ -231,6 +233,8 @@ class DraftTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
             1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / max(1, self.total_steps - warmup)))))
         self.weights = loss_weights(args.block_size, args.loss_gamma)
+        self.head_dtype = torch.bfloat16 if args.bf16 else target.lm_head.weight.dtype
+        self.full_head = frozen_head(target.lm_head.weight.data, self.head_dtype)
         self.data_vocab = torch.unique(torch.cat([torch.tensor(r["input_ids"]) for r in self.train]))
         self.generator = torch.Generator().manual_seed(args.seed + 1)
         self.step, self.epoch, self.cursor, self.train_seconds = 0, 0, 0, 0.0
@@ -285,9 +289,10 @@ class DraftTrainer:
         self.draft.train()
         seqs = [self._sequence(r, self.args.anchors_per_seq, self.generator) for r in self._next_records()]
         total_w = sum(s[-1].sum() for s in seqs).clamp(min=1e-6)
-        head, row = self.target.lm_head, None
-        if self.args.train_vocab_negatives is not None:
-            head, row = sampled_lm_head(head, self.data_vocab, self.args.train_vocab_negatives, self.generator)
+        if self.args.train_vocab_negatives is None:
+            head, row = self.full_head, None
+        else:
+            head, row = sampled_lm_head(self.target.lm_head, self.data_vocab, self.args.train_vocab_negatives, self.generator, self.head_dtype)
         loss_sum, accepted = 0.0, []
         for feats, anchors, noise, pos, labels, valid, w in seqs:
             with self._autocast():
@@ -317,7 +322,7 @@ class DraftTrainer:
             feats, anchors, noise, pos, labels, valid, w = self._sequence(r, self.args.anchors_per_seq, gen)
             with self._autocast():
                 hidden = block_hidden(self.draft, self.target.embed_tokens, feats, noise, pos, anchors)
-                loss, correct = chunked_lm_head_ce(self.draft, self.target.lm_head, hidden, labels, w, self.args.logits_chunk)
+                loss, correct = chunked_lm_head_ce(self.draft, self.full_head, hidden, labels, w, self.args.logits_chunk)
             loss_sum, w_sum = loss_sum + loss.item(), w_sum + w.sum().item()
             acc, ok = acceptance_stats(correct, valid, self.args.block_size)
             accepted.append(acc)
