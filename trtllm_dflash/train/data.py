@@ -8,6 +8,7 @@ batch and flushed, so an interrupted generation resumes where it stopped (record
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import random
 import sysconfig
@@ -41,14 +42,11 @@ CODE_PACKAGES = ("networkx", "sympy", "numpy", "mpmath", "matplotlib", "jinja2",
 
 def _package_roots() -> list[tuple[str, Path]]:
     """(key prefix, root) of the stdlib, then of CODE_PACKAGES that are installed: stdlib keys stay stable."""
-    import importlib.util
-
     roots = [("", Path(sysconfig.get_paths()["stdlib"]))]
     for name in CODE_PACKAGES:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.origin:
-            root = Path(spec.origin).parent
-            roots.append((f"site:{name}/", root))
+            roots.append((f"site:{name}/", Path(spec.origin).parent))
     return roots
 
 

@@ -167,7 +167,7 @@ def frozen_head(weight: torch.Tensor, dtype: torch.dtype) -> torch.nn.Linear:
     return head
 
 
-def sampled_lm_head(lm_head, data_vocab: torch.Tensor, negatives: int, generator: torch.Generator, dtype: torch.dtype):
+def sampled_lm_head(lm_head, data_vocab: torch.Tensor, negatives: int, generator: torch.Generator):
     """A frozen head over the tokens the data uses plus `negatives` random others, and the full-id -> row map.
 
     The LM head is ~2/3 of a CPU training step; the target's own answers use a few thousand of its ids,
@@ -179,7 +179,7 @@ def sampled_lm_head(lm_head, data_vocab: torch.Tensor, negatives: int, generator
     outside[data_vocab] = False
     others = torch.nonzero(outside).flatten()
     ids = torch.cat([data_vocab, others[torch.randperm(len(others), generator=generator)[:negatives]]])
-    head = frozen_head(lm_head.weight.data[ids], dtype)
+    head = frozen_head(lm_head.weight.data[ids], lm_head.weight.dtype)
     row = torch.full((v,), -1, dtype=torch.long)
     row[ids] = torch.arange(len(ids))
     return head, row
@@ -233,8 +233,7 @@ class DraftTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
             1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / max(1, self.total_steps - warmup)))))
         self.weights = loss_weights(args.block_size, args.loss_gamma)
-        self.head_dtype = torch.bfloat16 if args.bf16 else target.lm_head.weight.dtype
-        self.full_head = frozen_head(target.lm_head.weight.data, self.head_dtype)
+        self.full_head = frozen_head(target.lm_head.weight.data, torch.bfloat16 if args.bf16 else target.lm_head.weight.dtype)
         self.data_vocab = torch.unique(torch.cat([torch.tensor(r["input_ids"]) for r in self.train]))
         self.generator = torch.Generator().manual_seed(args.seed + 1)
         self.step, self.epoch, self.cursor, self.train_seconds = 0, 0, 0, 0.0
@@ -292,7 +291,7 @@ class DraftTrainer:
         if self.args.train_vocab_negatives is None:
             head, row = self.full_head, None
         else:
-            head, row = sampled_lm_head(self.target.lm_head, self.data_vocab, self.args.train_vocab_negatives, self.generator, self.head_dtype)
+            head, row = sampled_lm_head(self.full_head, self.data_vocab, self.args.train_vocab_negatives, self.generator)
         loss_sum, accepted = 0.0, []
         for feats, anchors, noise, pos, labels, valid, w in seqs:
             with self._autocast():
