@@ -14,7 +14,9 @@ from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.train import trainer as tr
-from trtllm_dflash.train.data import code_prompts, remaining_prompts
+from trtllm_dflash.train.data import (
+    code_prompts, docstring_prompts, doctest_stub, gsm8k_records, gsm8k_variant_prompts, perturb_numbers, remaining_prompts,
+)
 from trtllm_dflash.train.trainer import (
     block_hidden, build_blocks, check_output_dir, chunked_lm_head_ce, loss_weights, sample_anchors, train_draft,
     training_mask, valid_anchors,
@@ -123,6 +125,38 @@ def test_code_prompts_keep_stdlib_keys_first_and_add_installed_libraries():
     assert first_site > 1000 and all(k.startswith("code:site:") for k in keys[first_site:])
     assert any(k.startswith("code:site:numpy/") for k in keys) and len(set(keys)) == len(keys)
     assert not {k.rsplit(":", 1)[1] for k in keys} & {"has_close_elements", "separate_paren_groups"}  # HumanEval stays unseen
+
+
+def test_perturb_numbers_moves_integers_and_keeps_the_rest():
+    import random
+    import re
+
+    text = "Tom has 12 apples and 1 pear, pays $2.50 each for 1,200 boxes, 0 left."
+    out = perturb_numbers(text, random.Random(0))
+    assert out == perturb_numbers(text, random.Random(0))  # deterministic per seed
+    assert re.sub(r"[\d,.]", "", out) == re.sub(r"[\d,.]", "", text)  # only numbers change
+    n12, n1200 = re.search(r"has (\d+) apples", out).group(1), re.search(r"for ([\d,]+) boxes", out).group(1)
+    assert n12 != "12" and 6 <= int(n12) <= 18
+    assert "," in n1200 and n1200 != "1,200" and 600 <= int(n1200.replace(",", "")) <= 1800
+    assert " 1 pear" in out and "$2.50" in out and " 0 left" in out
+
+
+def test_gsm8k_variants_cover_training_questions_only():
+    variants, train, held_out = gsm8k_variant_prompts(), gsm8k_records(), gsm8k_records(holdout=True)
+    assert len(variants) == len(train) and variants[0][0] == "gsm8k-var:0"
+    changed = sum(v != r["question"] for (_, v), r in zip(variants, train))
+    assert changed > 0.95 * len(train)
+    assert not {v for _, v in variants} & {r["question"] for r in held_out}
+
+
+def test_doctest_stubs_are_humaneval_shaped_and_never_humaneval():
+    doc = "Add two numbers.\n\nMore text.\n\n>>> from m import add\n>>> add(1, 2)\n3\n>>> for x in y:\n...     add(x, 1)\n"
+    assert doctest_stub("add(a, b)", doc) == 'def add(a, b):\n    """Add two numbers.\n\n    >>> add(1, 2)\n    3\n    """\n'
+    assert doctest_stub("add(a, b)", "Add two numbers together.\n\nNo examples.") is None
+    prompts = docstring_prompts()
+    keys = [k for k, _ in prompts]
+    assert len(prompts) > 1000 and len(set(keys)) == len(keys) and all(">>> " in p for _, p in prompts)
+    assert not {k.rsplit(":", 1)[1] for k in keys} & {"has_close_elements", "separate_paren_groups"}
 
 
 def test_remaining_prompts_stay_a_balanced_mix_after_a_source_grew():

@@ -198,7 +198,9 @@ def quickstart(output, draft, prompt, max_tokens):
 @click.option("--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory (frozen).")
 @click.option("--output", required=True, help="Run directory (data, checkpoints); the draft lands in OUTPUT/draft.")
 @click.option("--data", "data", multiple=True, default=("gsm8k", "code"), show_default=True,
-              help="Prompt source the target answers (repeatable): gsm8k (train split minus our 200 held-out), code (stdlib-derived).")
+              help="Prompt source the target answers (repeatable): gsm8k (train split minus our 200 held-out), "
+                   "gsm8k-var (those questions with other numbers), code (library functions: signature + summary), "
+                   "docstring (library functions with doctest examples, HumanEval-shaped).")
 @click.option("--num-samples", type=int, default=None, help="At most this many prompts answered (default: all).")
 @click.option("--data-minutes", type=float, default=None, help="Time budget of the data phase (default: none).")
 @click.option("--gen-max-new-tokens", type=int, default=192, show_default=True)

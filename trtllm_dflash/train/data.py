@@ -11,6 +11,7 @@ import ast
 import importlib.util
 import json
 import random
+import re
 import sysconfig
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from ..errors import DFlashError
 
 GSM8K_PATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
 GSM8K_HOLDOUT = 200  # the last 200 train records are our unseen math eval set: never train on them
-SOURCES = ("gsm8k", "code")
+SOURCES = ("gsm8k", "gsm8k-var", "code", "docstring")
 CODE_COMPLETE_TEMPLATE = "Complete the following Python function:\n```python\n{code}```"
 
 
@@ -37,6 +38,28 @@ def gsm8k_prompts() -> list[tuple[str, str]]:
     return [(f"gsm8k:{i}", r["question"]) for i, r in enumerate(gsm8k_records())]
 
 
+_INTEGER = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d.,]\d)|(?<![\d.,])\d+(?![\d.,]\d)")
+
+
+def perturb_numbers(text: str, rng: random.Random) -> str:
+    """Each integer >= 2 moved to another value within x0.5..x1.5 (decimals, 0 and 1 kept): a new question in the same style."""
+    def swap(m: re.Match) -> str:
+        n = int(m.group().replace(",", ""))
+        if n < 2:
+            return m.group()
+        lo, hi = max(2, n // 2), max(3, n * 3 // 2)
+        v = rng.choice([x for x in range(lo, hi + 1) if x != n]) if hi - lo < 10_000 else rng.randint(lo, hi)
+        return f"{v:,}" if "," in m.group() else str(v)
+    return _INTEGER.sub(swap, text)
+
+
+def gsm8k_variant_prompts() -> list[tuple[str, str]]:
+    """GSM8K train questions (never the held-out ones) with their numbers changed: more math in GSM8K's style once
+    every original question is answered. Deterministic per question."""
+    return [(f"gsm8k-var:{i}", perturb_numbers(r["question"], random.Random(f"gsm8k-var:{i}")))
+            for i, r in enumerate(gsm8k_records())]
+
+
 CODE_PACKAGES = ("networkx", "sympy", "numpy", "mpmath", "matplotlib", "jinja2", "click")  # installed with ours, after the stdlib
 
 
@@ -50,12 +73,8 @@ def _package_roots() -> list[tuple[str, Path]]:
     return roots
 
 
-def code_prompts() -> list[tuple[str, str]]:
-    """Coding tasks derived from public library functions (signature + first docstring line), never HumanEval.
-
-    Half ask in prose, half in HumanEval's completion style, so the draft sees both phrasings.
-    """
-    seen, out = set(), []
+def _library_functions():
+    """(key suffix, signature, docstring) of documented public functions with arguments in the stdlib, then CODE_PACKAGES."""
     for prefix, root in _package_roots():
         for f in sorted(root.rglob("*.py")):
             rel = f.relative_to(root)
@@ -66,19 +85,62 @@ def code_prompts() -> list[tuple[str, str]]:
             except (SyntaxError, UnicodeDecodeError, ValueError):
                 continue
             for node in ast.walk(tree):  # module functions and class methods
-                if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.name in seen:
+                if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                     continue
-                doc = ast.get_docstring(node)
-                line = doc.strip().splitlines()[0].strip().rstrip(".") if doc and doc.strip() else ""
-                if len(line) < 15 or not [a for a in node.args.args if a.arg not in ("self", "cls")]:
+                doc = (ast.get_docstring(node) or "").strip()
+                if not doc or not [a for a in node.args.args if a.arg not in ("self", "cls")]:
                     continue
-                seen.add(node.name)
-                sig = f"{node.name}({ast.unparse(node.args)})"
-                key = f"code:{prefix}{rel}:{node.name}"
-                if len(out) % 2 == 0:
-                    out.append((key, f"Write a Python function `{sig}` that does the following: {line}."))
-                else:
-                    out.append((key, CODE_COMPLETE_TEMPLATE.format(code=f'def {sig}:\n    """{line}."""\n')))
+                yield f"{prefix}{rel}:{node.name}", f"{node.name}({ast.unparse(node.args)})", doc
+
+
+def code_prompts() -> list[tuple[str, str]]:
+    """Coding tasks derived from public library functions (signature + first docstring line), never HumanEval.
+
+    Half ask in prose, half in HumanEval's completion style, so the draft sees both phrasings.
+    """
+    seen, out = set(), []  # first usable occurrence of each name
+    for key, sig, doc in _library_functions():
+        line = doc.splitlines()[0].strip().rstrip(".")
+        if len(line) < 15 or (name := sig.split("(")[0]) in seen:
+            continue
+        seen.add(name)
+        if len(out) % 2 == 0:
+            out.append((f"code:{key}", f"Write a Python function `{sig}` that does the following: {line}."))
+        else:
+            out.append((f"code:{key}", CODE_COMPLETE_TEMPLATE.format(code=f'def {sig}:\n    """{line}."""\n')))
+    return out
+
+
+def doctest_stub(sig: str, doc: str, max_examples: int = 2) -> str | None:
+    """A HumanEval-shaped stub: signature, first docstring paragraph, up to max_examples doctests that call the
+    function (with their expected output); None when the docstring has no such example."""
+    name = sig.split("(")[0]
+    lines = [x.strip() for x in doc.splitlines()]
+    desc = " ".join(lines[: (lines + [""]).index("")])
+    examples, i = [], 0
+    while i < len(lines) and len(examples) < max_examples:
+        single = i + 1 >= len(lines) or not lines[i + 1].startswith("...")  # no multi-line statements
+        if lines[i].startswith(">>> ") and f"{name}(" in lines[i] and single:
+            out = [lines[i]]
+            while i + 1 < len(lines) and lines[i + 1] and not lines[i + 1].startswith(">>>") and len(out) < 4:
+                i += 1
+                out.append(lines[i])
+            examples.append(out)
+        i += 1
+    if not examples or len(desc) < 15 or len(desc) > 400:
+        return None
+    body = "\n".join(f"    {x}" for ex in examples for x in ex)
+    return f'def {sig}:\n    """{desc}\n\n{body}\n    """\n'
+
+
+def docstring_prompts() -> list[tuple[str, str]]:
+    """HumanEval-style completion tasks (description + doctest examples) from library functions, never HumanEval."""
+    seen, out = set(), []
+    for key, sig, doc in _library_functions():
+        stub = None if (name := sig.split("(")[0]) in seen else doctest_stub(sig, doc)
+        if stub:
+            seen.add(name)
+            out.append((f"docstring:{key}", CODE_COMPLETE_TEMPLATE.format(code=stub)))
     return out
 
 
@@ -90,7 +152,8 @@ def load_prompts(sources: tuple[str, ...], seed: int = 0) -> list[tuple[str, str
     rng = random.Random(seed)
     lists = []
     for s in sources:
-        items = gsm8k_prompts() if s == "gsm8k" else code_prompts()
+        items = {"gsm8k": gsm8k_prompts, "gsm8k-var": gsm8k_variant_prompts, "code": code_prompts,
+                 "docstring": docstring_prompts}[s]()
         rng.shuffle(items)
         lists.append(items)
     return interleave(lists)
@@ -230,7 +293,7 @@ def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, laye
             f.write("".join(line + "\n" for line in lines))
             f.flush()
             if progress:
-                progress(f"generated {len(done) + n_rec}/{len(prompts)} records, {n_tok} response tokens, "
+                progress(f"generated {len(prompts) - len(todo) + n_rec}/{len(prompts)} records, {n_tok} response tokens, "
                          f"{n_tok / (time.perf_counter() - t0):.0f} tok/s")
     return {"records": n_rec, "response_tokens": n_tok, "seconds": time.perf_counter() - t0}
 
@@ -246,6 +309,7 @@ def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: 
         "sources": list(sources), "target_layer_ids": list(layer_ids), "seconds": 0.0, "done": False}
     if meta["target_layer_ids"] != list(layer_ids):
         raise DFlashError(f"{out_dir} holds data captured at target layers {meta['target_layer_ids']}, not {list(layer_ids)}; use another --output.")
+    meta["sources"] += [s for s in sources if s not in meta["sources"]]  # a later stage may add sources
     if not meta["done"]:
         prompts = load_prompts(sources, seed)[:num_samples]
         budget = None if minutes is None else max(0.0, minutes * 60 - meta["seconds"])
