@@ -8,6 +8,7 @@ batch and flushed, so an interrupted generation resumes where it stopped (record
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import json
 import random
@@ -22,7 +23,6 @@ from ..errors import DFlashError
 
 GSM8K_PATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
 GSM8K_HOLDOUT = 200  # the last 200 train records are our unseen math eval set: never train on them
-SOURCES = ("gsm8k", "gsm8k-var", "code", "docstring")
 CODE_COMPLETE_TEMPLATE = "Complete the following Python function:\n```python\n{code}```"
 
 
@@ -73,8 +73,13 @@ def _package_roots() -> list[tuple[str, Path]]:
     return roots
 
 
-def _library_functions():
-    """(key suffix, signature, docstring) of documented public functions with arguments in the stdlib, then CODE_PACKAGES."""
+@functools.cache
+def _library_functions() -> tuple[tuple[str, str, str], ...]:
+    """(key suffix, signature, docstring) of documented public functions with arguments in the stdlib, then CODE_PACKAGES.
+
+    Cached: parsing every file takes ~15 s and both code sources read it.
+    """
+    out = []
     for prefix, root in _package_roots():
         for f in sorted(root.rglob("*.py")):
             rel = f.relative_to(root)
@@ -90,7 +95,8 @@ def _library_functions():
                 doc = (ast.get_docstring(node) or "").strip()
                 if not doc or not [a for a in node.args.args if a.arg not in ("self", "cls")]:
                     continue
-                yield f"{prefix}{rel}:{node.name}", f"{node.name}({ast.unparse(node.args)})", doc
+                out.append((f"{prefix}{rel}:{node.name}", f"{node.name}({ast.unparse(node.args)})", doc))
+    return tuple(out)
 
 
 def code_prompts() -> list[tuple[str, str]]:
@@ -144,6 +150,9 @@ def docstring_prompts() -> list[tuple[str, str]]:
     return out
 
 
+SOURCES = {"gsm8k": gsm8k_prompts, "gsm8k-var": gsm8k_variant_prompts, "code": code_prompts, "docstring": docstring_prompts}
+
+
 def load_prompts(sources: tuple[str, ...], seed: int = 0) -> list[tuple[str, str]]:
     """Shuffle each source, then interleave them, so every prefix of the dataset is a balanced mix."""
     unknown = [s for s in sources if s not in SOURCES]
@@ -152,8 +161,7 @@ def load_prompts(sources: tuple[str, ...], seed: int = 0) -> list[tuple[str, str
     rng = random.Random(seed)
     lists = []
     for s in sources:
-        items = {"gsm8k": gsm8k_prompts, "gsm8k-var": gsm8k_variant_prompts, "code": code_prompts,
-                 "docstring": docstring_prompts}[s]()
+        items = SOURCES[s]()
         rng.shuffle(items)
         lists.append(items)
     return interleave(lists)
