@@ -15,7 +15,8 @@ from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.train import trainer as tr
 from trtllm_dflash.train.data import (
-    code_prompts, docstring_prompts, doctest_stub, gsm8k_records, gsm8k_variant_prompts, perturb_numbers, remaining_prompts,
+    CODE_PACKAGES, code_package_versions, code_prompts, docstring_prompts, doctest_stub, gsm8k_records,
+    gsm8k_variant_prompts, perturb_numbers, remaining_prompts,
 )
 from trtllm_dflash.train.trainer import (
     block_hidden, build_blocks, check_output_dir, chunked_lm_head_ce, loss_weights, sample_anchors, train_draft,
@@ -124,6 +125,11 @@ def test_code_prompts_keep_stdlib_keys_first_and_add_installed_libraries():
     first_site = next(i for i, k in enumerate(keys) if k.startswith("code:site:"))
     assert first_site > 1000 and all(k.startswith("code:site:") for k in keys[first_site:])
     assert any(k.startswith("code:site:numpy/") for k in keys) and len(set(keys)) == len(keys)
+    for source in (code_prompts, docstring_prompts):  # packages in CODE_PACKAGES order: a new one only appends keys
+        order = [CODE_PACKAGES.index(k.split(":site:")[1].split("/")[0]) for k, _ in source() if ":site:" in k]
+        assert order == sorted(order) and len(set(order)) >= 3
+    versions = code_package_versions()
+    assert list(versions) == [p for p in CODE_PACKAGES if p in versions] and versions["numpy"].startswith("1.")
     assert not {k.rsplit(":", 1)[1] for k in keys} & {"has_close_elements", "separate_paren_groups"}  # HumanEval stays unseen
 
 
@@ -193,9 +199,9 @@ def test_tiny_training_run_resumes_and_is_lossless(target_dir, tmp_path, monkeyp
     from trtllm_dflash.runtime import DFlashEngine
 
     out = tmp_path / "run"
-    kw = dict(data=("gsm8k",), num_samples=4, gen_max_new_tokens=16, gen_batch_size=4, mask_token_id=SMOL_MASK_ID,
-              progress_bar=False, log=lambda m: None, num_layers=1, block_size=4, steps=10, lr=3e-3, anchors_per_seq=16,
-              seqs_per_step=2, val_fraction=0.0, checkpoint_minutes=0.0)
+    kw = dict(data=("gsm8k", "docstring"), num_samples=4, gen_max_new_tokens=16, gen_batch_size=4,
+              mask_token_id=SMOL_MASK_ID, progress_bar=False, log=lambda m: None, num_layers=1, block_size=4, steps=10,
+              lr=3e-3, anchors_per_seq=16, seqs_per_step=2, val_fraction=0.0, checkpoint_minutes=0.0)
     real_step, calls = tr.DraftTrainer.train_step, []
 
     def killed_after_6(self):
@@ -211,7 +217,8 @@ def test_tiny_training_run_resumes_and_is_lossless(target_dir, tmp_path, monkeyp
     assert torch.load(out / "state.pt", weights_only=False)["step"] == 6
     load_draft(out / "draft")  # a kill leaves a valid draft behind
     card = train_draft(str(target_dir), out, resume=True, **kw)
-    assert card["steps"] == 10 and sum(card["data"]["records"].values()) == 4
+    assert card["steps"] == 10 and card["data"]["records"] == {"docstring": 2, "gsm8k": 2}
+    assert card["data"]["code_packages"] == code_package_versions()  # what the code prompts came from
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(1, 11))
     assert log[-1]["loss"] < log[0]["loss"] and all(math.isfinite(r["loss"]) for r in log)

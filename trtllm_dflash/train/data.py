@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.metadata
 import importlib.util
 import json
 import random
@@ -60,7 +61,10 @@ def gsm8k_variant_prompts() -> list[tuple[str, str]]:
             for i, r in enumerate(gsm8k_records())]
 
 
-CODE_PACKAGES = ("networkx", "sympy", "numpy", "mpmath", "matplotlib", "jinja2", "click")  # installed with ours, after the stdlib
+# Read after the stdlib, in this order; append only, so the keys of answered prompts stay stable. All but the six
+# doctest-rich libraries of the `train` extra (more HumanEval-shaped stubs) come with our dependencies.
+CODE_PACKAGES = ("networkx", "sympy", "numpy", "mpmath", "matplotlib", "jinja2", "click",
+                 "more_itertools", "toolz", "boltons", "sortedcontainers", "scipy", "pandas", "torch")
 
 
 def _package_roots() -> list[tuple[str, Path]]:
@@ -71,6 +75,13 @@ def _package_roots() -> list[tuple[str, Path]]:
         if spec is not None and spec.origin:
             roots.append((f"site:{name}/", Path(spec.origin).parent))
     return roots
+
+
+def code_package_versions() -> dict[str, str]:
+    """Installed CODE_PACKAGES and their versions: the code sources depend on them, so the data card records them."""
+    dists = importlib.metadata.packages_distributions()
+    return {name: importlib.metadata.version(dists[name][0]) for name in CODE_PACKAGES
+            if name in dists and importlib.util.find_spec(name) is not None}
 
 
 @functools.cache
@@ -325,6 +336,8 @@ def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: 
                              batch_size=batch_size, time_budget=budget, progress=progress)
         meta["seconds"] += r["seconds"]
         meta.update(done=True, max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=str(target.dtype).removeprefix("torch."))
+        if {"code", "docstring"} & set(sources):
+            meta["code_packages"] = {**meta.get("code_packages", {}), **code_package_versions()}
     records = read_dataset(data_path)
     if not records:
         raise DFlashError(f"No training records in {data_path}; raise --num-samples or the data time budget.")
