@@ -41,15 +41,17 @@ def main() -> None:
 
     fig, (ax_loss, ax_tau, ax_pos) = plt.subplots(1, 3, figsize=(15, 4.2))
     offset, last_eval = 0, None
-    for run in a.runs:
+    for i, run in enumerate(a.runs):
         rows = read_log(run)
         steps = [offset + r["step"] for r in rows]
-        ax_loss.plot(steps, smooth([r["loss"] for r in rows]), label=f"{run.name} (train, EMA)")
-        ax_tau.plot(steps, smooth([r["tau"] for r in rows]), label=f"{run.name} train (EMA)")
+        c = plt.cm.tab10(i % 10)  # one colour per run: pale train curve, dots for its held-out evaluations
+        ax_loss.plot(steps, smooth([r["loss"] for r in rows]), color=c, alpha=0.45, label=f"{run.name} (train, EMA)")
+        ax_tau.plot(steps, smooth([r["tau"] for r in rows]), color=c, alpha=0.45, label=f"{run.name} train (EMA)")
         evals = [r for r in rows if "val_tau" in r]
         if evals:
-            ax_tau.plot([offset + r["step"] for r in evals], [r["val_tau"] for r in evals], "o-", label=f"{run.name} held-out")
-            ax_loss.plot([offset + r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label=f"{run.name} held-out")
+            ev_steps = [offset + r["step"] for r in evals]
+            ax_tau.plot(ev_steps, [r["val_tau"] for r in evals], "o-", color=c, label=f"{run.name} held-out")
+            ax_loss.plot(ev_steps, [r["val_loss"] for r in evals], "o-", color=c, label=f"{run.name} held-out")
             last_eval = (run.name, evals[-1])
         if len(a.runs) > 1 and offset:
             for ax in (ax_loss, ax_tau):
