@@ -67,21 +67,21 @@ CODE_PACKAGES = ("networkx", "sympy", "numpy", "mpmath", "matplotlib", "jinja2",
                  "more_itertools", "toolz", "boltons", "sortedcontainers", "scipy", "pandas", "torch")
 
 
+def _installed_code_packages() -> dict[str, Path]:
+    """Root directory of each CODE_PACKAGES library that is installed, in CODE_PACKAGES order."""
+    specs = {name: importlib.util.find_spec(name) for name in CODE_PACKAGES}
+    return {name: Path(spec.origin).parent for name, spec in specs.items() if spec is not None and spec.origin}
+
+
 def _package_roots() -> list[tuple[str, Path]]:
-    """(key prefix, root) of the stdlib, then of CODE_PACKAGES that are installed: stdlib keys stay stable."""
-    roots = [("", Path(sysconfig.get_paths()["stdlib"]))]
-    for name in CODE_PACKAGES:
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.origin:
-            roots.append((f"site:{name}/", Path(spec.origin).parent))
-    return roots
+    """(key prefix, root) of the stdlib, then of the installed CODE_PACKAGES: stdlib keys stay stable."""
+    return [("", Path(sysconfig.get_paths()["stdlib"]))] + [(f"site:{n}/", r) for n, r in _installed_code_packages().items()]
 
 
 def code_package_versions() -> dict[str, str]:
-    """Installed CODE_PACKAGES and their versions: the code sources depend on them, so the data card records them."""
+    """Versions of the libraries the code sources read: the data card records them."""
     dists = importlib.metadata.packages_distributions()
-    return {name: importlib.metadata.version(dists[name][0]) for name in CODE_PACKAGES
-            if name in dists and importlib.util.find_spec(name) is not None}
+    return {name: importlib.metadata.version(dists[name][0]) for name in _installed_code_packages() if name in dists}
 
 
 @functools.cache
