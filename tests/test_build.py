@@ -7,7 +7,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from trtllm_dflash import build as build_module
+from trtllm_dflash.build import core as build_module
 from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.cli import main
 from trtllm_dflash.resolve import sha256_file

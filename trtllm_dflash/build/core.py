@@ -31,13 +31,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
-from .atomic import replace_dir
-from .config import rope_of
-from .errors import DFlashError
-from .models.checkpoint import check_draft
-from .repository import TEMPLATE_DIR, RepoParams, emit_repository, template_files
-from .resolve import resolve_draft, resolve_target, sha256_file
-from .validate import validate_block_size, validate_pair
+from ..atomic import replace_dir
+from ..config import rope_of
+from ..errors import DFlashError
+from ..models.checkpoint import check_draft
+from ..repository import TEMPLATE_DIR, RepoParams, emit_repository, template_files
+from ..resolve import resolve_draft, resolve_target, sha256_file
+from ..validate import validate_block_size, validate_pair
 
 BACKENDS = ("torch", "trtllm")
 QUANT_CHOICES = ("none", "fp8", "nvfp4", "mxfp4")  # ModelOpt unified-HF formats TensorRT-LLM loads
