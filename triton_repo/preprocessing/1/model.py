@@ -42,7 +42,9 @@ class TritonPythonModel:
         max_tokens = int(out_len.reshape(-1)[0])
         if not 1 <= max_tokens <= self.max_seq_len:
             raise DFlashError(f"max_tokens must be between 1 and {self.max_seq_len} (this repository's max_seq_len), got {max_tokens}.")
-        ids = encode_prompt(self.tokenizer, prompt, self.chat, self.max_seq_len)
+        chat = pb_utils.get_input_tensor_by_name(request, "APPLY_CHAT_TEMPLATE")
+        chat = self.chat if chat is None else bool(chat.as_numpy().reshape(-1)[0])
+        ids = encode_prompt(self.tokenizer, prompt, chat, self.max_seq_len)
         if len(ids) + max_tokens > self.max_seq_len:
             raise DFlashError(
                 f"The prompt is {len(ids)} tokens and max_tokens is {max_tokens}, which exceeds max_seq_len {self.max_seq_len}; "
