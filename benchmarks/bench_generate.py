@@ -21,11 +21,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 
+from trtllm_dflash.data import gsm8k_records
 from trtllm_dflash.generate import GenerationStats
 from trtllm_dflash.runtime import DFlashEngine
 from trtllm_dflash.train.trainer import machine_info
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
 DEFAULT_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "Write a Python function that checks whether a string is a palindrome.",
@@ -34,11 +34,8 @@ DEFAULT_PROMPTS = [
 
 def load_prompts(n_math: int) -> list[str]:
     """Held-out GSM8K questions (the last 200 train records are never used for draft training) + code prompts."""
-    math = []
-    if GSM8K.is_file():
-        rows = [json.loads(l) for l in GSM8K.read_text().splitlines() if l.strip()]
-        math = [r["question"] for r in rows[-n_math:]]
-    return math + DEFAULT_PROMPTS
+    held_out = gsm8k_records(holdout=True)
+    return [r["question"] for r in held_out[len(held_out) - n_math:]] + DEFAULT_PROMPTS
 
 
 def main(argv=None):

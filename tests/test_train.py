@@ -10,12 +10,13 @@ from torch import nn
 
 from conftest import SMOL_MASK_ID
 from trtllm_dflash.config import DraftConfig
+from trtllm_dflash.data import gsm8k_records
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.train import trainer as tr
 from trtllm_dflash.train.data import (
-    CODE_PACKAGES, code_package_versions, code_prompts, docstring_prompts, doctest_stub, gsm8k_records,
+    CODE_PACKAGES, code_package_versions, code_prompts, docstring_prompts, doctest_stub,
     gsm8k_variant_prompts, perturb_numbers, remaining_prompts,
 )
 from trtllm_dflash.train.trainer import (

@@ -1,4 +1,4 @@
-"""Fill the Triton model repository template (top-level `triton_repo/`) for one build.
+"""Fill the Triton model repository template (top-level `triton_repo/`, shipped as `trtllm_dflash.triton_repo`) for one build.
 
 The template's config.pbtxt files carry `${name}` placeholders, as Triton's TensorRT-LLM templates
 do (tools/fill_template.py); paths are written relative to each model's directory so the build
@@ -13,8 +13,9 @@ from pathlib import Path
 from string import Template
 
 from .errors import DFlashError
+from .resources import package_dir
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "triton_repo"
+TEMPLATE_DIR = package_dir("triton_repo")
 MODELS = ("preprocessing", "dflash", "postprocessing", "ensemble")
 USER_MODEL = "ensemble"
 
@@ -37,17 +38,21 @@ class RepoParams:
 
 
 def template_files() -> list[Path]:
-    """Template files relative to TEMPLATE_DIR, for the build plan."""
+    """Template files relative to TEMPLATE_DIR, for the build plan: the models' files, not the package's own
+    `__init__.py`, caches or dotfiles (a wheel has no `.gitkeep`; emit_repository makes the version folders)."""
     if not (TEMPLATE_DIR / USER_MODEL / "config.pbtxt").is_file():
-        raise DFlashError(f"The Triton repository template is missing at {TEMPLATE_DIR}; reinstall trtllm-dflash from its source tree.")
-    return sorted(p.relative_to(TEMPLATE_DIR) for p in TEMPLATE_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        raise DFlashError(f"The Triton repository template is missing at {TEMPLATE_DIR}; reinstall trtllm-dflash.")
+    return sorted(rel for rel in (p.relative_to(TEMPLATE_DIR) for p in TEMPLATE_DIR.rglob("*") if p.is_file())
+                  if len(rel.parts) > 1 and "__pycache__" not in rel.parts and not any(part.startswith(".") for part in rel.parts))
 
 
 def emit_repository(dest: Path, params: RepoParams) -> list[Path]:
     """Write the filled repository into dest (which must not exist); returns the files written."""
     values = params.values()
-    written = []
-    for rel in template_files():
+    written, files = [], template_files()
+    for model in {rel.parts[0] for rel in files}:
+        (dest / model / "1").mkdir(parents=True, exist_ok=True)  # Triton needs a version folder, even an empty one
+    for rel in files:
         out = dest / rel
         out.parent.mkdir(parents=True, exist_ok=True)
         if rel.name == "config.pbtxt":

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DFlashError
+from .resources import package_dir
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ PRESETS = {
     )
 }
 ALIASES = {"smollm2-135m-instruct": "smollm2-135m", "smollm2": "smollm2-135m"}
-DRAFTS_DIR = Path(__file__).parent / "drafts"
+DRAFTS_DIR = package_dir("drafts")
 
 
 def cache_dir() -> Path:

@@ -20,19 +20,10 @@ from pathlib import Path
 
 import torch
 
+from ..data import gsm8k_records
 from ..errors import DFlashError
 
-GSM8K_PATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
-GSM8K_HOLDOUT = 200  # the last 200 train records are our unseen math eval set: never train on them
 CODE_COMPLETE_TEMPLATE = "Complete the following Python function:\n```python\n{code}```"
-
-
-def gsm8k_records(path: Path = GSM8K_PATH, holdout: bool = False) -> list[dict]:
-    """GSM8K train records; holdout=False drops the last GSM8K_HOLDOUT, holdout=True returns only them."""
-    if not path.is_file():
-        raise DFlashError(f"GSM8K data not found at {path}; pass another --data source.")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows[-GSM8K_HOLDOUT:] if holdout else rows[:-GSM8K_HOLDOUT]
 
 
 def gsm8k_prompts() -> list[tuple[str, str]]:
