@@ -27,6 +27,7 @@ def main():
     ap.add_argument("--prompt", default="Write a haiku about GPUs.")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
 
     inputs = [
@@ -34,6 +35,8 @@ def main():
         tensor("max_tokens", np.array([[args.max_tokens]], dtype=np.int32), "INT32"),
         tensor("stream", np.array([[True]], dtype=bool), "BOOL"),
         tensor("temperature", np.array([[args.temperature]], dtype=np.float32), "FP32"),
+        # TensorRT-LLM's meaning: top_k 0 and top_p 0 (the defaults) are greedy whatever the temperature
+        tensor("top_p", np.array([[args.top_p]], dtype=np.float32), "FP32"),
     ]
     responses = queue.Queue()
     client = grpcclient.InferenceServerClient(args.url)

@@ -145,8 +145,8 @@ def test_concurrent_streams_all_complete(server, reference):
     assert [r.text for r in results] == [reference["text"]] * 3
 
 
-def _raw_stream(server, arrays: dict) -> tuple[list, list]:
-    """Send hand-made inputs; returns (results, errors) until the final response or an error."""
+def _raw_stream(server, arrays: dict, outputs=None) -> tuple[list, list]:
+    """Send hand-made inputs (optionally asking for some outputs only); returns (results, errors) until the final response or an error."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
@@ -155,7 +155,8 @@ def _raw_stream(server, arrays: dict) -> tuple[list, list]:
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         inputs.append(t)
-    client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+    client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True,
+                              outputs=outputs and [grpcclient.InferRequestedOutput(name) for name in outputs])
     results, errors = [], []
     while True:
         result, error = q.get(timeout=120)
@@ -185,7 +186,7 @@ def _i32(v):
     ({"text_input": _text(b"word " * 300), "max_tokens": _i32(8)}, "context window is 256"),
     ({"text_input": _text(b"word " * 100), "max_tokens": _i32(200)}, "exceeds max_seq_len 256"),
     ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "temperature": (np.array([[-1.0]], np.float32), "FP32")}, "temperature"),
-    ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "top_p": (np.array([[0.0]], np.float32), "FP32")}, "top_p"),
+    ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "top_p": (np.array([[1.5]], np.float32), "FP32")}, "top_p must be in [0, 1]"),
     ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "top_k": _i32(-3)}, "top_k"),
     ({"text_input": _text(b"\xff\xfe bad"), "max_tokens": _i32(8)}, "not valid UTF-8"),
     ({"text_input": _text(b""), "max_tokens": _i32(8)}, "prompt is empty"),
@@ -244,7 +245,7 @@ def test_client_disconnect_mid_stream_does_not_wedge_the_model(server, reference
 def test_serve_cli_prints_endpoints_and_stops_gracefully_on_sigterm(build_dir):
     grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen([TRTDFLASH, "serve", str(build_dir), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-                             "--metrics-port", str(metrics_port)], stderr=subprocess.PIPE, text=True)
+                             "--metrics-port", str(metrics_port), "--openai-port", str(free_port())], stderr=subprocess.PIPE, text=True)
     try:
         lines = []
         for line in proc.stderr:
@@ -295,3 +296,111 @@ def test_exclude_input_in_output_false_prepends_the_prompt(server, reference):
     assert not errors
     text = "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r in results if r.get_response().outputs)
     assert PROMPT in text and text.endswith(reference["text"]) and len(text) > len(reference["text"])
+
+
+# Clients written for Triton's TensorRT-LLM ensemble (inputs as the upstream clients build them).
+
+def _array(value, dtype):
+    return (np.array([[value]], dtype=dtype), {np.int32: "INT32", np.float32: "FP32", bool: "BOOL", np.uint64: "UINT64"}[dtype])
+
+
+def _joined(results) -> str:
+    return "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r in results if r.get_response().outputs)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_tensorrt_llm_end_to_end_client_inputs(server, reference, stream):
+    """What inflight_batcher_llm/client/end_to_end_grpc_client.py sends with --exclude-input-in-output (and -n 1):
+    temperature 1.0 without top_k/top_p is greedy in TensorRT-LLM's meaning, so the text is generate's."""
+    arrays = {"text_input": _text(PROMPT), "max_tokens": _i32(MAX_TOKENS), "stream": _array(stream, bool),
+              "beam_width": _i32(1), "temperature": _array(1.0, np.float32), "num_return_sequences": _i32(1),
+              "exclude_input_in_output": _array(True, bool)}
+    results, errors = _raw_stream(server, arrays, outputs=["text_output"])
+    assert not errors and _joined(results) == reference["text"]
+    responses = len([r for r in results if r.get_response().outputs])
+    assert responses > 1 if stream else responses == 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_genai_perf_tensorrtllm_inputs(server, reference, stream):
+    """genai-perf --service-kind triton --backend tensorrtllm: text_input, max_tokens, exclude_input_in_output, stream."""
+    arrays = {"text_input": _text(PROMPT), "max_tokens": _i32(MAX_TOKENS), "exclude_input_in_output": _array(True, bool)}
+    if stream:
+        arrays["stream"] = _array(True, bool)
+    results, errors = _raw_stream(server, arrays)
+    assert not errors and _joined(results) == reference["text"]
+
+
+NEUTRAL = {  # default values of the inputs we honour only at their default
+    "beam_width": _i32(1), "num_return_sequences": _i32(1), "pad_id": _i32(0), "length_penalty": _array(1.0, np.float32),
+    "repetition_penalty": _array(1.0, np.float32), "presence_penalty": _array(0.0, np.float32),
+    "frequency_penalty": _array(0.0, np.float32), "min_tokens": _i32(0), "return_log_probs": _array(False, bool),
+    "return_context_logits": _array(False, bool), "return_generation_logits": _array(False, bool),
+    "return_perf_metrics": _array(True, bool), "return_num_input_tokens": _array(True, bool),
+    "return_num_output_tokens": _array(True, bool), "decoder_text_input": _text(b""), "bad_words": _text(b""),
+    "embedding_bias_words": _text(b""), "guided_decoding_guide_type": _text(b""), "guided_decoding_guide": _text(b""),
+}
+
+
+def test_every_neutral_value_at_once_is_plain_greedy(server, reference):
+    results, errors = _raw_stream(server, {"text_input": _text(PROMPT), "max_tokens": _i32(MAX_TOKENS), **NEUTRAL})
+    assert not errors and _joined(results) == reference["text"]
+
+
+UNSUPPORTED = [
+    ("beam_width", _i32(4), "beam_width 4 is not supported: DFlash speculative decoding runs one beam; send beam_width 1."),
+    ("num_return_sequences", _i32(3), "num_return_sequences 3 is not supported"),
+    ("repetition_penalty", _array(1.3, np.float32), "repetition_penalty 1.3 is not supported"),
+    ("presence_penalty", _array(0.5, np.float32), "presence_penalty 0.5 is not supported"),
+    ("frequency_penalty", _array(0.5, np.float32), "frequency_penalty 0.5 is not supported"),
+    ("return_log_probs", _array(True, bool), "return_log_probs true is not supported"),
+    ("return_context_logits", _array(True, bool), "return_context_logits true is not supported"),
+    ("return_generation_logits", _array(True, bool), "return_generation_logits true is not supported"),
+    ("decoder_text_input", _text(b"hola"), "decoder_text_input 'hola' is not supported"),
+    ("embedding_bias_words", (np.array([[b"red", b"blue"]], np.object_), "BYTES"), "embedding_bias_words 'red' is not supported"),
+    ("embedding_bias_weights", (np.array([[0.5, 1.0]], np.float32), "FP32"), "A non-empty embedding_bias_weights is not supported"),
+    ("prompt_embedding_table", (np.ones((1, 2, 576), np.float16), "FP16"), "A non-empty prompt_embedding_table is not supported"),
+    ("prompt_table_extra_id", _array(5, np.uint64), "prompt_table_extra_id 5 is not supported"),
+    ("prompt_vocab_size", _i32(2), "prompt_vocab_size 2 is not supported"),
+    ("lora_task_id", _array(1, np.uint64), "lora_task_id 1 is not supported: LoRA adapters are not supported"),
+    ("lora_weights", (np.ones((1, 2, 16), np.float16), "FP16"), "A non-empty lora_weights is not supported"),
+    ("lora_config", (np.ones((1, 2, 3), np.int32), "INT32"), "A non-empty lora_config is not supported"),
+    ("guided_decoding_guide_type", _text(b"json_schema"), "guided_decoding_guide_type 'json_schema' is not supported"),
+    ("guided_decoding_guide", _text(b"{}"), "guided_decoding_guide '{}' is not supported"),
+]
+
+
+def test_each_unsupported_value_is_rejected_and_the_next_request_succeeds(server):
+    for name, value, message in UNSUPPORTED:
+        results, errors = _raw_stream(server, {"text_input": _text(b"Hi"), "max_tokens": _i32(4), name: value})
+        assert len(errors) == 1 and message in errors[0].message(), (name, errors)
+        ok, errors = _raw_stream(server, {"text_input": _text(b"Hi"), "max_tokens": _i32(1), "beam_width": _i32(1)})
+        assert not errors and ok[-1].as_numpy("num_output_tokens").reshape(-1)[0] == 1, name
+
+
+def test_standard_outputs_are_consistent(server, reference):
+    results, errors = _raw_stream(server, {"text_input": _text(PROMPT), "max_tokens": _i32(MAX_TOKENS), "stream": _array(True, bool),
+                                           "return_perf_metrics": _array(True, bool)})
+    assert not errors
+    last = {name: results[-1].as_numpy(name).reshape(-1)[0] for name in (
+        "num_input_tokens", "num_output_tokens", "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate",
+        "acceptance_length", "finish_reason", "batch_index", "sequence_index", "arrival_time_ns", "first_scheduled_time_ns",
+        "first_token_time_ns", "last_token_time_ns")}
+    assert last["num_input_tokens"] == reference["prompt_tokens"]
+    assert last["num_output_tokens"] == reference["num_tokens"] == len(reference["token_ids"])
+    assert (last["total_draft_tokens"], last["total_accepted_draft_tokens"]) == (reference["drafted_tokens"], reference["accepted_tokens"])
+    assert last["acceptance_rate"] == pytest.approx(reference["accepted_tokens"] / reference["drafted_tokens"], abs=1e-6)
+    assert last["acceptance_length"] == pytest.approx(reference["acceptance_length"], abs=1e-3)
+    assert last["finish_reason"].decode() == reference["finish_reason"] and last["batch_index"] == last["sequence_index"] == 0
+    assert 0 < last["arrival_time_ns"] <= last["first_scheduled_time_ns"] <= last["first_token_time_ns"] < last["last_token_time_ns"]
+    firsts = {int(r.as_numpy("first_token_time_ns").reshape(-1)[0]) for r in results if r.get_response().outputs}
+    assert len(firsts) == 1  # the first token's time stays put while later responses stream
+
+
+def test_min_tokens_holds_back_eos(server):
+    natural, errors = _raw_stream(server, {"text_input": _text(b"Hi"), "max_tokens": _i32(64)})
+    n = int(natural[-1].as_numpy("num_output_tokens").reshape(-1)[0])
+    assert not errors and natural[-1].as_numpy("finish_reason").reshape(-1)[0] == b"stop"
+    held, errors = _raw_stream(server, {"text_input": _text(b"Hi"), "max_tokens": _i32(n + 3), "min_tokens": _i32(n + 3)})
+    assert not errors and held[-1].as_numpy("num_output_tokens").reshape(-1)[0] == n + 3
+    assert held[-1].as_numpy("finish_reason").reshape(-1)[0] == b"length"

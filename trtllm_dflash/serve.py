@@ -8,6 +8,8 @@ CPU recipe: a backend directory holding the python backend and the stub built fo
 and `--disable-auto-complete-config` (the templates are complete).
 
 `TritonServer` is a context manager, so tests and `trtdflash quickstart` always stop the server.
+With `openai_port` set it also runs the OpenAI-compatible frontend (`openai_server`) on a thread of this
+process, started once Triton is ready and stopped before it, so the frontend never outlives the server.
 """
 
 from __future__ import annotations
@@ -41,13 +43,14 @@ class ServerConfig:
     grpc_port: int = 8001
     http_port: int = 8000
     metrics_port: int = 8002
+    openai_port: int | None = None  # None: no OpenAI-compatible frontend
     startup_timeout: float = 600.0
     log_verbose: int = 0
 
     def check(self) -> None:
-        for name in ("grpc_port", "http_port", "metrics_port"):
+        for name in ("grpc_port", "http_port", "metrics_port", "openai_port"):
             port = getattr(self, name)
-            if not 0 <= port < 65536:
+            if port is not None and not 0 <= port < 65536:
                 raise DFlashError(f"--{name.replace('_', '-')} must be in 0..65535, got {port}.")
 
 
@@ -115,7 +118,9 @@ class TritonServer:
         self.grpc_port = config.grpc_port or free_port(config.host)
         self.http_port = config.http_port or free_port(config.host)
         self.metrics_port = config.metrics_port or free_port(config.host)
+        self.openai_port = None if config.openai_port is None else config.openai_port or free_port(config.host)
         self.proc: subprocess.Popen | None = None
+        self.frontend = None  # the OpenAIFrontend while running
         self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log", dir=self._log_dir())[1])
 
     @staticmethod
@@ -139,6 +144,10 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
+    @property
+    def openai_url(self) -> str | None:
+        return None if self.openai_port is None else f"http://{self.host}:{self.openai_port}/v1"
+
     def command(self) -> tuple[list[str], dict[str, str]]:
         binary, backends, env = locate_tritonserver()
         cmd = [
@@ -152,7 +161,8 @@ class TritonServer:
         return cmd, {**os.environ, **env}
 
     def _check_ports(self) -> None:
-        for flag, port in (("--grpc-port", self.grpc_port), ("--http-port", self.http_port), ("--metrics-port", self.metrics_port)):
+        ports = (("--grpc-port", self.grpc_port), ("--http-port", self.http_port), ("--metrics-port", self.metrics_port), ("--openai-port", self.openai_port))
+        for flag, port in ((f, p) for f, p in ports if p is not None):
             with socket.socket() as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is fine, a listener is not
                 try:
@@ -169,6 +179,10 @@ class TritonServer:
                                          start_new_session=True, preexec_fn=_stop_with_parent)
         try:
             self._wait_ready()
+            if self.openai_port is not None:
+                from .openai_server import OpenAIFrontend
+
+                self.frontend = OpenAIFrontend(self.config.build_dir, self.manifest, self.grpc_url, self.host, self.openai_port).start()
         except BaseException:
             self.stop()
             raise
@@ -196,7 +210,17 @@ class TritonServer:
             return ""
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM = graceful (unloads models, stops stubs, frees /dev/shm); SIGKILL if it hangs."""
+        """The frontend first (its open requests are cancelled); then SIGTERM = graceful (unloads models, stops stubs,
+        frees /dev/shm); SIGKILL if it hangs."""
+        frontend, self.frontend = self.frontend, None
+        try:
+            if frontend is not None:
+                frontend.stop()
+        finally:
+            code = self._stop_triton(timeout)
+        return code
+
+    def _stop_triton(self, timeout: float) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
         self.proc.send_signal(signal.SIGTERM)
@@ -213,10 +237,14 @@ class TritonServer:
         self.stop()
 
     def endpoints(self) -> str:
-        return (f"gRPC     {self.grpc_url}  (model '{self.model}', streaming via stream_infer)\n"
-                f"HTTP     http://{self.http_url}  (POST /v2/models/{self.model}/generate, /generate_stream)\n"
-                f"metrics  {self.metrics_url}\n"
-                f"log      {self.log_path}")
+        lines = [f"gRPC     {self.grpc_url}  (model '{self.model}', streaming via stream_infer)",
+                 f"HTTP     http://{self.http_url}  (POST /v2/models/{self.model}/generate, /generate_stream)",
+                 f"metrics  {self.metrics_url}"]
+        if self.openai_port is not None:
+            from .openai_server import model_id
+
+            lines.append(f"OpenAI   {self.openai_url}  (model '{model_id(self.manifest)}': /v1/completions, /v1/chat/completions, /v1/models; /health)")
+        return "\n".join(lines + [f"log      {self.log_path}"])
 
 
 def serve_forever(config: ServerConfig, progress=print) -> int:

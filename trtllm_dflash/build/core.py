@@ -36,11 +36,10 @@ from ..config import rope_of
 from ..errors import DFlashError
 from ..models.checkpoint import check_draft
 from ..repository import TEMPLATE_DIR, RepoParams, emit_repository, template_files
-from ..resolve import resolve_draft, resolve_target, sha256_file
+from ..resolve import PRESETS, preset_for, resolve_draft, resolve_target, sha256_file
 from ..validate import validate_block_size, validate_pair
 
 BACKENDS = ("torch", "trtllm")
-QUANT_CHOICES = ("none", "fp8", "nvfp4", "mxfp4")  # ModelOpt unified-HF formats TensorRT-LLM loads
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -48,58 +47,62 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 CONFIG_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
 RUNTIME_OVERHEAD = 600 << 20  # torch + tritonserver + 3 python backend stubs, measured RSS on CPU (rounded up)
+TORCH_MAX_BATCH = 8  # concurrent generations of the embedded backend by default
 
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """Everything `trtdflash build` accepts; checked once in `check()`."""
+    """Everything `trtdflash build` accepts; checked once in `check()`. None means: the recipe's (trtllm) or the
+    embedded default (torch)."""
 
     output: Path
     target: str = "smollm2-135m"
     draft: str | None = None
     no_draft: bool = False
-    backend: str = "torch"
-    tp: int = 1
-    quant: str = "none"
-    max_batch_size: int = 8
+    backend: str | None = None  # None: trtllm for a GPU preset or any GPU option (--gpu, --tp > 1, --ep, --quant)
+    gpu: str | None = None
+    recipe: str | None = None  # latency | throughput, where the preset has both
+    tp: int | None = None
+    ep: int | None = None
+    quant: str | None = None
+    max_batch_size: int | None = None
     max_seq_len: int | None = None
     block_size: int | None = None
     dtype: str = "fp32"
     chat_template: bool = True
+    force: bool = False  # write a TensorRT-LLM plan that does not fit the GPUs
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend:
+            return self.backend
+        from .trtllm_backend import is_gpu_preset
+
+        gpu_options = self.gpu or self.recipe or (self.tp or 1) > 1 or self.ep or self.quant not in (None, "none")
+        return "trtllm" if gpu_options or is_gpu_preset(self.target) else "torch"
 
     def check(self) -> None:
-        if self.backend not in BACKENDS:
+        from .recipes import QUANTS
+
+        if self.backend is not None and self.backend not in BACKENDS:
             raise DFlashError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}.")
-        if self.quant not in QUANT_CHOICES:
-            raise DFlashError(f"--quant must be one of {', '.join(QUANT_CHOICES)}, got {self.quant!r}.")
-        if self.tp < 1:
-            raise DFlashError(f"--tp must be at least 1, got {self.tp}.")
+        if self.quant is not None and self.quant not in QUANTS:
+            raise DFlashError(f"--quant must be one of {', '.join(QUANTS)}, got {self.quant!r}.")
+        for flag, value in (("--tp", self.tp), ("--ep", self.ep), ("--max-batch-size", self.max_batch_size)):
+            if value is not None and value < 1:
+                raise DFlashError(f"{flag} must be at least 1, got {value}.")
         if self.dtype not in DTYPE_BYTES:
             raise DFlashError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}.")
-        if self.max_batch_size < 1:
-            raise DFlashError(f"--max-batch-size must be at least 1, got {self.max_batch_size}.")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise DFlashError(f"--max-seq-len must be at least 2, got {self.max_seq_len}.")
         if self.draft is not None and self.no_draft:
             raise DFlashError("--draft and --no-draft contradict each other; pass one of them.")
-        if self.backend == "torch" and (self.tp != 1 or self.quant != "none"):
-            raise DFlashError(
-                "The torch backend runs one unquantized model copy on one device; --tp and --quant need --backend trtllm "
-                "(drop them, or use --tp 1 --quant none)."
-            )
-        if self.backend == "trtllm":
-            _check_trtllm_available()
-
-
-def _check_trtllm_available() -> None:
-    try:
-        import tensorrt_llm  # noqa: F401
-    except Exception:
-        raise DFlashError(
-            "--backend trtllm needs TensorRT-LLM and an NVIDIA GPU, which are not available on this machine; "
-            "build with --backend torch (the embedded default)."
-        ) from None
-    raise DFlashError("The TensorRT-LLM backend build steps are not implemented yet; build with --backend torch.")
+        if self.resolved_backend == "torch":
+            gpu_flags = [f for f, v in (("--gpu", self.gpu), ("--recipe", self.recipe), ("--ep", self.ep)) if v] + (
+                ["--tp"] if (self.tp or 1) > 1 else []) + (["--quant"] if self.quant not in (None, "none") else [])
+            if gpu_flags:
+                raise DFlashError(f"The torch backend runs one unquantized model copy on one CPU device; {gpu_flags[0]} needs "
+                                  "--backend trtllm (or drop it).")
 
 
 @dataclass
@@ -143,17 +146,30 @@ class Step:
 @dataclass
 class Plan:
     options: BuildOptions
-    sources: Sources
+    sources: Sources | None  # None: a TensorRT-LLM preset whose weights the GPU host fetches
     steps: list[Step]
     hashes: dict[str, str]  # source path -> sha256
+    deployment: object | None = None  # trtllm_backend.Deployment for the TensorRT-LLM backend
+
+    @property
+    def backend(self) -> str:
+        return "torch" if self.deployment is None else "trtllm"
 
     def memory_estimate(self) -> dict[str, int]:
-        """Bytes per device: weights in the build dtype + a full KV cache per concurrent request + runtime."""
+        """Bytes per device: the TensorRT-LLM plan per GPU, or for the torch backend the weights in the build
+        dtype + a full KV cache per concurrent request + runtime."""
+        if self.deployment is not None:
+            m = self.deployment.memory
+            return {label: b for label, b in m.rows} | {"total": m.total_bytes, "gpu_memory": m.gpu_memory_bytes}
         b = DTYPE_BYTES[self.options.dtype]
         s = self.sources
-        kv = s.kv_bytes_per_token * s.max_seq_len * self.options.max_batch_size
+        kv = s.kv_bytes_per_token * s.max_seq_len * self.max_batch_size
         return {"weights": (s.target_params + s.draft_params) * b, "kv_cache": kv, "runtime": RUNTIME_OVERHEAD,
                 "total": (s.target_params + s.draft_params) * b + kv + RUNTIME_OVERHEAD}
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.deployment.recipe.max_batch_size if self.deployment else (self.options.max_batch_size or TORCH_MAX_BATCH)
 
 
 def _progress_bar(total: int, desc: str):
@@ -263,7 +279,7 @@ def resolve_sources(opts: BuildOptions, progress: Callable[[str], None]) -> Sour
                    target_params, draft_params, kv_per_token)
 
 
-def _stage_step(name: str, description: str, dest: str, files: list[Path], hashes: dict[str, str]) -> Step:
+def stage_step(name: str, description: str, dest: str, files: list[Path], hashes: dict[str, str]) -> Step:
     planned = [PlannedFile(f"{dest}/{p.name}", p.stat().st_size, p) for p in files]
 
     def run(tmp: Path, progress):
@@ -274,42 +290,70 @@ def _stage_step(name: str, description: str, dest: str, files: list[Path], hashe
     return Step(name, description, planned, inputs, run)
 
 
+def template_step(params: RepoParams) -> Step:
+    """The Triton repository of the build's engine model, filled from the templates."""
+    templates = template_files(params.models())
+    template_hashes = {str(t): sha256_file(TEMPLATE_DIR / t) for t in templates}
+    return Step(
+        "triton_repo", f"fill the Triton model repository ({', '.join(params.models())})",
+        [PlannedFile(f"triton_repo/{t}", (TEMPLATE_DIR / t).stat().st_size) for t in templates],
+        {"values": params.values(), "templates": template_hashes},  # values include the tensor lists of protocol.py
+        lambda tmp, progress: emit_repository(tmp / "triton_repo", params),
+    )
+
+
+def text_step(name: str, description: str, files: dict[str, str], executable: tuple[str, ...] = ()) -> Step:
+    """Generated text files, rendered at plan time (so --dry-run shows their sizes and the key covers their content)."""
+    def run(tmp: Path, progress):
+        for rel, text in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(text)
+            if rel in executable:
+                (tmp / rel).chmod(0o755)
+
+    return Step(name, description, [PlannedFile(rel, len(text.encode())) for rel, text in files.items()], files, run)
+
+
 def _torch_steps(opts: BuildOptions, src: Sources, hashes: dict[str, str]) -> list[Step]:
     steps = [
-        _stage_step("target_checkpoint", "stage the target HF checkpoint (hard links)", "checkpoints/target", src.target_files, hashes),
-        _stage_step("tokenizer", "stage the tokenizer for pre/postprocessing", "tokenizer", src.tokenizer_files, hashes),
+        stage_step("target_checkpoint", "stage the target HF checkpoint (hard links)", "checkpoints/target", src.target_files, hashes),
+        stage_step("tokenizer", "stage the tokenizer for pre/postprocessing", "tokenizer", src.tokenizer_files, hashes),
     ]
     if src.draft_dir is not None:
-        steps.append(_stage_step("draft_checkpoint", "stage the DFlash draft (z-lab format)", "checkpoints/draft", src.draft_files, hashes))
-    params = RepoParams(
-        max_batch_size=opts.max_batch_size, max_seq_len=src.max_seq_len, block_size=src.block_size, dtype=opts.dtype,
+        steps.append(stage_step("draft_checkpoint", "stage the DFlash draft (z-lab format)", "checkpoints/draft", src.draft_files, hashes))
+    steps.append(template_step(RepoParams(
+        max_batch_size=opts.max_batch_size or TORCH_MAX_BATCH, max_seq_len=src.max_seq_len, block_size=src.block_size, dtype=opts.dtype,
         target_dir="../../checkpoints/target", draft_dir="../../checkpoints/draft" if src.draft_dir else "",
         tokenizer_dir="../../tokenizer", apply_chat_template=opts.chat_template,
-    )
-    templates = template_files()
-    template_hashes = {str(t): sha256_file(TEMPLATE_DIR / t) for t in templates}
-    steps.append(Step(
-        "triton_repo", "fill the Triton model repository (preprocessing, dflash, postprocessing, ensemble)",
-        [PlannedFile(f"triton_repo/{t}", (TEMPLATE_DIR / t).stat().st_size) for t in templates],
-        {"params": asdict(params), "templates": template_hashes},
-        lambda tmp, progress: emit_repository(tmp / "triton_repo", params),
-    ))
+    )))
     return steps
 
 
-# Backend -> its steps after resolve/validate. The trtllm entry (checkpoint conversion, quantization,
-# TP sharding, llmapi repository) lands with the TensorRT-LLM backend; BuildOptions.check() refuses it until then.
-BACKEND_STEPS: dict[str, Callable[[BuildOptions, Sources, dict[str, str]], list[Step]]] = {"torch": _torch_steps}
+def _hash_sources(src: Sources | None, progress) -> dict[str, str]:
+    hashes: dict[str, str] = {}
+    if src is not None:
+        progress("Hashing sources...")
+        for p in src.target_files + src.draft_files:
+            hashes[str(p)] = _hash(p, hashes)
+    return hashes
 
 
 def make_plan(opts: BuildOptions, progress: Callable[[str], None] = print) -> Plan:
     opts.check()
+    if opts.resolved_backend == "trtllm":
+        from . import trtllm_backend
+
+        deployment, src = trtllm_backend.plan_deployment(opts, progress, resolve_sources)
+        hashes = _hash_sources(src, progress)
+        return Plan(opts, src, trtllm_backend.steps(opts, deployment, src, hashes), hashes, deployment)
+    if not Path(opts.target).expanduser().is_dir() and preset_for(opts.target) is None:
+        from .recipes import presets
+
+        raise DFlashError(f"Unknown target {opts.target!r}: it is neither a local directory, an embedded preset ({', '.join(PRESETS)}) "
+                          f"nor a GPU preset ({', '.join(presets())}); models are never downloaded at build time.")
     src = resolve_sources(opts, progress)
-    hashes: dict[str, str] = {}
-    progress("Hashing sources...")
-    for p in src.target_files + src.draft_files:
-        hashes[str(p)] = _hash(p, hashes)
-    return Plan(opts, src, BACKEND_STEPS[opts.backend](opts, src, hashes), hashes)
+    hashes = _hash_sources(src, progress)
+    return Plan(opts, src, _torch_steps(opts, src, hashes), hashes)
 
 
 def _versions() -> dict[str, str]:
@@ -330,28 +374,66 @@ def _fmt(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def describe(plan: Plan) -> str:
-    """Human-readable plan for --dry-run."""
+def _header(plan: Plan) -> list[str]:
     o, s = plan.options, plan.sources
-    lines = [
-        f"Build plan -> {o.output} (backend {o.backend}, tp {o.tp}, quant {o.quant}, dtype {o.dtype})",
+    if plan.deployment is not None:
+        d = plan.deployment
+        r, p = d.recipe, d.recipe.parallel
+        return [
+            f"Build plan -> {o.output} (backend trtllm, recipe {r.id}: {r.num_gpus} x {r.gpu.upper()}, tp {p.tp}, pp {p.pp}, "
+            f"ep {p.ep}, attention-dp {'on' if p.attention_dp else 'off'}, quant {r.quant}, KV cache {r.kv_cache_dtype})",
+            f"  target  {r.weights if not d.local else s.target_dir}" + ("" if d.local else "  (fetched on the GPU host)"),
+            f"  draft   {d.draft_ref or 'none (autoregressive)'}" + (f", {r.max_draft_len} draft tokens per step" if d.draft_ref else ""),
+            f"  max_batch_size {r.max_batch_size}, max_seq_len {r.max_seq_len}, max_num_tokens {r.max_num_tokens}",
+        ]
+    return [
+        f"Build plan -> {o.output} (backend torch, dtype {o.dtype})",
         f"  target  {s.target_dir} ({s.target_params / 1e6:.1f}M params)",
         f"  draft   {s.draft_dir or 'none (autoregressive)'}" + (f" ({s.draft_params / 1e6:.1f}M params)" if s.draft_dir else ""),
-        f"  block size {s.block_size}, max_seq_len {s.max_seq_len}, max_batch_size {o.max_batch_size}",
-        "Steps:",
-        "  1. resolve_and_validate: target, draft and tokenizer fit together (done)",
+        f"  block size {s.block_size}, max_seq_len {s.max_seq_len}, max_batch_size {plan.max_batch_size}",
     ]
+
+
+def describe(plan: Plan) -> str:
+    """Human-readable plan for --dry-run."""
+    s = plan.sources
+    what = "target, draft and tokenizer fit together" if plan.deployment is None else \
+        "recipe, parallel layout, draft vs target, memory plan and every LLM-API option"
+    lines = _header(plan) + ["Steps:", f"  1. resolve_and_validate: {what} (done)"]
     for i, step in enumerate(plan.steps, 2):
         lines.append(f"  {i}. {step.name}: {step.description} [{_fmt(sum(f.size for f in step.files))}]")
         for f in step.files:
             lines.append(f"       {f.rel}  {_fmt(f.size)}" + ("  (link or copy)" if f.source else ""))
     lines.append(f"  {len(plan.steps) + 2}. manifest: write {MANIFEST}")
+    if plan.deployment is not None:
+        lines.append(plan.deployment.memory.describe())
+        return "\n".join(lines)
     mem = plan.memory_estimate()
     lines.append(
         f"Estimated memory per device (cpu, 1 device): {_fmt(mem['total'])} = weights {_fmt(mem['weights'])} + "
-        f"KV cache {_fmt(mem['kv_cache'])} ({o.max_batch_size} x {s.max_seq_len} tokens) + runtime {_fmt(mem['runtime'])}"
+        f"KV cache {_fmt(mem['kv_cache'])} ({plan.max_batch_size} x {s.max_seq_len} tokens) + runtime {_fmt(mem['runtime'])}"
     )
     return "\n".join(lines)
+
+
+def _sources_manifest(plan: Plan) -> dict:
+    s, d = plan.sources, plan.deployment
+    if s is None:  # a preset the GPU host fetches
+        return {"target": {"hf_id": d.target_ref}, "draft": None if d.draft_ref is None else {"hf_id": d.draft_ref}}
+    return {
+        "target": {"path": str(s.target_dir), "files": {p.name: plan.hashes[str(p)] for p in s.target_files}},
+        "draft": None if s.draft_dir is None else {"path": str(s.draft_dir), "files": {p.name: plan.hashes[str(p)] for p in s.draft_files}},
+    }
+
+
+def _resolved(plan: Plan) -> dict:
+    if plan.deployment is None:
+        s = plan.sources
+        return {"block_size": s.block_size, "max_seq_len": s.max_seq_len, "memory_estimate_bytes": plan.memory_estimate()}
+    r, m = plan.deployment.recipe, plan.deployment.memory
+    return {"recipe": r.id, "gpu": r.gpu, "num_gpus": r.num_gpus, "block_size": r.max_draft_len + 1, "max_seq_len": r.max_seq_len,
+            "max_batch_size": r.max_batch_size, "memory_plan_bytes_per_gpu": plan.memory_estimate(), "fits": m.fits,
+            "max_batch_size_that_fits": m.max_batch_size_that_fits}
 
 
 def _read_manifest(out: Path) -> dict | None:
@@ -381,7 +463,7 @@ def run_build(opts: BuildOptions, progress: Callable[[str], None] = print, dry_r
     if dry_run:
         progress(describe(plan))
         return out
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()} | {"output": str(out)}
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()} | {"output": str(out), "backend": plan.backend}
     reuse = {step.name: _reusable(step, old, out) for step in plan.steps}
     if old and all(reuse.values()) and {s.name for s in plan.steps} == set(old.get("steps", {})) and old.get("options") == options:
         progress(f"{out} is up to date (same inputs, outputs intact); nothing to do.")
@@ -413,12 +495,9 @@ def run_build(opts: BuildOptions, progress: Callable[[str], None] = print, dry_r
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "versions": _versions(),
             "options": options,
-            "sources": {
-                "target": {"path": str(s.target_dir), "files": {p.name: plan.hashes[str(p)] for p in s.target_files}},
-                "draft": None if s.draft_dir is None else {"path": str(s.draft_dir), "files": {p.name: plan.hashes[str(p)] for p in s.draft_files}},
-            },
-            "resolved": {"block_size": s.block_size, "max_seq_len": s.max_seq_len, "memory_estimate_bytes": plan.memory_estimate()},
-            "serve": {"model_repository": "triton_repo", "model": "ensemble"},
+            "sources": _sources_manifest(plan),
+            "resolved": _resolved(plan),
+            "serve": {"model_repository": "triton_repo", "model": "ensemble", "backend": plan.backend},
             "steps": steps_meta,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -11,15 +11,10 @@ trtllm_dflash/cancel.py) and tells the dflash model to stop.
 
 import triton_python_backend_utils as pb_utils
 
-from trtllm_dflash import cancel
+from trtllm_dflash import cancel, protocol
 
-PASS_THROUGH = {
-    "NUM_TOKENS": "OUT_NUM_TOKENS",
-    "DRAFT_TOKENS": "OUT_DRAFT_TOKENS",
-    "ACCEPTED_TOKENS": "OUT_ACCEPTED_TOKENS",
-    "ACCEPTANCE_LENGTH": "OUT_ACCEPTANCE_LENGTH",
-    "FINISH_REASON": "OUT_FINISH_REASON",
-}
+PASS_THROUGH = [protocol.post_name(t.name) for t in protocol.ENGINE_OUTPUTS if t.name != protocol.CANCEL_KEY]
+CANCEL_KEY = protocol.post_name(protocol.CANCEL_KEY)[0]
 
 
 class TritonPythonModel:
@@ -27,10 +22,7 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             if request.is_cancelled():  # answer normally anyway: an error here leaves the ensemble request in flight
-                cancel.mark_cancelled(pb_utils.get_input_tensor_by_name(request, "CANCEL_KEY").as_numpy().reshape(-1)[0].decode())
-            text = pb_utils.get_input_tensor_by_name(request, "TEXT_DELTA").as_numpy()
-            outputs = [pb_utils.Tensor("OUTPUT", text)]
-            for src, dst in PASS_THROUGH.items():
-                outputs.append(pb_utils.Tensor(dst, pb_utils.get_input_tensor_by_name(request, src).as_numpy()))
+                cancel.mark_cancelled(pb_utils.get_input_tensor_by_name(request, CANCEL_KEY).as_numpy().reshape(-1)[0].decode())
+            outputs = [pb_utils.Tensor(dst, pb_utils.get_input_tensor_by_name(request, src).as_numpy()) for src, dst in PASS_THROUGH]
             responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
         return responses

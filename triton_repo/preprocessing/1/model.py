@@ -10,6 +10,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.resolve import local_or_id
 from trtllm_dflash.runtime import encode_prompt
 
 
@@ -25,7 +26,7 @@ class TritonPythonModel:
 
         config = json.loads(args["model_config"])
         here = Path(args["model_repository"])
-        self.tokenizer = AutoTokenizer.from_pretrained(here / _param(config, "tokenizer_dir"))
+        self.tokenizer = AutoTokenizer.from_pretrained(local_or_id(_param(config, "tokenizer_dir"), here))
         self.chat = _param(config, "apply_chat_template").lower() == "true"
         self.max_seq_len = int(_param(config, "max_seq_len"))
 

@@ -1,0 +1,103 @@
+"""`trtdflash build` for TensorRT-LLM, without a GPU or weights: the one-line command, every preset, bad input."""
+
+import json
+import subprocess
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from trtllm_dflash.backends.trtllm.schema import validate_llm_args
+from trtllm_dflash.build import BuildOptions, run_build
+from trtllm_dflash.build.recipes import presets
+from trtllm_dflash.cli import main
+
+
+def _build(tmp_path, *args):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["build", *args, "--output", str(out)])
+    return result, out
+
+
+def test_the_one_line_gpt_oss_120b_command_writes_a_validated_deployment(tmp_path):
+    result, out = _build(tmp_path, "--target", "gpt-oss-120b", "--tp", "8")
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["serve"] == {"model_repository": "triton_repo", "model": "ensemble", "backend": "trtllm"}
+    assert manifest["sources"]["target"] == {"hf_id": "openai/gpt-oss-120b"}
+    assert manifest["resolved"]["num_gpus"] == 8 and manifest["resolved"]["fits"]
+    assert sorted(p.name for p in (out / "triton_repo").iterdir()) == ["ensemble", "postprocessing", "preprocessing", "tensorrt_llm"]
+    assert not (out / "checkpoints").exists()  # nothing downloaded: the GPU host fetches the public ids
+
+    model_yaml = yaml.safe_load((out / "triton_repo/tensorrt_llm/1/model.yaml").read_text())
+    validate_llm_args(model_yaml, "model.yaml")
+    assert model_yaml["model"] == "openai/gpt-oss-120b" and model_yaml["tensor_parallel_size"] == 8
+    assert model_yaml["speculative_config"]["decoding_type"] == "DFlash"
+    assert model_yaml["speculative_config"]["speculative_model"] == "z-lab/gpt-oss-120b-DFlash"
+    serve_yaml = yaml.safe_load((out / "trtllm-serve.yaml").read_text())
+    assert serve_yaml == {k: v for k, v in model_yaml.items() if k != "model"}
+
+    ensemble = (out / "triton_repo/ensemble/config.pbtxt").read_text()
+    assert 'model_name: "tensorrt_llm"' in ensemble and "${" not in ensemble
+    launch = out / "launch.sh"
+    assert launch.stat().st_mode & 0o111 and subprocess.run(["bash", "-n", str(launch)]).returncode == 0
+    assert "need=8" in launch.read_text() and "trtllm-serve openai/gpt-oss-120b --config trtllm-serve.yaml" in launch.read_text()
+    deploy = (out / "DEPLOY.md").read_text()
+    assert "8 x B200" in deploy and "DFlash context arena" in deploy and "target KV cache" in deploy
+
+
+def test_dry_run_prints_the_memory_plan_and_writes_nothing(tmp_path):
+    result, out = _build(tmp_path, "--target", "gpt-oss-120b", "--gpu", "h100", "--dry-run")
+    assert result.exit_code == 0, result.output
+    for expected in ("recipe gpt-oss-120b/h100", "Memory per GPU (8 x h100", "target experts", "target KV cache", "fits"):
+        assert expected in result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("recipe_id", [r for ids in presets().values() for r in ids])
+def test_every_recipe_validates_and_plans(recipe_id, tmp_path):
+    model, _, stem = recipe_id.partition("/")
+    gpu, _, profile = stem.partition("-")
+    msgs = []
+    run_build(BuildOptions(output=tmp_path / "out", target=model, gpu=gpu, recipe=profile or None), progress=msgs.append, dry_run=True)
+    assert any(f"recipe {recipe_id}" in m for m in msgs) and any("fits" in m for m in msgs)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "gpt-oss-121b"], "nor a GPU preset (gpt-oss-120b, gpt-oss-20b"),
+    (["--target", "gpt-oss-120b", "--tp", "3"], "tp 3"),
+    (["--target", "gpt-oss-120b", "--ep", "3"], "ep 3"),
+    (["--target", "qwen3-8b", "--gpu", "h100", "--quant", "nvfp4"], "NVFP4"),
+    (["--target", "qwen3-4b", "--quant", "fp8"], "TensorRT-LLM does not quantize at load time; run `trtdflash convert"),
+    (["--target", "gpt-oss-120b", "--gpu", "b200", "--recipe", "fastest"], "no 'fastest' profile"),
+    (["--target", "gpt-oss-120b", "--gpu", "a100"], "no recipe for GPU 'a100'"),
+    (["--target", "qwen3-8b", "--gpu", "h100", "--max-batch-size", "100000"], "does not fit"),
+    (["--target", "qwen3-8b", "--draft", "smollm2-135m"], "hidden size"),
+    (["--target", "smollm2-135m", "--ep", "2"], "ep 2 needs a mixture-of-experts target"),
+    (["--target", "smollm2-135m", "--backend", "torch", "--tp", "2"], "--tp needs --backend trtllm"),
+])
+def test_bad_input_is_one_sentence_exit_2_nothing_written(tmp_path, args, message):
+    result, out = _build(tmp_path, *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_force_writes_a_plan_that_does_not_fit(tmp_path):
+    result, out = _build(tmp_path, "--target", "qwen3-8b", "--gpu", "h100", "--max-batch-size", "100000", "--force")
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "manifest.json").read_text())["resolved"]["fits"] is False
+
+
+def test_a_quantized_recipe_loads_its_quantized_checkpoint(tmp_path):
+    result, out = _build(tmp_path, "--target", "qwen3-8b", "--gpu", "b200")
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load((out / "triton_repo/tensorrt_llm/1/model.yaml").read_text())["model"] == "nvidia/Qwen3-8B-FP4"
+
+
+def test_backend_is_chosen_by_the_target_and_gpu_options():
+    assert BuildOptions(output="x").resolved_backend == "torch"
+    assert BuildOptions(output="x", target="gpt-oss-120b").resolved_backend == "trtllm"
+    assert BuildOptions(output="x", target="smollm2-135m", gpu="h100").resolved_backend == "trtllm"
+    assert BuildOptions(output="x", target="smollm2-135m", quant="fp8").resolved_backend == "trtllm"
+    assert BuildOptions(output="x", target="gpt-oss-120b", backend="torch").resolved_backend == "torch"

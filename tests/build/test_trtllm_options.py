@@ -1,0 +1,98 @@
+"""LLM-API options: what the recipe becomes, and the schema catching a bad key in every section."""
+
+import dataclasses
+
+import pytest
+
+from trtllm_dflash.backends.trtllm.options import llm_options, serve_options
+from trtllm_dflash.backends.trtllm.schema import RELEASE, validate_llm_args
+from trtllm_dflash.build.recipes import load_recipe
+from trtllm_dflash.errors import DFlashError
+
+
+def test_gpt_oss_throughput_options():
+    r = load_recipe("gpt-oss-120b")
+    o = llm_options(r, model="/models/gpt-oss-120b", draft="/models/draft")
+    assert o["model"] == "/models/gpt-oss-120b"
+    assert (o["tensor_parallel_size"], o["moe_expert_parallel_size"], o["enable_attention_dp"]) == (8, 8, True)
+    assert o["moe_config"] == {"backend": "TRTLLM"}
+    assert o["kv_cache_config"] == {"free_gpu_memory_fraction": 0.85, "dtype": "fp8"}
+    assert o["speculative_config"] == {"decoding_type": "DFlash", "max_draft_len": 3,
+                                       "speculative_model": "/models/draft"}
+    assert o["attention_dp_config"]["enable_balance"] is True
+    assert o["cuda_graph_config"]["batch_sizes"][-1] == r.max_batch_size
+    serve = serve_options(r, draft="/models/draft")
+    assert "model" not in serve and serve == {k: v for k, v in o.items() if k != "model"}
+
+
+def test_dense_options_have_no_moe_keys():
+    o = llm_options(load_recipe("qwen3-8b"), model="Qwen/Qwen3-8B", draft="z-lab/Qwen3-8B-DFlash-b16")
+    assert "moe_expert_parallel_size" not in o and "moe_config" not in o
+
+
+SECTION_TYPOS = [
+    ({"max_batch_sise": 8}, "max_batch_sise is not a .* TorchLlmArgs field .did you mean max_batch_size"),
+    ({"kv_cache_config": {"free_gpu_mem_fraction": 0.9}},
+     "kv_cache_config.free_gpu_mem_fraction is not a .* KvCacheConfig field .did you mean free_gpu_memory_fraction"),
+    ({"cuda_graph_config": {"enable_pading": True}}, "cuda_graph_config.enable_pading .*did you mean enable_padding"),
+    ({"moe_config": {"backnd": "CUTLASS"}}, "moe_config.backnd is not a .* MoeConfig field .did you mean backend"),
+    ({"attention_dp_config": {"enable_balanse": True}}, "attention_dp_config.enable_balanse .* AttentionDpConfig"),
+    ({"speculative_config": {"decoding_type": "DFlash", "max_draft_length": 3}},
+     "speculative_config.max_draft_length is not a .* DFlashDecodingConfig field .did you mean max_draft_len"),
+]
+
+
+@pytest.mark.parametrize("options, message", SECTION_TYPOS)
+def test_schema_catches_a_typo_in_every_section(options, message):
+    with pytest.raises(DFlashError, match=message):
+        validate_llm_args(options, "model.yaml")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"kv_cache_config": {"dtype": "fp16"}}, "kv_cache_config.dtype is 'fp16'"),
+    ({"moe_config": {"backend": "TRTLLMX"}}, "moe_config.backend is 'TRTLLMX'"),
+    ({"attn_backend": "FLASH"}, "attn_backend is 'FLASH'"),
+    ({"kv_cache_config": {"free_gpu_memory_fraction": 1.5}}, r"must lie in \[0, 1\]"),
+    ({"max_batch_size": "64"}, "max_batch_size must be int"),
+    ({"enable_attention_dp": 1}, "enable_attention_dp must be bool"),
+    ({"speculative_config": {"decoding_type": "Eagle3"}}, "decoding_type must be DFlash"),
+    ({"kv_cache_config": 0.9}, "kv_cache_config must be a mapping"),
+])
+def test_schema_checks_types_and_enums(options, message):
+    with pytest.raises(DFlashError, match=message):
+        validate_llm_args(options, "model.yaml")
+
+
+def test_schema_accepts_upstream_values():
+    validate_llm_args({"load_format": "dummy", "kv_cache_config": {"dtype": "FP8", "max_tokens": None},
+                       "speculative_config": {"decoding_type": "DFlash", "speculative_model_dir": "/d",
+                                              "attention_backend": "TRTLLM"}}, "x")
+    assert "0004396" in RELEASE
+
+
+def test_extra_options_are_merged_and_validated():
+    r = load_recipe("qwen3-8b", "b200")
+    o = llm_options(r, model="m", draft="d", extra={"kv_cache_config": {"enable_block_reuse": False},
+                                                    "speculative_config": {"attention_backend": "TRTLLM"}})
+    assert o["kv_cache_config"] == {"free_gpu_memory_fraction": 0.9, "dtype": "fp8", "enable_block_reuse": False}
+    assert o["speculative_config"]["attention_backend"] == "TRTLLM"
+    with pytest.raises(DFlashError, match="kv_cache_config.enable_blok_reuse"):
+        llm_options(r, model="m", draft="d", extra={"kv_cache_config": {"enable_blok_reuse": False}})
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"tensor_parallel_size": 4}, "tensor_parallel_size comes from --tp, not from extra options"),
+    ({"speculative_config": {"attention_backend": "TRTLLM"}}, "needs an SM100/SM103 Blackwell GPU; use VANILLA on h100"),
+    ({"attention_dp_config": {"enable_balance": True}}, "attention_dp_config is set but the recipe does not"),
+])
+def test_option_rules(extra, message):
+    with pytest.raises(DFlashError, match=message):
+        llm_options(load_recipe("qwen3-8b", "h100"), model="m", draft="d", extra=extra)
+
+
+def test_recipe_llm_args_are_checked_too():
+    r = dataclasses.replace(load_recipe("qwen3-8b"), llm_args={"stream_intervall": 4})
+    with pytest.raises(DFlashError, match="stream_intervall .*did you mean stream_interval"):
+        llm_options(r, model="m", draft="d")
+    with pytest.raises(DFlashError, match="needs a DFlash draft"):
+        llm_options(load_recipe("qwen3-8b"), model="m", draft=None)

@@ -1,0 +1,255 @@
+"""The TensorRT-LLM backend of `trtdflash build`: a validated GPU deployment, written on any machine.
+
+TensorRT-LLM runs DFlash in its PyTorch backend as a one-model speculative mode, loads Hugging Face (and ModelOpt
+quantized) checkpoints directly and shards them for tensor/expert parallelism at load time (there is no
+`trtllm-build` path for DFlash). So nothing is compiled here: the build picks a recipe (build_configs/), checks
+the parallel layout and the draft against the target, plans memory per GPU, validates every LLM-API option
+against the schema of a named TensorRT-LLM revision, and writes
+
+    triton_repo/        preprocessing -> tensorrt_llm (LLM API; 1/model.yaml) -> postprocessing -> ensemble,
+                        the same user-facing ensemble as the embedded backend
+    trtllm-serve.yaml   the same options for `trtllm-serve` (OpenAI-compatible server)
+    launch.sh           starts either on the GPU host after checking its GPUs
+    DEPLOY.md           this build's GPUs, memory plan, commands and first checks
+    checkpoints/, tokenizer/   only for local weights; a preset without them names the public ids, which the
+                        GPU host fetches (nothing is downloaded here)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from ..errors import DFlashError
+from ..models.checkpoint import check_draft
+from ..repository import RepoParams
+from ..resolve import resolve_draft
+from .memory import MemoryPlan, plan_recipe
+from .recipes import Parallelism, Recipe, draft_facts_from_config, load_recipe, model_facts_from_hf_config, presets
+
+ENGINE_MODEL = "tensorrt_llm"
+MODEL_YAML = f"triton_repo/{ENGINE_MODEL}/1/model.yaml"
+SERVE_YAML = "trtllm-serve.yaml"
+LOCAL_GPU = "h100"  # --gpu default for a local target (no recipe says otherwise)
+LOCAL_LIMITS = {"max_batch_size": 64, "max_num_tokens": 8192}  # max_seq_len: the target's window, as for torch
+
+
+def is_gpu_preset(target: str) -> bool:
+    return not Path(target).expanduser().is_dir() and target in presets()
+
+
+@dataclass
+class Deployment:
+    """The recipe with the CLI's overrides, where the weights come from, and the memory plan."""
+
+    recipe: Recipe
+    memory: MemoryPlan
+    target_ref: str  # model.yaml value: a path relative to the model.yaml folder, or a hub id
+    draft_ref: str | None
+    serve_target: str  # trtllm-serve's model argument (relative to the build folder, or a hub id)
+    serve_draft: str | None
+    tokenizer_ref: str  # Triton models' tokenizer_dir: relative to a model folder, or a hub id
+    local: bool  # weights staged into checkpoints/
+
+    def options(self) -> dict:
+        from ..backends.trtllm.options import llm_options
+
+        return llm_options(self.recipe, model=self.target_ref, draft=self.draft_ref, where=MODEL_YAML)
+
+    def serve_options(self) -> dict:
+        from ..backends.trtllm.options import llm_options
+
+        options = llm_options(self.recipe, model=self.serve_target, draft=self.serve_draft, where=SERVE_YAML)
+        del options["model"]  # trtllm-serve takes the model as its argument
+        return options
+
+
+def _check_weights(recipe: Recipe) -> None:
+    """TensorRT-LLM reads quantization from the checkpoint (a ModelOpt export) and does not quantize at load time."""
+    shipped = recipe.model_facts.shipped_quant
+    if recipe.checkpoint is None and recipe.quant not in ("none", shipped):
+        raise DFlashError(
+            f"{recipe.id}: --quant {recipe.quant} needs a {recipe.quant} checkpoint, but {recipe.hf_id} is {shipped if shipped != 'none' else 'unquantized'} "
+            f"and TensorRT-LLM does not quantize at load time; run `trtdflash convert --model DIR --quant {recipe.quant}` on its weights "
+            f"and build with --target OUT, or choose --quant {shipped}.")
+
+
+def _overrides(opts, recipe: Recipe, block_size: int | None) -> Recipe:
+    draft_len = None if block_size is None else block_size - 1
+    if opts.quant is not None and opts.quant != recipe.quant:
+        recipe = dataclasses.replace(recipe, checkpoint=None)  # the recipe's quantized checkpoint is for its own quant
+    return recipe.with_overrides(tp=opts.tp, ep=opts.ep, quant=opts.quant, max_batch_size=opts.max_batch_size,
+                                 max_seq_len=opts.max_seq_len, max_draft_len=draft_len)
+
+
+def _local_recipe(opts, sources) -> Recipe:
+    """A recipe for a local checkpoint: its own facts, the CLI's GPU and layout, defaults for the limits."""
+    config = json.loads((sources.target_dir / "config.json").read_text())
+    fp32 = config.get("torch_dtype", config.get("dtype")) == "float32"
+    facts = model_facts_from_hf_config({**config, "torch_dtype": "bfloat16"} if fp32 else config)  # fp32 is served in bf16
+    draft = draft_facts_from_config(check_draft(sources.draft_dir)) if sources.draft_dir else None
+    gpu = (opts.gpu or LOCAL_GPU).lower()
+    tp = opts.tp or 1
+    batch = opts.max_batch_size or LOCAL_LIMITS["max_batch_size"]
+    return Recipe(
+        id=f"{sources.target_dir.name}/{gpu}", model=sources.target_dir.name, hf_id=str(sources.target_dir), model_facts=facts,
+        draft_hf_id=None, draft_facts=draft, gpu=gpu, num_gpus=tp, parallel=Parallelism(tp=tp, ep=opts.ep or 1),
+        quant=opts.quant or facts.shipped_quant, kv_cache_dtype="auto", max_batch_size=batch, max_seq_len=sources.max_seq_len,
+        max_num_tokens=LOCAL_LIMITS["max_num_tokens"], max_draft_len=(sources.block_size - 1) if draft else 0,
+        cuda_graph_batch_sizes=tuple(2**i for i in range(batch.bit_length()) if 2**i <= batch),
+        llm_args={"dtype": "bfloat16"} if fp32 else {},
+    )
+
+
+def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> tuple[Deployment, object | None]:
+    """The deployment and, for local weights, the resolved sources (files to stage)."""
+    if is_gpu_preset(opts.target):
+        recipe = load_recipe(opts.target, opts.gpu, opts.recipe)
+        if opts.no_draft:
+            recipe = dataclasses.replace(recipe, draft_hf_id=None, draft_facts=None, max_draft_len=0)
+        sources = None
+        draft_dir = resolve_draft(opts.draft, opts.target) if opts.draft else None
+        if draft_dir is not None:  # a local draft for a preset target: checked against the preset's target facts
+            facts = draft_facts_from_config(check_draft(draft_dir))
+            recipe = dataclasses.replace(recipe, draft_facts=facts, max_draft_len=min(recipe.max_draft_len, facts.block_size - 1))
+        recipe = _overrides(opts, recipe, opts.block_size)
+        _check_weights(recipe)
+        draft_ref = None if recipe.draft_facts is None else (str(draft_dir.resolve()) if draft_dir else recipe.draft_hf_id)
+        dep = Deployment(recipe, plan_recipe(recipe), recipe.weights, draft_ref, recipe.weights, draft_ref, recipe.weights, local=False)
+        progress(f"Recipe {recipe.id}: weights are not local; the GPU host fetches {recipe.weights}"
+                 + (f" and {draft_ref}" if draft_ref else "") + ".")
+    else:
+        if opts.recipe:
+            raise DFlashError(f"--recipe applies to GPU presets ({', '.join(presets())}); a local target takes --gpu, --tp and --ep.")
+        sources = resolve_sources(opts, progress)
+        recipe = _local_recipe(opts, sources)
+        _check_weights(recipe)
+        has_draft = sources.draft_dir is not None
+        dep = Deployment(recipe, plan_recipe(recipe), "../../../checkpoints/target", "../../../checkpoints/draft" if has_draft else None,
+                         "checkpoints/target", "checkpoints/draft" if has_draft else None, "../../tokenizer", local=True)
+    if not dep.memory.fits and not opts.force:
+        m = dep.memory
+        raise DFlashError(
+            f"The plan does not fit: {m.num_gpus} x {m.gpu} leaves {m.kv_pool_bytes / 1e9:.1f} GB per GPU for a KV cache that needs "
+            f"{m.kv_cache_bytes / 1e9:.1f} GB at --max-batch-size {m.max_batch_size}; use --max-batch-size "
+            f"{m.max_batch_size_that_fits} or less, a shorter --max-seq-len, more GPUs, or --force.")
+    dep.options()  # validate both files now, before anything is written
+    dep.serve_options()
+    return dep, sources
+
+
+def _yaml(data: dict) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+def model_yaml(dep: Deployment) -> str:
+    return ("# tensorrt_llm.LLM(**these keys) in the Triton `tensorrt_llm` model; written and validated by trtdflash build.\n"
+            "# Relative paths are relative to this folder.\n" + _yaml(dep.options()))
+
+
+def serve_yaml(dep: Deployment) -> str:
+    return (f"# trtllm-serve {dep.serve_target} --config {SERVE_YAML}   (run from this folder; written by trtdflash build)\n"
+            + _yaml(dep.serve_options()))
+
+
+def launch_sh(dep: Deployment) -> str:
+    r = dep.recipe
+    env = r.llm_args.get("env_overrides") or {}
+    exports = "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items())
+    return f"""#!/usr/bin/env bash
+# Start this DFlash deployment ({r.id}) on a GPU host with {r.num_gpus} x {r.gpu.upper()}. Written by trtdflash build.
+#   ./launch.sh           Triton Inference Server: gRPC :8001, HTTP :8000, metrics :8002 (model "ensemble")
+#   ./launch.sh openai    trtllm-serve: OpenAI-compatible API on :8000
+# Run inside NVIDIA's Triton TensorRT-LLM container (nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3) with
+# trtllm-dflash installed (`pip install --no-deps trtllm-dflash`); see DEPLOY.md.
+set -euo pipefail
+cd "$(dirname "$0")"
+need={r.num_gpus}
+have=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+if [ "$have" -lt "$need" ]; then
+  echo "This deployment needs $need GPUs ({r.gpu.upper()}); nvidia-smi sees $have." >&2
+  exit 2
+fi
+{exports}case "${{1:-triton}}" in
+  triton) exec tritonserver --model-repository="$PWD/triton_repo" --http-port=8000 --grpc-port=8001 --metrics-port=8002 ;;
+  openai) exec trtllm-serve {shlex.quote(dep.serve_target)} --config {SERVE_YAML} --host 0.0.0.0 --port 8000 ;;
+  *) echo "usage: $0 [triton|openai]" >&2; exit 2 ;;
+esac
+"""
+
+
+def deploy_md(dep: Deployment, release: str) -> str:
+    r, m = dep.recipe, dep.memory
+    p = r.parallel
+    weights = ("staged in `checkpoints/` (hard links or copies of the local weights)" if dep.local
+               else f"not in this folder: the GPU host fetches `{r.weights}`" + (f" and `{dep.draft_ref}`" if dep.draft_ref else "")
+               + " from Hugging Face on first start (set `HF_TOKEN` for gated models)")
+    draft = (f"DFlash draft `{dep.draft_ref}`, {r.max_draft_len} draft tokens per step (block {r.draft_facts.block_size})"
+             if r.draft_facts else "no draft (plain autoregressive decoding)")
+    return f"""# Deploying `{r.id}`
+
+Generated by `trtdflash build`; the options were validated against TensorRT-LLM {release}.
+
+- **Target**: `{r.weights}`, quantization `{r.quant}`, KV cache `{r.kv_cache_dtype}`; {draft}.
+- **GPUs**: {r.num_gpus} x {r.gpu.upper()}; tensor parallel {p.tp}, pipeline parallel {p.pp}, expert parallel {p.ep},
+  attention data parallel {'on' if p.attention_dp else 'off'}.
+- **Limits**: max_batch_size {r.max_batch_size}, max_seq_len {r.max_seq_len}, max_num_tokens {r.max_num_tokens}.
+- **Weights**: {weights}.
+
+## Memory plan (per GPU, computed without a GPU)
+
+```
+{m.describe()}
+```
+
+## Start
+
+```bash
+docker run --rm -it --gpus all --net host --shm-size=2g --ulimit memlock=-1 \\
+  -v "$PWD":/deploy -v ~/.cache/huggingface:/root/.cache/huggingface \\
+  nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 bash
+pip install --no-deps trtllm-dflash      # the Triton models import it (protocol, detokenizer)
+cd /deploy && ./launch.sh                # Triton: gRPC :8001, HTTP :8000 (model "ensemble")
+./launch.sh openai                       # or trtllm-serve, OpenAI-compatible on :8000
+```
+
+## Check first
+
+1. `nvidia-smi` shows {r.num_gpus} GPUs with the memory above free.
+2. The server log shows `tensorrt_llm: starting tensorrt_llm.llmapi.llm.LLM` and the model `ensemble` READY.
+3. `trtdflash client --url HOST:8001 --prompt "Hello" --json` answers, with `acceptance_length` above 1.
+4. `examples/gpu_smoke.sh` (in the trtllm-dflash repository) compares greedy output against TensorRT-LLM without
+   speculation and prints PASS/FAIL, the acceptance length and tokens/s.
+"""
+
+
+def steps(opts, dep: Deployment, sources, hashes: dict[str, str]) -> list:
+    from . import core
+
+    out = []
+    if dep.local:
+        out += [
+            core.stage_step("target_checkpoint", "stage the target HF checkpoint (hard links)", "checkpoints/target", sources.target_files, hashes),
+            core.stage_step("tokenizer", "stage the tokenizer for pre/postprocessing", "tokenizer", sources.tokenizer_files, hashes),
+        ]
+        if sources.draft_dir is not None:
+            out.append(core.stage_step("draft_checkpoint", "stage the DFlash draft (z-lab format)", "checkpoints/draft", sources.draft_files, hashes))
+    from ..backends.trtllm.schema import RELEASE
+
+    params = RepoParams(
+        max_batch_size=dep.recipe.max_batch_size, max_seq_len=dep.recipe.max_seq_len, block_size=dep.recipe.max_draft_len + 1,
+        dtype="auto", target_dir="", draft_dir="", tokenizer_dir=dep.tokenizer_ref, apply_chat_template=opts.chat_template,
+        engine_model=ENGINE_MODEL,
+    )
+    out.append(core.template_step(params))
+    out.append(core.text_step("engine_options", "write the LLM-API options: model.yaml (Triton) and trtllm-serve.yaml",
+                              {MODEL_YAML: model_yaml(dep), SERVE_YAML: serve_yaml(dep)}))
+    out.append(core.text_step("launch", "write launch.sh and DEPLOY.md for the GPU host",
+                              {"launch.sh": launch_sh(dep), "DEPLOY.md": deploy_md(dep, RELEASE)}, executable=("launch.sh",)))
+    return out
