@@ -91,9 +91,8 @@ def _no_tokenizer_target(target_dir, dst):
 @pytest.mark.parametrize("args, message", [
     (["--backend", "onnx"], "--backend must be one of torch, trtllm"),
     (["--backend", "torch", "--tp", "2"], "--tp needs --backend trtllm"),
-    (["--backend", "torch", "--quant", "fp8"], "--quant needs --backend trtllm"),
+    (["--backend", "torch", "--quant", "mxfp4"], "for MXFP4 use --backend trtllm"),
     (["--tp", "2"], "tp 2"),  # selects the TensorRT-LLM backend, where SmolLM2's 9 heads do not split in 2
-    (["--quant", "fp8"], "TensorRT-LLM does not quantize at load time"),
     (["--quant", "int3"], "--quant must be one of"),
     (["--max-seq-len", "100000"], "exceeds the target's context window 8192"),
     (["--block-size", "99"], "exceeds the draft's trained block size 16"),

@@ -243,5 +243,31 @@ def train_draft(target, output, data, num_samples, data_minutes, gen_max_new_tok
         max_seq_len=max_seq_len, anchors_per_seq=anchors_per_seq, seqs_per_step=seqs_per_step, eval_every=eval_every, bf16=dtype == "bf16", seed=seed, init_from=init_from)
 
 
+@main.command()
+@click.option("--model", required=True, help="Preset name, local Hugging Face target directory, or DFlash draft directory.")
+@click.option("--role", type=click.Choice(["target", "draft"]), default=None, help="Default: draft if the directory is a DFlashDraftModel, else target.")
+@click.option("--quant", required=True, help="fp8, nvfp4, mxfp4 or w4a8_mxfp4_fp8.")
+@click.option("--kv-cache-quant", default="none", show_default=True, help="none or fp8 (targets).")
+@click.option("--calib-data", default="gsm8k", show_default=True, help="gsm8k, code, chat, or a .txt/.jsonl file.")
+@click.option("--calib-samples", type=int, default=64, show_default=True)
+@click.option("--exclude", multiple=True, help="Keep Linear modules matching this pattern high precision (repeatable, fnmatch).")
+@click.option("--target", default=None, help="A draft's target for calibration (default: the one in its training.json).")
+@click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
+@click.option("--offload/--no-offload", default=None,
+              help="Target layer by layer from disk (same output, a fraction of the memory). Default: when the fp32 model would not fit in RAM.")
+@user_errors
+def convert(model, role, quant, kv_cache_quant, calib_data, calib_samples, exclude, target, output, offload):
+    """Quantize a target or a DFlash draft with NVIDIA Model Optimizer into a TensorRT-LLM-loadable checkpoint."""
+    _quiet_hf()
+    from tqdm import tqdm
+
+    from .convert import ConvertOptions, convert_checkpoint
+
+    opts = ConvertOptions(model=model, role=role, quant=quant, kv_cache_quant=kv_cache_quant, calib_data=calib_data,
+                          calib_samples=calib_samples, exclude=exclude, target=target, output=output, offload=offload)
+    convert_checkpoint(opts, progress=lambda m: click.echo(m, err=True),
+                       track=lambda it, desc: tqdm(it, desc=desc, file=sys.stderr))
+
+
 if __name__ == "__main__":
     main()

@@ -4,13 +4,17 @@ import json
 import subprocess
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
 from trtllm_dflash.backends.trtllm.schema import validate_llm_args
 from trtllm_dflash.build import BuildOptions, run_build
-from trtllm_dflash.build.recipes import presets
+from trtllm_dflash.build.recipes import load_recipe, presets
 from trtllm_dflash.cli import main
+from trtllm_dflash.config import DraftConfig
+from trtllm_dflash.models.checkpoint import save_draft
+from trtllm_dflash.models.draft import DFlashDraftModel
 
 
 def _build(tmp_path, *args):
@@ -68,7 +72,7 @@ def test_every_recipe_validates_and_plans(recipe_id, tmp_path):
     (["--target", "gpt-oss-120b", "--tp", "3"], "tp 3"),
     (["--target", "gpt-oss-120b", "--ep", "3"], "ep 3"),
     (["--target", "qwen3-8b", "--gpu", "h100", "--quant", "nvfp4"], "NVFP4"),
-    (["--target", "qwen3-4b", "--quant", "fp8"], "TensorRT-LLM does not quantize at load time; run `trtdflash convert"),
+    (["--target", "qwen3-4b", "--quant", "fp8"], "TensorRT-LLM does not quantize at load time; build from its weights with --target DIR"),
     (["--target", "gpt-oss-120b", "--gpu", "b200", "--recipe", "fastest"], "no 'fastest' profile"),
     (["--target", "gpt-oss-120b", "--gpu", "a100"], "no recipe for GPU 'a100'"),
     (["--target", "qwen3-8b", "--gpu", "h100", "--max-batch-size", "100000"], "does not fit"),
@@ -81,6 +85,22 @@ def test_bad_input_is_one_sentence_exit_2_nothing_written(tmp_path, args, messag
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_local_draft_for_a_preset_target_is_staged_into_the_deployment(tmp_path):
+    """A draft trained here for a preset (checked against the preset's facts) ships inside the build."""
+    facts = load_recipe("qwen3-4b").model_facts
+    cfg = DraftConfig(hidden_size=facts.hidden_size, num_hidden_layers=1, num_attention_heads=facts.num_heads,
+                      num_key_value_heads=facts.num_kv_heads, head_dim=facts.head_dim, intermediate_size=64,
+                      vocab_size=facts.vocab_size, block_size=4, mask_token_id=5, target_layer_ids=[1], num_target_layers=facts.num_layers)
+    model = DFlashDraftModel(cfg)
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    save_draft(model, tmp_path / "draft", dtype=torch.bfloat16)
+    result, out = _build(tmp_path, "--target", "qwen3-4b", "--draft", str(tmp_path / "draft"))
+    assert result.exit_code == 0, result.output
+    assert (out / "checkpoints/draft/model.safetensors").is_file()
+    spec = yaml.safe_load((out / "triton_repo/tensorrt_llm/1/model.yaml").read_text())["speculative_config"]
+    assert spec["speculative_model"] == "../../../checkpoints/draft" and spec["max_draft_len"] == 3
 
 
 def test_force_writes_a_plan_that_does_not_fit(tmp_path):
@@ -101,3 +121,19 @@ def test_backend_is_chosen_by_the_target_and_gpu_options():
     assert BuildOptions(output="x", target="smollm2-135m", gpu="h100").resolved_backend == "trtllm"
     assert BuildOptions(output="x", target="smollm2-135m", quant="fp8").resolved_backend == "trtllm"
     assert BuildOptions(output="x", target="gpt-oss-120b", backend="torch").resolved_backend == "torch"
+
+
+def test_local_weights_are_quantized_into_the_deployment(target_dir, tmp_path):
+    """--quant on local weights runs ModelOpt (trtdflash convert) in the build; every file agrees on the format."""
+    out = tmp_path / "out"
+    run_build(BuildOptions(output=out, target=str(target_dir), draft="smollm2-135m", gpu="b200", quant="nvfp4", max_seq_len=512),
+              progress=lambda m: None)
+    hf_quant = json.loads((out / "checkpoints/target/hf_quant_config.json").read_text())["quantization"]
+    assert hf_quant["quant_algo"] == "NVFP4" and hf_quant["group_size"] == 16 and hf_quant["kv_cache_quant_algo"] is None
+    config = json.loads((out / "checkpoints/target/config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "modelopt"
+    model_yaml = yaml.safe_load((out / "triton_repo/tensorrt_llm/1/model.yaml").read_text())
+    assert model_yaml["model"] == "../../../checkpoints/target" and model_yaml["kv_cache_config"]["dtype"] == "auto"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "quantize_target" in manifest["steps"] and "checkpoints/target/model.safetensors" in manifest["steps"]["quantize_target"]["outputs"]
+    assert "NVFP4" in (out / "DEPLOY.md").read_text() or "nvfp4" in (out / "DEPLOY.md").read_text()

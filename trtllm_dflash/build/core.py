@@ -45,9 +45,11 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
-CONFIG_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+CONFIG_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
+                "hf_quant_config.json", "quantization.json")  # the last two: a ModelOpt export (trtdflash convert)
 RUNTIME_OVERHEAD = 600 << 20  # torch + tritonserver + 3 python backend stubs, measured RSS on CPU (rounded up)
 TORCH_MAX_BATCH = 8  # concurrent generations of the embedded backend by default
+CALIB_SAMPLES = 64  # ModelOpt calibration prompts when the build quantizes the target
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,12 @@ class BuildOptions:
             raise DFlashError("--draft and --no-draft contradict each other; pass one of them.")
         if self.resolved_backend == "torch":
             gpu_flags = [f for f, v in (("--gpu", self.gpu), ("--recipe", self.recipe), ("--ep", self.ep)) if v] + (
-                ["--tp"] if (self.tp or 1) > 1 else []) + (["--quant"] if self.quant not in (None, "none") else [])
+                ["--tp"] if (self.tp or 1) > 1 else [])
             if gpu_flags:
-                raise DFlashError(f"The torch backend runs one unquantized model copy on one CPU device; {gpu_flags[0]} needs "
+                raise DFlashError(f"The torch backend runs one model copy on one CPU device; {gpu_flags[0]} needs "
                                   "--backend trtllm (or drop it).")
+            if self.quant == "mxfp4":
+                raise DFlashError("The torch backend runs fp8 and nvfp4 checkpoints; for MXFP4 use --backend trtllm (gpt-oss ships it).")
 
 
 @dataclass
@@ -137,10 +141,16 @@ class Step:
     files: list[PlannedFile]
     key_inputs: dict
     run: Callable[[Path, Callable[[str], None]], None]
+    writes: str | None = None  # a folder whose files are known only after the run (a ModelOpt export)
     key: str = field(init=False)
 
     def __post_init__(self):
         self.key = hashlib.sha256(json.dumps(self.key_inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+    def outputs(self, tmp: Path) -> list[PlannedFile]:
+        if self.writes is None:
+            return self.files
+        return [PlannedFile(str(f.relative_to(tmp)), f.stat().st_size) for f in sorted((tmp / self.writes).rglob("*")) if f.is_file()]
 
 
 @dataclass
@@ -314,11 +324,25 @@ def text_step(name: str, description: str, files: dict[str, str], executable: tu
     return Step(name, description, [PlannedFile(rel, len(text.encode())) for rel, text in files.items()], files, run)
 
 
+def target_steps(src: Sources, quant: str | None, hashes: dict[str, str]) -> list[Step]:
+    """checkpoints/target (staged, or quantized with ModelOpt when `quant` asks for a format it is not in) + tokenizer."""
+    if quant is None:
+        first = stage_step("target_checkpoint", "stage the target HF checkpoint (hard links)", "checkpoints/target", src.target_files, hashes)
+    else:
+        def run(tmp: Path, progress):
+            from ..convert import ConvertOptions, convert_checkpoint
+
+            convert_checkpoint(ConvertOptions(model=str(src.target_dir), quant=quant, output=tmp / "checkpoints/target",
+                                              calib_samples=CALIB_SAMPLES), progress)
+
+        first = Step("quantize_target", f"quantize the target to {quant} with ModelOpt (trtdflash convert; {CALIB_SAMPLES} GSM8K "
+                     "calibration samples)", [], {"sources": {str(p): hashes[str(p)] for p in src.target_files}, "quant": quant,
+                                                  "calib_samples": CALIB_SAMPLES, "versions": _versions()}, run, writes="checkpoints/target")
+    return [first, stage_step("tokenizer", "stage the tokenizer for pre/postprocessing", "tokenizer", src.tokenizer_files, hashes)]
+
+
 def _torch_steps(opts: BuildOptions, src: Sources, hashes: dict[str, str]) -> list[Step]:
-    steps = [
-        stage_step("target_checkpoint", "stage the target HF checkpoint (hard links)", "checkpoints/target", src.target_files, hashes),
-        stage_step("tokenizer", "stage the tokenizer for pre/postprocessing", "tokenizer", src.tokenizer_files, hashes),
-    ]
+    steps = target_steps(src, opts.quant if opts.quant not in (None, "none") else None, hashes)
     if src.draft_dir is not None:
         steps.append(stage_step("draft_checkpoint", "stage the DFlash draft (z-lab format)", "checkpoints/draft", src.draft_files, hashes))
     steps.append(template_step(RepoParams(
@@ -478,13 +502,13 @@ def run_build(opts: BuildOptions, progress: Callable[[str], None] = print, dry_r
             t0 = time.perf_counter()
             if reuse[step.name]:
                 progress(f"[{i}/{len(plan.steps)}] {step.name}: unchanged, reusing the previous output")
-                for f in step.files:
-                    _stage(out / f.rel, tmp / f.rel)
+                for rel in old["steps"][step.name]["outputs"]:
+                    _stage(out / rel, tmp / rel)
             else:
                 progress(f"[{i}/{len(plan.steps)}] {step.name}: {step.description}...")
                 step.run(tmp, progress)
             outputs = {}
-            for f in step.files:
+            for f in step.outputs(tmp):
                 p = tmp / f.rel
                 sha = plan.hashes[str(f.source)] if f.source else sha256_file(p)
                 outputs[f.rel] = {"size": p.stat().st_size, "sha256": sha}

@@ -36,6 +36,10 @@ from .recipes import Parallelism, Recipe, draft_facts_from_config, load_recipe, 
 ENGINE_MODEL = "tensorrt_llm"
 MODEL_YAML = f"triton_repo/{ENGINE_MODEL}/1/model.yaml"
 SERVE_YAML = "trtllm-serve.yaml"
+# `trtdflash convert` format for a --quant of local dense weights: TensorRT-LLM's QuantAlgo has no plain MXFP4 for dense
+# linears (W4A8_MXFP4_FP8, W4A8_MXFP4_MXFP8, W4A16_MXFP4; tensorrt_llm/quantization/mode.py), so MXFP4 weights run with FP8
+# activations (W4A8_MXFP4_FP8).
+CONVERT_FORMAT = {"mxfp4": "w4a8_mxfp4_fp8"}
 LOCAL_GPU = "h100"  # --gpu default for a local target (no recipe says otherwise)
 LOCAL_LIMITS = {"max_batch_size": 64, "max_num_tokens": 8192}  # max_seq_len: the target's window, as for torch
 
@@ -56,6 +60,8 @@ class Deployment:
     serve_draft: str | None
     tokenizer_ref: str  # Triton models' tokenizer_dir: relative to a model folder, or a hub id
     local: bool  # weights staged into checkpoints/
+    quantize: str | None = None  # local weights quantized by the build (a `trtdflash convert` format)
+    draft_files: tuple[Path, ...] = ()  # a local draft for a preset target, staged into checkpoints/draft
 
     def options(self) -> dict:
         from ..backends.trtllm.options import llm_options
@@ -76,8 +82,8 @@ def _check_weights(recipe: Recipe) -> None:
     if recipe.checkpoint is None and recipe.quant not in ("none", shipped):
         raise DFlashError(
             f"{recipe.id}: --quant {recipe.quant} needs a {recipe.quant} checkpoint, but {recipe.hf_id} is {shipped if shipped != 'none' else 'unquantized'} "
-            f"and TensorRT-LLM does not quantize at load time; run `trtdflash convert --model DIR --quant {recipe.quant}` on its weights "
-            f"and build with --target OUT, or choose --quant {shipped}.")
+            f"and TensorRT-LLM does not quantize at load time; build from its weights with --target DIR --quant {recipe.quant} "
+            f"(the build quantizes local weights with ModelOpt), or choose --quant {shipped}.")
 
 
 def _overrides(opts, recipe: Recipe, block_size: int | None) -> Recipe:
@@ -120,19 +126,22 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
             recipe = dataclasses.replace(recipe, draft_facts=facts, max_draft_len=min(recipe.max_draft_len, facts.block_size - 1))
         recipe = _overrides(opts, recipe, opts.block_size)
         _check_weights(recipe)
-        draft_ref = None if recipe.draft_facts is None else (str(draft_dir.resolve()) if draft_dir else recipe.draft_hf_id)
-        dep = Deployment(recipe, plan_recipe(recipe), recipe.weights, draft_ref, recipe.weights, draft_ref, recipe.weights, local=False)
-        progress(f"Recipe {recipe.id}: weights are not local; the GPU host fetches {recipe.weights}"
-                 + (f" and {draft_ref}" if draft_ref else "") + ".")
+        draft_files = (draft_dir / "config.json", *sorted(draft_dir.glob("*.safetensors"))) if draft_dir else ()
+        hub_draft = recipe.draft_hf_id if recipe.draft_facts is not None and not draft_dir else None
+        dep = Deployment(recipe, plan_recipe(recipe), recipe.weights, "../../../checkpoints/draft" if draft_dir else hub_draft,
+                         recipe.weights, "checkpoints/draft" if draft_dir else hub_draft, recipe.weights, local=False, draft_files=draft_files)
+        progress(f"Recipe {recipe.id}: the target's weights are not local; the GPU host fetches {recipe.weights}"
+                 + (f" and {hub_draft}" if hub_draft else "") + ".")
     else:
         if opts.recipe:
             raise DFlashError(f"--recipe applies to GPU presets ({', '.join(presets())}); a local target takes --gpu, --tp and --ep.")
         sources = resolve_sources(opts, progress)
         recipe = _local_recipe(opts, sources)
-        _check_weights(recipe)
         has_draft = sources.draft_dir is not None
+        shipped = recipe.model_facts.shipped_quant
+        quantize = None if recipe.quant in ("none", shipped) else CONVERT_FORMAT.get(recipe.quant, recipe.quant)
         dep = Deployment(recipe, plan_recipe(recipe), "../../../checkpoints/target", "../../../checkpoints/draft" if has_draft else None,
-                         "checkpoints/target", "checkpoints/draft" if has_draft else None, "../../tokenizer", local=True)
+                         "checkpoints/target", "checkpoints/draft" if has_draft else None, "../../tokenizer", local=True, quantize=quantize)
     if not dep.memory.fits and not opts.force:
         m = dep.memory
         raise DFlashError(
@@ -233,13 +242,14 @@ def steps(opts, dep: Deployment, sources, hashes: dict[str, str]) -> list:
     from . import core
 
     out = []
+    draft_files = list(dep.draft_files)
     if dep.local:
-        out += [
-            core.stage_step("target_checkpoint", "stage the target HF checkpoint (hard links)", "checkpoints/target", sources.target_files, hashes),
-            core.stage_step("tokenizer", "stage the tokenizer for pre/postprocessing", "tokenizer", sources.tokenizer_files, hashes),
-        ]
-        if sources.draft_dir is not None:
-            out.append(core.stage_step("draft_checkpoint", "stage the DFlash draft (z-lab format)", "checkpoints/draft", sources.draft_files, hashes))
+        out += core.target_steps(sources, dep.quantize, hashes)
+        draft_files = sources.draft_files
+    else:
+        hashes.update({str(p): core.sha256_file(p) for p in draft_files})
+    if draft_files:
+        out.append(core.stage_step("draft_checkpoint", "stage the DFlash draft (z-lab format)", "checkpoints/draft", draft_files, hashes))
     from ..backends.trtllm.schema import RELEASE
 
     params = RepoParams(

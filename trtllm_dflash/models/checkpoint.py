@@ -15,6 +15,7 @@ from ..atomic import replace_dir
 from ..config import DRAFT_ARCHITECTURE, DraftConfig
 from ..errors import DFlashError
 from .draft import DFlashDraftModel
+from .quantized import load_quantized_draft, quantized_shapes, read_quant_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -84,7 +85,8 @@ def check_draft(path: str | Path) -> DraftConfig:
                 shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
         except (SafetensorError, OSError) as e:
             raise DFlashError(f"Draft weights {f} are not a readable safetensors file ({e}); re-export the draft.") from None
-    _check_names_and_shapes(path, shapes, config)
+    spec = read_quant_spec(path)
+    _check_names_and_shapes(path, quantized_shapes(shapes, spec) if spec is not None else shapes, config)
     return config
 
 
@@ -94,6 +96,8 @@ def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDr
     state = {}
     for f in _weight_files(path):
         state.update(load_file(f))
+    if (spec := read_quant_spec(path)) is not None:
+        return load_quantized_draft(config, state, spec, dtype, path)
     model = DFlashDraftModel(config)
     model.load_state_dict(state)
     return model.to(dtype).eval()

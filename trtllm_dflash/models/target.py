@@ -10,6 +10,7 @@ from torch import nn
 
 from ..errors import DFlashError
 from ..config import rope_of
+from .quantized import load_quantized_lm, read_quant_spec
 
 RECURRENT_HINTS = ("mamba", "rwkv", "recurrent", "linear_attention", "gated_deltanet", "xlstm")
 
@@ -61,7 +62,9 @@ class TargetModel:
                 "after a rejected draft; only attention-only targets are supported for now."
             )
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+            spec = read_quant_spec(path)
+            model = (load_quantized_lm(path, config, spec, dtype) if spec is not None
+                     else AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa"))
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (ValueError, OSError) as e:
             raise DFlashError(f"Could not load target {path}: {str(e).splitlines()[0]}") from None
