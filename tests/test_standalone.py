@@ -31,7 +31,7 @@ def test_no_code_reaches_outside_the_repository():
             continue  # this file spells out the patterns
         text = f.read_text(errors="replace")
         if re.search(r"\.\./shared|[\"']shared[\"']\s*/|/\s*[\"']shared[\"']", text):
-            offenders.append(f"{f.relative_to(ROOT)}: names ../shared")
+            offenders.append(f"{f.relative_to(ROOT)}: names the shared folder beside the repository")
         for m in climb.finditer(text):
             up = m.group(1).count(".parent") - 1 if m.group(1) else int(m.group(2))  # parents[k] = k+1 levels up
             reached = f.parents[up] if up < len(f.parents) else Path("/")
