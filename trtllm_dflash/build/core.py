@@ -513,7 +513,6 @@ def run_build(opts: BuildOptions, progress: Callable[[str], None] = print, dry_r
                 sha = plan.hashes[str(f.source)] if f.source else sha256_file(p)
                 outputs[f.rel] = {"size": p.stat().st_size, "sha256": sha}
             steps_meta[step.name] = {"key": step.key, "outputs": outputs, "seconds": round(time.perf_counter() - t0, 3)}
-        s = plan.sources
         manifest = {
             "format": MANIFEST_FORMAT,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -69,11 +69,9 @@ class Deployment:
         return llm_options(self.recipe, model=self.target_ref, draft=self.draft_ref, where=MODEL_YAML)
 
     def serve_options(self) -> dict:
-        from ..backends.trtllm.options import llm_options
+        from ..backends.trtllm.options import serve_options
 
-        options = llm_options(self.recipe, model=self.serve_target, draft=self.serve_draft, where=SERVE_YAML)
-        del options["model"]  # trtllm-serve takes the model as its argument
-        return options
+        return serve_options(self.recipe, draft=self.serve_draft, where=SERVE_YAML)
 
 
 def _check_weights(recipe: Recipe) -> None:

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from ..atomic import replace_dir
 from ..config import DRAFT_ARCHITECTURE
 from ..errors import DFlashError
-from ..resolve import DRAFTS_DIR, PRESETS, preset_for, resolve_target
+from ..resolve import PRESETS, preset_for
 from .calib import CALIB_SOURCES, calibration_texts
 from .formats import FORMATS, KV_CACHE_FORMATS, QuantFormat
 
