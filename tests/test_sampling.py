@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trtllm_dflash.config import DraftConfig, SamplingParams
-from trtllm_dflash.generate import GenerationStats, speculative_stream
+from trtllm_dflash.generate import Batch, GenerationStats, Request, speculative_stream
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.models.target import TargetModel
 
@@ -131,6 +131,29 @@ def assert_matches(seqs, joint):
 def test_distribution_matches_target(tiny_target, sp):
     draft = make_draft(tiny_target, scale=0.3, seed=1)
     assert_matches(samples(tiny_target, draft, sp), exact_joint(tiny_target, sp))
+
+
+def batched_samples(target, draft, sp):
+    """Two sampled requests for PROMPT per batch, beside a greedy neighbour at other positions that joined first."""
+    out = []
+    for run in range(SAMPLES // 2):
+        batch = Batch(target, draft, BLOCK, slots=3)
+        neighbour = Request([1, 5, 3, 2, 6, 4, 7, 2], 6)
+        rows = [Request(PROMPT, N_NEW, SamplingParams(sp.temperature, sp.top_p, sp.top_k, 2 * run + i)) for i in range(2)]
+        got = {id(r): batch.add(r) for r in [neighbour, *rows]}
+        while batch.ready:
+            for r, tokens in batch.step().items():
+                got[id(r)] += tokens
+            for r in [r for r in batch.rows if r.stats.finish_reason]:
+                batch.remove(r)
+        out += [tuple(got[id(r)]) for r in rows]
+    return out
+
+
+def test_distribution_matches_target_under_batching(tiny_target):
+    sp = SamplingParams(1.0, top_k=3)
+    draft = make_draft(tiny_target, scale=0.3, seed=1)
+    assert_matches(batched_samples(tiny_target, draft, sp), exact_joint(tiny_target, sp))
 
 
 def test_bad_draft_is_still_exact(tiny_target):

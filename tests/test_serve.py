@@ -46,7 +46,8 @@ def draft_dir(random_draft_dir):
 def build_dir(draft_dir, random_draft_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("serve") / "build"
     draft = None if draft_dir != random_draft_dir else str(draft_dir)
-    return run_build(BuildOptions(output=out, draft=draft, block_size=BLOCK, max_seq_len=MAX_SEQ_LEN, max_batch_size=2),
+    return run_build(BuildOptions(output=out, draft=draft, block_size=BLOCK, max_seq_len=MAX_SEQ_LEN, max_batch_size=2,
+                                  speculation="fixed"),  # statistics comparable with `generate --speculation fixed`
                      progress=lambda m: None)
 
 
@@ -66,7 +67,7 @@ def server(build_dir):
 def reference(draft_dir):
     """What `trtdflash generate` prints for the same prompt and settings (greedy)."""
     out = subprocess.run(
-        [TRTDFLASH, "generate", "--draft", str(draft_dir), "--block-size", str(BLOCK), "--max-new-tokens", str(MAX_TOKENS),
+        [TRTDFLASH, "generate", "--draft", str(draft_dir), "--block-size", str(BLOCK), "--max-new-tokens", str(MAX_TOKENS), "--speculation", "fixed",
          "--prompt", PROMPT, "--json"], capture_output=True, text=True, check=True, timeout=300)
     return json.loads(out.stdout)
 
@@ -143,6 +144,24 @@ def test_concurrent_streams_all_complete(server, reference):
         t.join(timeout=300)
     assert not errors
     assert [r.text for r in results] == [reference["text"]] * 3
+
+
+def test_engine_metrics_on_the_metrics_port(server, reference):
+    """After requests, a Prometheus scrape shows the engine: steps, tokens, drafted/accepted, block lengths, idle gauges."""
+    _complete(server)
+    deadline = time.time() + 10
+    while True:
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+            text = r.read().decode()
+        values = {m.group(1): float(m.group(2)) for m in re.finditer(r'^(dflash_\w+)\{[^}]*model="dflash"[^}]*\} (\S+)$', text, re.M)}
+        if values.get("dflash_running") == 0 or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert values["dflash_steps_total"] >= reference["steps"]
+    assert values["dflash_generated_tokens_total"] >= reference["num_tokens"]
+    assert 0 < values["dflash_accepted_tokens_total"] <= values["dflash_drafted_tokens_total"]
+    assert values["dflash_acceptance_length"] > 1 and values["dflash_running"] == 0 and values["dflash_queued"] == 0
+    assert f'dflash_block_length_steps_total{{block_length="{BLOCK}",model="dflash"}}' in text
 
 
 def _raw_stream(server, arrays: dict, outputs=None) -> tuple[list, list]:

@@ -65,7 +65,9 @@ def test_wheel_carries_everything_and_works_outside_the_source_tree(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("trtllm_dflash/triton_repo/ensemble/config.pbtxt", "trtllm_dflash/triton_repo/dflash/1/model.py",
                    "trtllm_dflash/drafts/smollm2-135m/model.safetensors", "trtllm_dflash/data/gsm8k/train.jsonl.gz",
-                   "trtllm_dflash/data/gsm8k/LICENSE", "trtllm_dflash/build_configs/gpt-oss-120b/model.yaml", "trtllm_dflash/plugins/__init__.py",
+                   "trtllm_dflash/data/gsm8k/LICENSE", "trtllm_dflash/data/magpie-smollm2/chat.jsonl.gz",
+                   "trtllm_dflash/data/magpie-smollm2/card.json", "trtllm_dflash/drafts/smollm2-135m/TRAINING.md",
+                   "trtllm_dflash/build_configs/gpt-oss-120b/model.yaml", "trtllm_dflash/plugins/__init__.py",
                    "trtllm_dflash/triton_repo/tensorrt_llm/1/model.py", "trtllm_dflash/backends/trtllm/llm_args_schema.json"):
         assert needed in names, needed
     site = tmp_path / "site"
@@ -76,7 +78,7 @@ def test_wheel_carries_everything_and_works_outside_the_source_tree(tmp_path):
         "assert pathlib.Path(trtllm_dflash.__file__).is_relative_to(SITE), trtllm_dflash.__file__; "
         "assert TEMPLATE_DIR.is_relative_to(SITE) and template_files(('ensemble',)), TEMPLATE_DIR; "
         "assert resolve_draft(None, 'smollm2-135m').is_relative_to(SITE); "
-        "assert len(gsm8k_records()) == 7273; from trtllm_dflash.build.recipes import load_recipe, recipes_root; "
+        "assert len(gsm8k_records()) == 7273; from trtllm_dflash.data import magpie_records; assert magpie_records(); from trtllm_dflash.build.recipes import load_recipe, recipes_root; "
         "assert recipes_root().is_relative_to(SITE) and load_recipe('gpt-oss-120b').num_gpus == 8; print('ok')"
     ).replace("SITE", repr(str(site)))
     r = subprocess.run([sys.executable, "-c", probe], cwd="/", env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},

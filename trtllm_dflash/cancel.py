@@ -5,19 +5,21 @@ Triton 2.51 propagates a cancelled ensemble request only to steps scheduled afte
 decoupled dflash model's `is_cancelled()` stays False when a client leaves an ensemble stream.
 Postprocessing requests created afterwards do see it; postprocessing then drops a marker file named
 by the key the dflash model attached to its responses, and the dflash model checks for it each step.
-Both stubs are children of the same tritonserver, so its pid scopes the marker directory.
+Both stubs are children of the same tritonserver, so its pid scopes the marker directory, which lives in the
+user's cache (not a shared /tmp, where another user could create it first and cancel our requests).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
+
+from .resolve import cache_dir
 
 
 def _marker_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"trtdflash-cancel-{os.getppid()}"
+    return cache_dir() / "triton" / f"cancel-{os.getppid()}"
 
 
 def _marker(key: str) -> Path:
@@ -26,7 +28,7 @@ def _marker(key: str) -> Path:
 
 def mark_cancelled(key: str) -> None:
     if key.isalnum():  # keys are uuid hex; never turn a tensor value into an arbitrary path
-        _marker_dir().mkdir(exist_ok=True)
+        _marker_dir().mkdir(parents=True, exist_ok=True)
         _marker(key).touch()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 import click
 
 from .errors import DFlashError
+from .threads import configure_threads
 
 
 def user_errors(fn):
@@ -21,6 +23,15 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except DFlashError as e:
             click.echo(f"Error: {e}", err=True)
+            sys.exit(2)
+        except OSError as e:  # the environment: writers work in temporary siblings they remove on failure (atomic.py)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                click.echo(f"Error: the disk is full ({e.strerror} writing {e.filename or 'a file'}); outputs are replaced only when "
+                           "complete, so free some space and run the command again.", err=True)
+            elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                click.echo(f"Error: {e.strerror}: {e.filename or 'a file'}; check the path and its permissions.", err=True)
+            else:
+                raise
             sys.exit(2)
 
     return wrapper
@@ -37,6 +48,12 @@ def _quiet_hf():
 def main():
     """Build, serve and run DFlash speculative decoding (block-diffusion drafts) for TensorRT-LLM and Triton."""
     _quiet_hf()
+    configure_threads()  # before any command imports torch (threads.py)
+
+
+speculation_option = click.option(
+    "--speculation", type=click.Choice(["adaptive", "fixed"]), default="adaptive", show_default=True,
+    help="adaptive: block length per step (down to 1, plain decoding) from measured costs and acceptance; fixed: always the full block.")
 
 
 def sampling_options(fn):
@@ -61,16 +78,17 @@ def sampling_options(fn):
 @sampling_options
 @click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@speculation_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @user_errors
-def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, temperature, top_p, top_k, seed, stop_strings, dtype, as_json):
+def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, temperature, top_p, top_k, seed, stop_strings, dtype, speculation, as_json):
     """Generate text from a prompt with DFlash speculative decoding on the embedded PyTorch backend."""
     from .config import SamplingParams
     from .generate import GenerationStats
     from .runtime import DFlashEngine
 
     sampling = SamplingParams(temperature, top_p, top_k, seed)
-    engine = DFlashEngine.load(target, draft, no_draft=no_draft, dtype=dtype, block_size=block_size,
+    engine = DFlashEngine.load(target, draft, no_draft=no_draft, dtype=dtype, block_size=block_size, speculation=speculation,
                                progress=lambda m: click.echo(m, err=True))
     stats = GenerationStats()
     ids, text = [], []
@@ -108,11 +126,14 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
 @click.option("--max-seq-len", type=int, default=None, help="Prompt + generated tokens per request. Default: the recipe's or the target's window.")
 @click.option("--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's); the trtllm max_draft_len is this minus 1.")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 or bf16 (torch backend).")
+@speculation_option
 @click.option("--force", is_flag=True, help="Write a TensorRT-LLM plan even if its memory plan does not fit the GPUs.")
+@click.option("--draft-engine", is_flag=True, help="Also write the ONNX drafter (block attention as one TensorRT plugin node) and, "
+              "on a GPU host with TensorRT, build its engine.")
 @click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
 @user_errors
-def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, force, output, dry_run):
+def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, speculation, force, draft_engine, output, dry_run):
     """Build a Triton model repository (plus checkpoints or GPU launch files, manifest.json) from a target and a DFlash draft."""
     from pathlib import Path
 
@@ -120,7 +141,7 @@ def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batc
 
     opts = BuildOptions(output=Path(output), target=target, draft=draft, no_draft=no_draft, backend=backend, gpu=gpu, recipe=recipe,
                         tp=tp, ep=ep, quant=quant, max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_size=block_size,
-                        dtype=dtype, force=force)
+                        dtype=dtype, speculation=speculation, force=force, draft_engine=draft_engine)
     run_build(opts, progress=lambda m: click.echo(m, err=True), dry_run=dry_run)
 
 
@@ -211,7 +232,8 @@ def quickstart(output, draft, prompt, max_tokens):
 @click.option("--data", "data", multiple=True, default=("gsm8k", "code"), show_default=True,
               help="Prompt source the target answers (repeatable): gsm8k (train split minus our 200 held-out), "
                    "gsm8k-var (those questions with other numbers), code (library functions: signature + summary), "
-                   "docstring (library functions with doctest examples, HumanEval-shaped).")
+                   "docstring (library functions with doctest examples, HumanEval-shaped), "
+                   "magpie (chat questions SmolLM2 wrote itself, packaged with its greedy answers).")
 @click.option("--num-samples", type=int, default=None, help="At most this many prompts answered (default: all).")
 @click.option("--data-minutes", type=float, default=None, help="Time budget of the data phase (default: none).")
 @click.option("--gen-max-new-tokens", type=int, default=192, show_default=True)

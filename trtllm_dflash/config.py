@@ -8,6 +8,8 @@ from typing import Any
 
 from .errors import DFlashError
 
+SPECULATION = ("adaptive", "fixed")  # block length per step from measured costs and acceptance, or always the full block
+
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 
 

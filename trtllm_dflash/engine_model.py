@@ -37,15 +37,15 @@ def _response(text: str, stats: GenerationStats, times: protocol.RequestTimes, k
 class EngineModel:
     """Subclasses call `start(...)` from `initialize` and implement `steps`."""
 
-    def start(self, *, name: str, tokenizer, max_seq_len: int, vocab_rows: int, max_batch_size: int, step_lock=None) -> None:
+    def start(self, *, name: str, tokenizer, max_seq_len: int, vocab_rows: int, max_batch_size: int) -> None:
         self.name, self.tokenizer, self.max_seq_len, self.vocab_rows = name, tokenizer, max_seq_len, vocab_rows
-        self.step_lock = step_lock or contextlib.nullcontext()  # a lock where one model copy serves every request
         self.slots = threading.BoundedSemaphore(max(1, max_batch_size))  # concurrent generations
         self.stopping = threading.Event()
         self.threads: set[threading.Thread] = set()
 
-    def steps(self, job: protocol.EngineRequest, stats: GenerationStats) -> Iterator[tuple[list[int], str]]:
-        """(new token ids, new text) per engine step, filling `stats`; closing it stops the generation."""
+    def steps(self, job: protocol.EngineRequest, stats: GenerationStats, poll) -> Iterator[tuple[list[int], str]]:
+        """(new token ids, new text) per engine step, filling `stats`; closing it stops the generation.
+        `poll()` is True once the client is gone (for engines that wait on their own queue)."""
         raise NotImplementedError
 
     def execute(self, requests):
@@ -59,22 +59,22 @@ class EngineModel:
         steps, key, slot, times = None, uuid.uuid4().hex, False, protocol.RequestTimes()
         try:
             job = protocol.parse_request(lambda name: _array(request, name), max_seq_len=self.max_seq_len, vocab_rows=self.vocab_rows)
+            gone = lambda: sender.is_cancelled() or cancel.is_cancelled(key) or self.stopping.is_set()  # noqa: E731
             while not self.slots.acquire(timeout=0.2):  # all slots busy: queue, but notice a client that left
-                if sender.is_cancelled() or self.stopping.is_set():
+                if gone():
                     sender.send(flags=FINAL)
                     return
             slot = True
             times.schedule()
             stats = GenerationStats()
-            steps = self.steps(job, stats)
+            steps = self.steps(job, stats, gone)
             pending = "" if job.exclude_input else self.tokenizer.decode(job.prompt_ids, skip_special_tokens=True)
             while True:
-                if sender.is_cancelled() or cancel.is_cancelled(key) or self.stopping.is_set():
+                if gone():
                     pb_utils.Logger.log_info(f"{self.name}: request cancelled after {stats.num_tokens} tokens")
                     sender.send(flags=FINAL)
                     break
-                with self.step_lock:
-                    step = next(steps, None)
+                step = next(steps, None)
                 if step and step[0]:
                     times.token()
                 pending += step[1] if step else ""
@@ -95,8 +95,7 @@ class EngineModel:
         finally:
             cancel.clear(key)
             if steps is not None:
-                with self.step_lock:
-                    steps.close()
+                steps.close()
             if slot:
                 self.slots.release()
             self.threads.discard(threading.current_thread())

@@ -1,7 +1,10 @@
-"""Speculative generation: draft a block in one forward, verify it in one target forward, commit.
+"""Speculative generation for many requests at once: draft every row's block in one forward, verify all of
+them in one target forward, accept per row.
 
-All per-request state lives in the generator's frame and the `GenerationStats` it fills, so many
-requests can run side by side in one process.
+Requests live in slots of static caches (target K/V and draft context K/V, TensorRT-LLM's per-request slots);
+the running rows are always slots 0..n-1, so a step's caches are plain views. Each row keeps its own
+position, acceptance, bonus token, budget, stop rules and random generator, so what a request produces does
+not depend on what runs beside it. `speculative_stream` is one request through the same step.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import torch
 from .config import SamplingParams
 from .models.draft import DFlashDraftModel, DraftKVCache
 from .models.target import TargetModel
+from .policy import BlockPolicy
 from .sampling import rejection_sample, sample, sampling_probs
+
+PREFILL_CHUNK = 512  # prompt tokens per forward: a long prompt never holds the running rows for long
 
 
 @dataclass
@@ -27,6 +33,7 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps whose draft j+1 was accepted
+    block_lengths: dict[int, int] = field(default_factory=dict)  # block length the policy chose -> steps
     time_to_first_token: float = 0.0
     wall_time: float = 0.0
     finish_reason: str = ""
@@ -50,6 +57,7 @@ class GenerationStats:
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "accepted_per_position": list(self.accepted_per_position),
+            "block_lengths": {str(k): v for k, v in sorted(self.block_lengths.items())},
             "time_to_first_token": round(self.time_to_first_token, 4),
             "wall_time": round(self.wall_time, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
@@ -59,6 +67,215 @@ class GenerationStats:
 
 def _generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+class Request:
+    """One generation: its inputs, its place in the sequence and what it has committed."""
+
+    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 stop_token_ids: frozenset[int] = frozenset(), min_tokens: int = 0, stats: GenerationStats | None = None):
+        self.prompt_ids, self.sampling, self.min_tokens = list(prompt_ids), sampling, min_tokens
+        self.max_new_tokens = max_new_tokens
+        self.stop_token_ids, self.stop_list = stop_token_ids, sorted(stop_token_ids)
+        self.stats = stats if stats is not None else GenerationStats()
+        self.gen = _generator(sampling.seed)
+        self.t0 = time.perf_counter()
+        self.start = 0  # position of `token`: committed, not yet fed to the target
+        self.token = -1
+        self.prefilled = 0  # prompt tokens already in the target cache (chunked prefill)
+        self.features: list[torch.Tensor] = []  # target features of positions not yet in the draft cache, [t, n_sel*H] each
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - self.stats.num_tokens
+
+    def hold_stops(self, logits: torch.Tensor, first: int) -> torch.Tensor:
+        """min_tokens: stop tokens get probability 0 at the rows (row j predicts generated token first + j) that come
+        too early; the target's distribution is what changes, so verification stays exact."""
+        rows = self.min_tokens - first
+        if rows > 0 and self.stop_list:
+            logits[:rows, self.stop_list] = float("-inf")
+        return logits
+
+    def commit(self, tokens: list[int]) -> list[int]:
+        """Append decided tokens, cut at the first stop token and at the budget."""
+        stats, out = self.stats, []
+        for t in tokens[: self.remaining]:
+            out.append(t)
+            if t in self.stop_token_ids:
+                stats.finish_reason = "stop"
+                break
+        stats.num_tokens += len(out)
+        if not stats.finish_reason and stats.num_tokens >= self.max_new_tokens:
+            stats.finish_reason = "length"
+        stats.wall_time = time.perf_counter() - self.t0
+        return out
+
+
+class Batch:
+    """The running requests of one engine and their caches; `add`, `step` and `remove` between steps."""
+
+    def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int, slots: int = 1,
+                 policy: BlockPolicy | None = None):
+        self.target, self.draft = target, (draft if block_size > 1 else None)
+        self.block_size = block_size if self.draft is not None else 1
+        self.policy = policy or BlockPolicy(self.block_size)
+        self.rows: list[Request] = []  # row i is slot i
+        self.cache = target.new_cache(slots)
+        self.dcache = DraftKVCache(draft.config, slots, 256, target.dtype) if self.draft is not None else None
+        self.slots = slots
+        self.last_step = (0, 0, 0)
+
+    @torch.inference_mode()
+    def add(self, req: Request) -> list[int]:
+        """Prefill `req` into the next free slot (up to PREFILL_CHUNK tokens); returns its first token once the prompt is in."""
+        if req not in self.rows:
+            assert len(self.rows) < self.slots, "no free slot"
+            req.max_new_tokens = min(req.max_new_tokens, self.target.max_positions - len(req.prompt_ids))
+            req.stats.prompt_tokens = len(req.prompt_ids)
+            req.stats.accepted_per_position = [0] * (self.block_size - 1)
+            self.rows.append(req)
+            if self.dcache is not None:
+                self.dcache.lengths[len(self.rows) - 1] = 0
+        slot, n = self.rows.index(req), len(req.prompt_ids)
+        chunk = req.prompt_ids[req.prefilled : req.prefilled + PREFILL_CHUNK]
+        last = req.prefilled + len(chunk) == n
+        logits, feats = self.target.forward(torch.tensor([chunk]), req.prefilled, self.cache, capture=self.draft is not None,
+                                            logits_to_keep=1, first_slot=slot)
+        req.prefilled += len(chunk)
+        if feats is not None:
+            req.features.append(feats[0])
+        if not last:
+            return []
+        row = req.hold_stops(logits[0, -1:], 0)  # [1, V]
+        req.token = int(row.argmax(-1)[0] if req.sampling.greedy else sample(sampling_probs(row, req.sampling), req.gen)[0])
+        req.start = n
+        req.stats.time_to_first_token = time.perf_counter() - req.t0
+        return req.commit([req.token])
+
+    @torch.inference_mode()
+    def remove(self, req: Request) -> None:
+        """Free req's slot; the last row moves into it so running rows stay slots 0..n-1."""
+        i, last = self.rows.index(req), len(self.rows) - 1
+        if i != last:
+            moved = self.rows[last]
+            self.cache.move(last, i, max(moved.start, moved.prefilled))
+            if self.dcache is not None:
+                self.dcache.move(last, i)
+            self.rows[i] = moved
+        self.rows.pop()
+
+    @torch.inference_mode()
+    def calibrate(self, max_rows: int) -> None:
+        """Measure draft and verify forwards of 1, 2, 4, ... tokens up to a full step of `max_rows` rows, for the policy.
+
+        Runs in slot 0 before any request is admitted (whatever it writes there is overwritten by the next prefill).
+        """
+        assert not self.rows, "calibrate before admitting requests"
+        tokens = 1
+        while True:
+            n = min(tokens, max_rows * self.block_size)
+            ids = torch.zeros(1, n, dtype=torch.long)
+            verify, draft = [], []
+            for _ in range(3):  # the first run of a shape pays one-off setup; the fastest is the machine's cost
+                t0 = time.perf_counter()
+                self.target.forward(ids, 0, self.cache, capture=self.draft is not None)
+                t1 = time.perf_counter()
+                if self.draft is not None and n > 1:
+                    x = self.draft.embed_block(self.target.embed_tokens, ids)
+                    c = self.dcache.k[:, :1, :, :0]
+                    hidden = self.draft.draft_block(x, torch.arange(n)[None], c, c, torch.zeros(1, dtype=torch.long))
+                    self.draft.compute_logits(hidden[:, 1:], self.target.lm_head)
+                verify.append(t1 - t0)
+                draft.append(time.perf_counter() - t1)
+            self.policy.record_cost(n, min(draft) if n > 1 else None, min(verify))
+            if n == max_rows * self.block_size:
+                break
+            tokens *= 2
+
+    @property
+    def ready(self) -> list[Request]:
+        """Rows past prefill and not finished: the ones a step advances."""
+        return [r for r in self.rows if r.prefilled == len(r.prompt_ids) and not r.stats.finish_reason]
+
+    def _update_draft_context(self, rows: list[Request]) -> None:
+        """Context K/V of every row's newly committed tokens: one GEMM over all of them, written into each row's slot."""
+        feats, slots, positions = [], [], []
+        for i, r in enumerate(rows):
+            if not r.features:
+                continue
+            f = torch.cat(r.features) if len(r.features) > 1 else r.features[0]
+            length = self.dcache.lengths[i]
+            feats.append(f)
+            slots.append(torch.full((f.shape[0],), i))
+            positions.append(torch.arange(length, length + f.shape[0]))
+            self.dcache.lengths[i] += f.shape[0]
+            r.features = []
+        if feats:
+            positions = torch.cat(positions)
+            k, v = self.draft.context_kv(self.draft.project_context(torch.cat(feats)[None]), positions[None])
+            self.dcache.write(torch.cat(slots), positions, k, v)
+
+    @torch.inference_mode()
+    def step(self) -> dict[Request, list[int]]:
+        """One speculative step for every ready row (they must be slots 0..n-1): draft, verify, accept, commit."""
+        rows = self.ready
+        assert rows == self.rows[: len(rows)], "ready rows must lead the slots"
+        n, draft, target = len(rows), self.draft, self.target
+        k = self.policy.choose(rows)  # block length for this step: 1 = plain decoding
+        budgets = [min(k, r.remaining) for r in rows]
+        k = max(budgets)
+        starts = torch.tensor([r.start for r in rows])
+        tokens = torch.tensor([[r.token] for r in rows])  # [n, 1]
+        drafts, q = torch.empty(n, 0, dtype=torch.long), None
+        t0 = time.perf_counter()
+        if k > 1:
+            # Draft: context K/V of newly committed tokens, then one block forward for all rows.
+            self._update_draft_context(rows)
+            block = torch.cat([tokens, torch.full((n, k - 1), draft.config.mask_token_id)], dim=1)
+            c = int(starts.max())
+            hidden = draft.draft_block(draft.embed_block(target.embed_tokens, block), starts[:, None] + torch.arange(k),
+                                       self.dcache.k[:, :n, :, :c], self.dcache.v[:, :n, :, :c], starts)
+            draft_logits = draft.compute_logits(hidden[:, 1:], target.lm_head)  # [n, k-1, V]; slot j: position start+j
+            for i, r in enumerate(rows):
+                r.hold_stops(draft_logits[i], r.stats.num_tokens)
+            drafts = draft_logits.argmax(-1)
+            if not all(r.sampling.greedy for r in rows):
+                q = [None if r.sampling.greedy else sampling_probs(draft_logits[i], r.sampling) for i, r in enumerate(rows)]
+                for i, r in enumerate(rows):
+                    if q[i] is not None:
+                        drafts[i] = sample(q[i], r.gen)
+        t1 = time.perf_counter()
+        # Verify [token, d_1..d_{k-1}] of every row at positions start..start+k-1 in one target forward.
+        logits, feats = target.forward(torch.cat([tokens, drafts], dim=1), starts.tolist(), self.cache, capture=draft is not None)
+        for i, r in enumerate(rows):
+            r.hold_stops(logits[i], r.stats.num_tokens)
+        posterior = logits.argmax(-1)  # [n, k]
+        in_budget = torch.arange(k - 1)[None] < torch.tensor(budgets)[:, None] - 1
+        accepted = ((drafts == posterior[:, :-1]) & in_budget).int().cumprod(1).sum(1).tolist()
+        bonus = posterior.gather(1, torch.tensor(accepted)[:, None])[:, 0].tolist()
+        for i, r in enumerate(rows):
+            if not r.sampling.greedy:
+                b = budgets[i]
+                accepted[i], bonus[i] = rejection_sample(drafts[i, : b - 1], sampling_probs(logits[i, :b], r.sampling),
+                                                         q[i][: b - 1] if q is not None and q[i] is not None else torch.empty(0, 0), r.gen)
+        drafts, out = drafts.tolist(), {}
+        for i, r in enumerate(rows):
+            a, s = accepted[i], r.stats
+            s.steps += 1
+            s.drafted_tokens += budgets[i] - 1
+            s.accepted_tokens += a
+            s.block_lengths[k] = s.block_lengths.get(k, 0) + 1
+            for j in range(a):
+                s.accepted_per_position[j] += 1
+            out[r] = r.commit(drafts[i][:a] + [bonus[i]])
+            r.start += a + 1  # the cache beyond start is stale: the next forward overwrites it
+            r.token = bonus[i]
+            if feats is not None:
+                r.features.append(feats[i, : a + 1])  # token + accepted drafts, positions old start..start-1
+        self.policy.observe(rows, k, budgets, accepted, draft_seconds=t1 - t0, verify_seconds=time.perf_counter() - t1)
+        self.last_step = (k, sum(budgets) - n, sum(accepted))  # block length, drafted, accepted: for metrics
+        return out
 
 
 @torch.inference_mode()
@@ -72,87 +289,17 @@ def speculative_stream(
     stop_token_ids: frozenset[int],
     stats: GenerationStats,
     min_tokens: int = 0,
+    policy: BlockPolicy | None = None,
 ) -> Iterator[list[int]]:
-    """Yield committed tokens as they are decided. block_size 1 (or no draft) is plain autoregressive decoding.
+    """One request alone: yield committed tokens as they are decided. block_size 1 (or no draft) is plain decoding.
 
-    min_tokens: stop tokens get probability 0 while fewer than that many tokens are generated (Hugging Face's
-    min_new_tokens); the target's distribution is what changes, so verification stays exact.
+    The block length is `block_size` every step unless a `policy` is given.
     """
-    t0 = time.perf_counter()
-    B = block_size if draft is not None else 1
-    gen = _generator(sampling.seed)
-    n = len(prompt_ids)
-    max_new_tokens = min(max_new_tokens, target.max_positions - n)
-    stats.prompt_tokens, stats.accepted_per_position = n, [0] * (B - 1)
-
-    stop_list = sorted(stop_token_ids)
-
-    def hold_stops(logits: torch.Tensor, first: int) -> torch.Tensor:  # row j predicts generated token first + j
-        rows = min_tokens - first
-        if rows > 0 and stop_list:
-            logits[:rows, stop_list] = float("-inf")
-        return logits
-
-    def commit(tokens: list[int]) -> list[int]:  # cut at the first stop token and at max_new_tokens
-        out = []
-        for t in tokens[: max_new_tokens - stats.num_tokens]:
-            out.append(t)
-            if t in stop_token_ids:
-                stats.finish_reason = "stop"
-                break
-        stats.num_tokens += len(out)
-        if not stats.finish_reason and stats.num_tokens >= max_new_tokens:
-            stats.finish_reason = "length"
-        stats.wall_time = time.perf_counter() - t0
-        return out
-
-    # Prefill: target cache holds positions [0, n); `token` (position n) is committed but not yet fed.
-    cache = target.new_cache()
-    logits, feats = target.forward(torch.tensor([prompt_ids]), 0, cache, capture=B > 1, logits_to_keep=1)
-    last = hold_stops(logits[0, -1:], 0)  # [1, V]
-    token = int(last.argmax(-1)[0] if sampling.greedy else sample(sampling_probs(last, sampling), gen)[0])
-    stats.time_to_first_token = time.perf_counter() - t0
-    yield commit([token])
-    start = n  # position of `token`
-    if B > 1:
-        dcache = DraftKVCache.empty(draft.config, 1, n + max_new_tokens + B, target.dtype)
-        mask_id = draft.config.mask_token_id
-        ctx_feat = feats  # target features of positions [dcache.length, start) not yet in the draft cache
-
+    batch = Batch(target, draft, block_size, slots=1, policy=policy)
+    req = Request(prompt_ids, max_new_tokens, sampling, stop_token_ids, min_tokens, stats)
+    first = batch.add(req)
+    while not first and req.prefilled < len(prompt_ids):
+        first = batch.add(req)
+    yield first
     while not stats.finish_reason:
-        b = min(B, max_new_tokens - stats.num_tokens)  # never draft past the token budget
-        drafts, q = torch.empty(0, dtype=torch.long), torch.empty(0, 0)
-        if b > 1:
-            # Draft: context K/V of the newly committed tokens (one GEMM, all layers), then one block forward.
-            ctx_pos = torch.arange(dcache.length, start)[None]
-            dcache.append(*draft.context_kv(draft.project_context(ctx_feat), ctx_pos))
-            block = torch.tensor([[token] + [mask_id] * (b - 1)])
-            hidden = draft(draft.embed_block(target.embed_tokens, block), torch.arange(start, start + b)[None],
-                           dcache.k[:, :, :, :start], dcache.v[:, :, :, :start], draft.inference_masks(start, b))
-            draft_logits = hold_stops(draft.compute_logits(hidden[0, 1:], target.lm_head), stats.num_tokens)  # slot j: position start+j
-            if sampling.greedy:
-                drafts = draft_logits.argmax(-1)
-            else:
-                q = sampling_probs(draft_logits, sampling)
-                drafts = sample(q, gen)
-        # Verify [token, d_1..d_{b-1}] at positions start..start+b-1 in one target forward.
-        logits, feats = target.forward(torch.cat([torch.tensor([token]), drafts])[None], start, cache, capture=b > 1)
-        hold_stops(logits[0], stats.num_tokens)
-        if sampling.greedy:
-            posterior = logits[0].argmax(-1)
-            a = int((drafts == posterior[:-1]).int().cumprod(0).sum())
-            bonus = int(posterior[a])
-        else:
-            a, bonus = rejection_sample(drafts, sampling_probs(logits[0], sampling), q, gen)
-        stats.steps += 1
-        stats.drafted_tokens += b - 1
-        stats.accepted_tokens += a
-        for j in range(a):
-            stats.accepted_per_position[j] += 1
-        new_tokens = commit(drafts[:a].tolist() + [bonus])
-        start += a + 1
-        target.crop(cache, start)  # drop the K/V of rejected drafts; the bonus is fed next step
-        if b > 1:
-            ctx_feat = feats[:, : a + 1]  # features of token + accepted drafts, positions old start..start-1
-        token = bonus
-        yield new_tokens
+        yield batch.step()[req]

@@ -27,6 +27,7 @@ from aiohttp import web
 from .client import CompletionRequest, EnsembleStream, Rejected
 from .config import SamplingParams
 from .errors import DFlashError
+from .protocol import MAX_STRING_CHARS, MAX_STRINGS
 from .resolve import preset_for
 from .runtime import encode_prompt
 
@@ -43,6 +44,7 @@ FIXED = {
     "frequency_penalty": (0, "the DFlash runtime has no penalties"),
     "logit_bias": ({}, "the DFlash runtime has no logit bias"),
 }
+MAX_BODY = 1 << 20  # bytes of one request body: far above any prompt the context window holds
 KINDS = {  # JSON type name -> check
     "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -90,6 +92,8 @@ def _stop_words(body: dict) -> tuple[str, ...]:
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise APIError(400, "'stop' must be a string or a list of strings.", "stop")
+    if len(stop) > MAX_STRINGS or any(len(s) > MAX_STRING_CHARS for s in stop):
+        raise APIError(400, f"'stop' takes at most {MAX_STRINGS} strings of at most {MAX_STRING_CHARS} characters.", "stop")
     return tuple(s for s in stop if s)
 
 
@@ -136,7 +140,7 @@ class OpenAIFrontend:
             sock.close()
             raise DFlashError(f"Cannot use {self.host}:{self.port} ({e.strerror}); pick another --openai-port or stop what is listening there.") from None
         self.port = sock.getsockname()[1]
-        app = web.Application(middlewares=[self._errors])
+        app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY)  # larger bodies get a 413
         app.add_routes([
             web.get("/v1/models", self._models), web.get("/v1/models/{model:.+}", self._model),
             web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
@@ -199,7 +203,7 @@ class OpenAIFrontend:
     async def _body(self, request: web.Request) -> dict:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors; RecursionError: nesting
             raise APIError(400, "The request body is not valid JSON.") from None
         if not isinstance(body, dict):
             raise APIError(400, "The request body must be a JSON object.")

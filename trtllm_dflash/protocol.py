@@ -162,23 +162,40 @@ class EngineRequest:
     exclude_input: bool = True  # our default; TensorRT-LLM's is false
 
 
-def _scalar(get: Getter, name: str, default):
+MAX_STRINGS = 64  # stop_words, bad_words, ... per request: each is matched at every step
+MAX_STRING_CHARS = 1024  # per string: a stop word is held back while it may still match, so it bounds the streaming delay
+KINDS = {int: "iub", float: "iuf", bool: "biu"}  # numpy dtype kinds a scalar of each type may arrive as
+CLIENT_NAME = {engine: name for name, engine in ENGINE.items()} | {OUTPUT_LEN: "max_tokens"}  # errors name what the client sent
+
+
+def _scalar(get: Getter, name: str, default, kind: type | None = None):
+    """One value per request (batch dim first); with `kind`, of a numeric type that means it (no strings, no floats as ints)."""
     a = get(name)
     if a is None or a.size == 0:
         return default
+    label = CLIENT_NAME.get(name, name)
     if a.size != 1:
-        raise DFlashError(f"{name} must hold one value per request, got shape {list(a.shape)}.")
-    return a.reshape(-1)[0].item()
+        raise DFlashError(f"{label} must hold one value per request, got shape {list(a.shape)}.")
+    if kind is not None and a.dtype.kind not in KINDS[kind]:
+        raise DFlashError(f"{label} must be {'an integer' if kind is int else 'a number' if kind is float else 'a boolean'}, got {a.dtype} data.")
+    value = a.reshape(-1)[0].item()
+    return kind(value) if kind is not None else value
 
 
 def _strings(get: Getter, name: str) -> list[str]:
     a = get(name)
     if a is None:
         return []
+    name = CLIENT_NAME.get(name, name)
+    if a.size > MAX_STRINGS:
+        raise DFlashError(f"{name} holds {a.size} strings; send at most {MAX_STRINGS}.")
     try:
-        return [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in a.reshape(-1)]
+        strings = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in a.reshape(-1)]
     except UnicodeDecodeError:
         raise DFlashError(f"{name} is not valid UTF-8.") from None
+    if any(len(x) > MAX_STRING_CHARS for x in strings):
+        raise DFlashError(f"{name} holds a string of {max(map(len, strings))} characters; send at most {MAX_STRING_CHARS} per string.")
+    return strings
 
 
 def _unsupported(subject: str, why: str, fix: str):
@@ -215,7 +232,7 @@ EMPTY_LIMITS = (
 
 def _check_limits(get: Getter) -> None:
     for name, neutral, why, fix in SCALAR_LIMITS:
-        value = _scalar(get, ENGINE[name], neutral)
+        value = _scalar(get, ENGINE[name], neutral, type(neutral))
         if value != neutral:
             _unsupported(f"{name} {str(value).lower() if isinstance(value, bool) else f'{value:g}'}", why, fix)
     for name, why, fix in EMPTY_LIMITS:
@@ -226,22 +243,22 @@ def _check_limits(get: Getter) -> None:
         if strings:
             _unsupported(f"{name} {strings[0][:40]!r}", why, fix)
         if (a.dtype != np.object_ and np.any(a != 0)) or (name == "lora_task_id" and a.size):
-            _unsupported(f"A non-empty {name}" if a.size > 1 else f"{name} {a.reshape(-1)[0].item():g}", why, fix)
+            one = a.size == 1 and a.dtype != np.object_
+            _unsupported(f"{name} {a.reshape(-1)[0].item():g}" if one else f"A non-empty {name}", why, fix)
 
 
 def _sampling(get: Getter) -> SamplingParams:
     """TensorRT-LLM's meaning: top_k 0 / top_p 0 disable the filters; both disabled (or top_k 1) is greedy."""
-    temperature = float(_scalar(get, ENGINE["temperature"], 1.0))
-    top_p = float(_scalar(get, ENGINE["top_p"], 0.0))
-    top_k = int(_scalar(get, ENGINE["top_k"], 0))
-    seed = _scalar(get, ENGINE["seed"], None)
+    temperature = _scalar(get, ENGINE["temperature"], 1.0, float)
+    top_p = _scalar(get, ENGINE["top_p"], 0.0, float)
+    top_k = _scalar(get, ENGINE["top_k"], 0, int)
+    seed = _scalar(get, ENGINE["seed"], None, int)
     if not math.isfinite(temperature) or temperature < 0:
         raise DFlashError(f"temperature must be a finite number >= 0, got {temperature:g}.")
     if not 0 <= top_p <= 1:
         raise DFlashError(f"top_p must be in [0, 1] (0 disables it), got {top_p:g}.")
     if top_k < 0:
         raise DFlashError(f"top_k must be >= 0 (0 disables it), got {top_k}.")
-    seed = None if seed is None else int(seed)
     if temperature == 0 or top_k == 1 or (top_k == 0 and top_p == 0):
         return SamplingParams(0.0, seed=seed)
     return SamplingParams(temperature, top_p or 1.0, top_k, seed)
@@ -254,14 +271,21 @@ def parse_request(get: Getter, *, max_seq_len: int, vocab_rows: int) -> EngineRe
         raise DFlashError(f"{INPUT_IDS} is missing; send text_input to the ensemble.")
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise DFlashError(f"Send one prompt per request (text_input of shape [1, 1]); got a batch of {ids.shape[0] if ids.ndim else 0}.")
-    max_tokens = int(_scalar(get, OUTPUT_LEN, 0))
+    if ids.dtype.kind not in "iu" or ids.size == 0:
+        raise DFlashError(f"{INPUT_IDS} must be a non-empty list of integer token ids, got {ids.size} values of {ids.dtype}.")
+    if ids.min() < 0 or ids.max() >= vocab_rows:
+        raise DFlashError(f"{INPUT_IDS} must be token ids in 0..{vocab_rows - 1}, got {int(ids.min() if ids.min() < 0 else ids.max())}.")
+    max_tokens = _scalar(get, OUTPUT_LEN, 0, int)
     if not 1 <= max_tokens <= max_seq_len:
         raise DFlashError(f"max_tokens must be between 1 and {max_seq_len}, got {max_tokens}.")
+    if ids.size + max_tokens > max_seq_len:
+        raise DFlashError(f"The prompt is {ids.size} tokens and max_tokens is {max_tokens}, which exceeds max_seq_len {max_seq_len}; "
+                          f"ask for at most {max(0, max_seq_len - ids.size)} tokens.")
     _check_limits(get)
-    end_id = _scalar(get, ENGINE["end_id"], None)
+    end_id = _scalar(get, ENGINE["end_id"], None, int)
     if end_id is not None and not 0 <= end_id < vocab_rows:
         raise DFlashError(f"end_id must be a token id in 0..{vocab_rows - 1}, got {end_id}.")
-    min_tokens = int(_scalar(get, ENGINE["min_tokens"], 0))
+    min_tokens = _scalar(get, ENGINE["min_tokens"], 0, int)
     if min_tokens < 0:
         raise DFlashError(f"min_tokens must be >= 0, got {min_tokens}.")
     return EngineRequest(
@@ -269,10 +293,10 @@ def parse_request(get: Getter, *, max_seq_len: int, vocab_rows: int) -> EngineRe
         max_tokens=max_tokens,
         sampling=_sampling(get),
         stop_strings=tuple(s for s in _strings(get, ENGINE["stop_words"]) if s),
-        stop_token_ids=() if end_id is None else (int(end_id),),
+        stop_token_ids=() if end_id is None else (end_id,),
         min_tokens=min_tokens,
-        streaming=bool(_scalar(get, ENGINE["stream"], False)),
-        exclude_input=bool(_scalar(get, ENGINE["exclude_input_in_output"], True)),
+        streaming=_scalar(get, ENGINE["stream"], False, bool),
+        exclude_input=_scalar(get, ENGINE["exclude_input_in_output"], True, bool),
     )
 
 

@@ -33,6 +33,7 @@ class RepoParams:
     tokenizer_dir: str
     apply_chat_template: bool
     engine_model: str = "dflash"  # the ensemble's engine step; a `tensorrt_llm` model has the same I/O
+    speculation: str = "adaptive"  # block length per step: adaptive (measured costs) or fixed (always the full block)
 
     def models(self) -> tuple[str, ...]:
         return ("preprocessing", self.engine_model, "postprocessing", USER_MODEL)

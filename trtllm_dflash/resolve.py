@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .errors import DFlashError
 from .resources import package_dir
+from .untrusted import check_checkpoint_dir
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def resolve_target(name_or_path: str, progress=print) -> Path:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise DFlashError(f"Target directory {path} has no config.json; pass a Hugging Face model folder or a preset ({', '.join(PRESETS)}).")
+        check_checkpoint_dir(path, "Target")
         return path
     preset = preset_for(name_or_path)
     if preset is None:

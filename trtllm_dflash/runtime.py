@@ -10,13 +10,15 @@ from typing import Iterator
 
 import torch
 
-from .config import SamplingParams
+from .config import SPECULATION, SamplingParams
 from .errors import DFlashError
-from .generate import GenerationStats, speculative_stream
+from .generate import Batch, GenerationStats, Request, speculative_stream
 from .models.checkpoint import load_draft, read_draft_config
 from .models.draft import DFlashDraftModel
 from .models.target import TargetModel
+from .policy import BlockPolicy
 from .resolve import resolve_draft, resolve_target
+from .scheduler import Scheduler
 from .validate import validate_block_size, validate_pair
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -82,6 +84,16 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, max_positions: int) -> lis
     return list(ids)
 
 
+def _with_stats(events, stats: GenerationStats):
+    """(tokens, statistics snapshot) events -> tokens, with `stats` brought up to each snapshot first."""
+    try:
+        for tokens, snapshot in events:
+            stats.__dict__.update(snapshot.__dict__)
+            yield tokens
+    finally:
+        events.close()
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -90,18 +102,22 @@ class GenerationResult:
 
 
 class DFlashEngine:
-    def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int):
+    def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int, speculation: str = "adaptive"):
         self.target, self.draft, self.block_size = target, draft, block_size
         self.tokenizer = target.tokenizer
-        eos = self.tokenizer.eos_token_id
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         gen_cfg = getattr(target.model, "generation_config", None)
         gen_eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
         ids = {eos} | (set(gen_eos) if isinstance(gen_eos, list) else {gen_eos})
         self.eos_token_ids = frozenset(i for i in ids if i is not None)
+        if speculation not in SPECULATION:
+            raise DFlashError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}.")
+        self.policy = BlockPolicy(block_size if draft is not None else 1, adaptive=speculation == "adaptive")
+        self._calibrated_rows = 0
 
     @classmethod
     def load(cls, target: str, draft: str | None = None, *, no_draft: bool = False, dtype: str = "fp32",
-             block_size: int | None = None, progress=print) -> "DFlashEngine":
+             block_size: int | None = None, speculation: str = "adaptive", progress=print) -> "DFlashEngine":
         if dtype not in DTYPES:
             raise DFlashError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
         target_path = resolve_target(target, progress)
@@ -116,33 +132,61 @@ class DFlashEngine:
             validate_pair(draft_cfg, hidden_size=tm.hidden_size, num_layers=tm.num_layers, vocab_rows=tm.vocab_rows, rope_parameters=tm.rope_parameters)
             dm = load_draft(draft_path, DTYPES[dtype])
             tm.set_taps(draft_cfg.target_layer_ids)
-        return cls(tm, dm, block)
+        return cls(tm, dm, block, speculation)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat, self.target.max_positions)
 
+    def calibrate(self, max_rows: int = 1) -> None:
+        """Measure step costs for the adaptive policy (once per engine, up to `max_rows` rows)."""
+        if self.policy.adaptive and max_rows > self._calibrated_rows:
+            Batch(self.target, self.draft, self.block_size, slots=1, policy=self.policy).calibrate(max_rows)
+            self._calibrated_rows = max_rows
+
+    def scheduler(self, max_batch_size: int, slot_tokens: int, on_step=None, log=print) -> Scheduler:
+        """The in-flight batching loop over this engine (one per server)."""
+        self.calibrate(max_batch_size)
+        batch = Batch(self.target, self.draft, self.block_size, slots=max_batch_size, policy=self.policy)
+        return Scheduler(batch, slot_tokens, on_step, log)
+
     def stream(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
                block_size: int | None = None, stop_strings: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (),
-               ignore_eos: bool = False, min_tokens: int = 0, stats: GenerationStats | None = None) -> Iterator[tuple[list[int], str]]:
-        """Yield (new token ids, new text) per step; `stats` is filled in as it goes."""
+               ignore_eos: bool = False, min_tokens: int = 0, stats: GenerationStats | None = None,
+               scheduler: Scheduler | None = None, poll=None) -> Iterator[tuple[list[int], str]]:
+        """Yield (new token ids, new text) per step; `stats` is filled in as it goes.
+
+        Alone (the CLI) the request gets its own batch of one; with a `scheduler` it joins the server's running batch,
+        and `poll()` returning True (a client that left) cancels it.
+        """
         if max_new_tokens < 1:
             raise DFlashError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
-        block = self.block_size if block_size is None else validate_block_size(block_size, self.draft.config if self.draft else None)
         stops = frozenset(stop_token_ids) | (frozenset() if ignore_eos else self.eos_token_ids)
         stats = stats if stats is not None else GenerationStats()
         detok = IncrementalDetokenizer(self.tokenizer, stop_strings)
-        steps = speculative_stream(self.target, self.draft if block > 1 else None, prompt_ids, max_new_tokens, block, sampling, stops, stats,
-                                   min_tokens)
+        handle = None
+        if scheduler is not None:  # the engine thread fills its own statistics; each event brings a copy of them
+            handle = scheduler.submit(Request(prompt_ids, max_new_tokens, sampling, stops, min_tokens))
+            steps = _with_stats(handle.tokens(poll), stats)
+        else:
+            block = self.block_size if block_size is None else validate_block_size(block_size, self.draft.config if self.draft else None)
+            if block == self.block_size:
+                self.calibrate()
+            policy = self.policy if block == self.block_size else None
+            steps = speculative_stream(self.target, self.draft if block > 1 else None, prompt_ids, max_new_tokens, block, sampling, stops,
+                                       stats, min_tokens, policy)
         try:
             for ids in steps:
-                final = bool(stats.finish_reason)
-                delta = detok.push(ids, final=final)
+                delta = detok.push(ids, final=bool(stats.finish_reason))
                 if detok.stopped:
                     stats.finish_reason = "stop"
                     yield ids, delta
                     return
                 yield ids, delta
+            if handle is not None and not stats.finish_reason:  # ended without a reason: the client cancelled
+                stats.finish_reason = "cancelled"
         finally:
+            if handle is not None:
+                handle.cancel()
             steps.close()
 
     def generate(self, prompt: str, *, chat: bool = True, **kwargs) -> GenerationResult:

@@ -31,12 +31,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
-from ..atomic import replace_dir
-from ..config import rope_of
+from ..atomic import locked, recover, replace_dir
+from ..config import SPECULATION, rope_of
 from ..errors import DFlashError
 from ..models.checkpoint import check_draft
 from ..repository import TEMPLATE_DIR, RepoParams, emit_repository, template_files
 from ..resolve import PRESETS, preset_for, resolve_draft, resolve_target, sha256_file
+from ..untrusted import inside, read_hf_config
 from ..validate import validate_block_size, validate_pair
 
 BACKENDS = ("torch", "trtllm")
@@ -71,8 +72,10 @@ class BuildOptions:
     max_seq_len: int | None = None
     block_size: int | None = None
     dtype: str = "fp32"
+    speculation: str = "adaptive"  # torch backend: block length per step from measured costs, or fixed
     chat_template: bool = True
     force: bool = False  # write a TensorRT-LLM plan that does not fit the GPUs
+    draft_engine: bool = False  # also the ONNX drafter (attention = TensorRT plugin node) and, with TensorRT, its engine
 
     @property
     def resolved_backend(self) -> str:
@@ -95,10 +98,14 @@ class BuildOptions:
                 raise DFlashError(f"{flag} must be at least 1, got {value}.")
         if self.dtype not in DTYPE_BYTES:
             raise DFlashError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}.")
+        if self.speculation not in SPECULATION:
+            raise DFlashError(f"--speculation must be one of {', '.join(SPECULATION)}, got {self.speculation!r}.")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise DFlashError(f"--max-seq-len must be at least 2, got {self.max_seq_len}.")
         if self.draft is not None and self.no_draft:
             raise DFlashError("--draft and --no-draft contradict each other; pass one of them.")
+        if self.draft_engine and self.no_draft:
+            raise DFlashError("--draft-engine exports the draft, and --no-draft builds without one; pass one of them.")
         if self.resolved_backend == "torch":
             gpu_flags = [f for f, v in (("--gpu", self.gpu), ("--recipe", self.recipe), ("--ep", self.ep)) if v] + (
                 ["--tp"] if (self.tp or 1) > 1 else [])
@@ -237,8 +244,6 @@ def _safetensors_facts(files: list[Path]) -> tuple[int, dict[str, tuple[int, ...
 
 def resolve_sources(opts: BuildOptions, progress: Callable[[str], None]) -> Sources:
     """Resolve names to directories and check that target, tokenizer and draft fit together."""
-    from transformers import AutoConfig
-
     target_dir = resolve_target(opts.target, progress)
     weights = sorted(target_dir.glob("*.safetensors"))
     if not weights:
@@ -247,10 +252,7 @@ def resolve_sources(opts: BuildOptions, progress: Callable[[str], None]) -> Sour
     names = {p.name for p in tok_files}
     if not ({"tokenizer.json", "tokenizer.model"} & names or {"vocab.json", "merges.txt"} <= names):
         raise DFlashError(f"Target {target_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json + merges.txt); add it to the folder.")
-    try:
-        config = AutoConfig.from_pretrained(target_dir)
-    except (ValueError, OSError, KeyError) as e:
-        raise DFlashError(f"Target {target_dir} has a config transformers cannot read ({str(e).splitlines()[0]}).") from None
+    config = read_hf_config(target_dir)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     target_params, shapes = _safetensors_facts(weights)
     embed = [s for n, s in shapes.items() if n.endswith("embed_tokens.weight")]
@@ -348,7 +350,7 @@ def _torch_steps(opts: BuildOptions, src: Sources, hashes: dict[str, str]) -> li
     steps.append(template_step(RepoParams(
         max_batch_size=opts.max_batch_size or TORCH_MAX_BATCH, max_seq_len=src.max_seq_len, block_size=src.block_size, dtype=opts.dtype,
         target_dir="../../checkpoints/target", draft_dir="../../checkpoints/draft" if src.draft_dir else "",
-        tokenizer_dir="../../tokenizer", apply_chat_template=opts.chat_template,
+        tokenizer_dir="../../tokenizer", apply_chat_template=opts.chat_template, speculation=opts.speculation,
     )))
     return steps
 
@@ -369,7 +371,8 @@ def make_plan(opts: BuildOptions, progress: Callable[[str], None] = print) -> Pl
 
         deployment, src = trtllm_backend.plan_deployment(opts, progress, resolve_sources)
         hashes = _hash_sources(src, progress)
-        return Plan(opts, src, trtllm_backend.steps(opts, deployment, src, hashes), hashes, deployment)
+        steps = trtllm_backend.steps(opts, deployment, src, hashes)
+        return Plan(opts, src, steps + _draft_engine_steps(opts, src, hashes, deployment.recipe.max_batch_size, progress), hashes, deployment)
     if not Path(opts.target).expanduser().is_dir() and preset_for(opts.target) is None:
         from .recipes import presets
 
@@ -377,7 +380,16 @@ def make_plan(opts: BuildOptions, progress: Callable[[str], None] = print) -> Pl
                           f"nor a GPU preset ({', '.join(presets())}); models are never downloaded at build time.")
     src = resolve_sources(opts, progress)
     hashes = _hash_sources(src, progress)
-    return Plan(opts, src, _torch_steps(opts, src, hashes), hashes)
+    steps = _torch_steps(opts, src, hashes) + _draft_engine_steps(opts, src, hashes, opts.max_batch_size or TORCH_MAX_BATCH, progress)
+    return Plan(opts, src, steps, hashes)
+
+
+def _draft_engine_steps(opts: BuildOptions, src: Sources | None, hashes: dict[str, str], max_batch: int, progress) -> list[Step]:
+    if not opts.draft_engine:
+        return []
+    from . import draft_engine
+
+    return draft_engine.steps(opts, src, hashes, max_batch, progress)
 
 
 def _versions() -> dict[str, str]:
@@ -461,10 +473,34 @@ def _resolved(plan: Plan) -> dict:
 
 
 def _read_manifest(out: Path) -> dict | None:
+    """The manifest, checked (None if there is none or it is not JSON): it is read back from disk, so it is input like
+    any other, and every path in it must stay inside the build."""
     try:
-        return json.loads((out / MANIFEST).read_text())
+        manifest = json.loads((out / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+
+    def damaged(why: str):
+        raise DFlashError(f"{out / MANIFEST} is damaged or was edited ({why}); delete {out} and build it again.")
+
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        damaged(f"format {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {MANIFEST_FORMAT}")
+    serve, steps = manifest.get("serve"), manifest.get("steps")
+    resolved, options = manifest.get("resolved"), manifest.get("options")
+    if not isinstance(serve, dict) or not isinstance(serve.get("model"), str):
+        damaged("serve.model is missing")
+    if not (isinstance(resolved, dict) and isinstance(resolved.get("max_seq_len"), int)
+            and isinstance(options, dict) and isinstance(options.get("target"), str)):
+        damaged("resolved.max_seq_len or options.target is missing")
+    inside(serve.get("model_repository"), out)
+    if not isinstance(steps, dict) or not all(isinstance(s, dict) and isinstance(s.get("outputs"), dict) for s in steps.values()):
+        damaged("steps are malformed")
+    for step in steps.values():
+        for rel, meta in step["outputs"].items():
+            inside(rel, out)
+            if not isinstance(meta, dict) or not isinstance(meta.get("size"), int):
+                damaged(f"{rel} has no size")
+    return manifest
 
 
 def _reusable(step: Step, old: dict | None, out: Path) -> bool:
@@ -476,10 +512,23 @@ def _reusable(step: Step, old: dict | None, out: Path) -> bool:
 
 
 def run_build(opts: BuildOptions, progress: Callable[[str], None] = print, dry_run: bool = False) -> Path:
-    """Plan, then build atomically; returns the output directory."""
+    """Plan, then build atomically under an exclusive lock on the output; returns the output directory.
+
+    Killed at any point (SIGINT, SIGKILL), the output is the previous complete build or absent; the next run
+    removes what the killed one left beside it. A second build of the same output at once is refused."""
     out = Path(opts.output).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise DFlashError(f"--output {out} is a file; pass a directory path.")
+    if dry_run:
+        return _build(opts, out, progress, dry_run=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with locked(out):
+        if leftovers := recover(out):
+            progress(f"Cleaned up after an interrupted build of {out}: {', '.join(leftovers)}.")
+        return _build(opts, out, progress, dry_run=False)
+
+
+def _build(opts: BuildOptions, out: Path, progress: Callable[[str], None], dry_run: bool) -> Path:
     old = _read_manifest(out) if out.is_dir() else None
     if out.is_dir() and old is None and any(out.iterdir()):
         raise DFlashError(f"--output {out} exists and is not a trtdflash build (no {MANIFEST}); pick a new directory or remove it.")

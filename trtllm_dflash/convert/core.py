@@ -20,6 +20,7 @@ from ..atomic import replace_dir
 from ..config import DRAFT_ARCHITECTURE
 from ..errors import DFlashError
 from ..resolve import PRESETS, preset_for
+from ..untrusted import check_checkpoint_dir, check_links, read_json
 from .calib import CALIB_SOURCES, calibration_texts
 from .formats import FORMATS, KV_CACHE_FORMATS, QuantFormat
 
@@ -34,10 +35,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def _read_config(path: Path) -> dict:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DFlashError(f"{path}/config.json is not readable JSON ({e}).") from None
+    check_links(path)
+    return read_json(path / "config.json")
 
 
 @dataclass(frozen=True)
@@ -246,6 +245,7 @@ def convert_checkpoint(opts: ConvertOptions, progress: Callable[[str], None] = p
     else:
         from .target import TargetJob as Job
     job = Job(opts, progress)
+    check_checkpoint_dir(job.source, opts.role.capitalize())  # before any reader opens the source's files
     _check_output(opts, job.source)
     progress(f"Checking every tensor of {job.source} for NaN/Inf...")
     shapes = check_source_tensors(job.source)

@@ -44,7 +44,7 @@ class CalibDraft(DFlashDraftModel):
             layer.self_attn.v_proj(ctx)
         ctx_k, ctx_v = self.context_kv(ctx, torch.arange(start, device=ctx.device)[None])
         positions = torch.arange(start, start + b, device=ctx.device)[None]
-        return super().forward(noise_embedding, positions, ctx_k, ctx_v, self.inference_masks(start, b))
+        return self.draft_block(noise_embedding, positions, ctx_k, ctx_v, torch.tensor([start], device=ctx.device))
 
 
 class DraftJob:

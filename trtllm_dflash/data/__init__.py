@@ -2,6 +2,8 @@
 
 GSM8K train split (OpenAI, MIT license in gsm8k/LICENSE), 7,473 records, gzip-compressed; its last
 GSM8K_HOLDOUT records are our unseen math evaluation set and never used for training.
+magpie-smollm2: chat questions SmolLM2-135M-Instruct wrote itself and its greedy answers (train/magpie.py),
+with a data card (card.json: how they were made, filter counts).
 """
 
 from __future__ import annotations
@@ -24,3 +26,19 @@ def gsm8k_records(holdout: bool = False) -> list[dict]:
     """GSM8K train records ({"question", "answer"}); holdout=False drops the last GSM8K_HOLDOUT, holdout=True returns only them."""
     rows = _gsm8k_all()
     return list(rows[-GSM8K_HOLDOUT:] if holdout else rows[:-GSM8K_HOLDOUT])
+
+
+@functools.lru_cache(maxsize=1)
+def _magpie_all() -> tuple[dict, ...]:
+    raw = (resources.files(__package__) / "magpie-smollm2" / "chat.jsonl.gz").read_bytes()
+    return tuple(json.loads(line) for line in gzip.decompress(raw).decode("utf-8").splitlines() if line.strip())
+
+
+def magpie_records() -> list[dict]:
+    """The packaged chat set: {"key", "topic", "temperature", "top_p", "question", "answer", "answer_ids", "finished"}."""
+    return list(_magpie_all())
+
+
+def magpie_card() -> dict:
+    """How the packaged chat set was made: target and its fingerprint, settings, filter counts, sessions."""
+    return json.loads((resources.files(__package__) / "magpie-smollm2" / "card.json").read_text())

@@ -14,29 +14,25 @@ from safetensors.torch import load_file, save_file
 from ..atomic import replace_dir
 from ..config import DRAFT_ARCHITECTURE, DraftConfig
 from ..errors import DFlashError
+from ..untrusted import CONFIG_ERRORS, check_checkpoint_dir, check_config_values, check_links, one_line, read_json
 from .draft import DFlashDraftModel
 from .quantized import load_quantized_draft, quantized_shapes, read_quant_spec
-
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def read_draft_config(path: Path) -> DraftConfig:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise DFlashError(f"Draft checkpoint {path} has no config.json; pass a DFlash draft directory (config.json + model.safetensors).")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashError(f"Draft config {cfg_file} is not readable JSON ({e}); re-export the draft.") from None
-    if not isinstance(raw, dict):
-        raise DFlashError(f"Draft config {cfg_file} is not a JSON object; re-export the draft.")
+    check_links(Path(path))  # a config.json linked to a file elsewhere is never read
+    raw = read_json(cfg_file, "draft config")
+    check_config_values(raw, cfg_file)
     archs = raw.get("architectures") or []
-    if archs and DRAFT_ARCHITECTURE not in archs:
-        raise DFlashError(f"{cfg_file} describes {archs}, not a {DRAFT_ARCHITECTURE}; pass a DFlash draft checkpoint.")
+    if archs and (not isinstance(archs, list) or DRAFT_ARCHITECTURE not in archs):
+        raise DFlashError(f"{cfg_file} describes {str(archs)[:80]}, not a {DRAFT_ARCHITECTURE}; pass a DFlash draft checkpoint.")
     try:
         return DraftConfig.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise DFlashError(f"Draft config {cfg_file} is invalid ({e}); re-export the draft.") from None
+    except CONFIG_ERRORS as e:
+        raise DFlashError(f"Draft config {cfg_file} is invalid ({one_line(e)}); re-export the draft.") from None
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -46,12 +42,6 @@ def _weight_files(path: Path) -> list[Path]:
         return [path / n for n in names]
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
-    pickles = [p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
-    if pickles:
-        raise DFlashError(
-            f"Draft {path} holds pickle weights ({', '.join(pickles)}); only safetensors are loaded, because pickles can run code. "
-            "Convert it with safetensors.torch.save_file first."
-        )
     raise DFlashError(f"Draft checkpoint {path} has no model.safetensors.")
 
 
@@ -78,6 +68,7 @@ def check_draft(path: str | Path) -> DraftConfig:
     """Validate config and tensor names/shapes from the safetensors headers only (cheap: for build plans)."""
     path = Path(path)
     config = read_draft_config(path)
+    check_checkpoint_dir(path, "Draft")  # symlinks, shard index and every header, before safetensors opens a file
     shapes = {}
     for f in _weight_files(path):
         try:

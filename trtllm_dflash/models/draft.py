@@ -6,13 +6,12 @@ embedding and LM head are the target's and are passed in, never owned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import DraftConfig
+from ..kernels import block_attention
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,17 +85,19 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        """x [b, Q, H] block states; ctx_k/ctx_v [b, nkv, C, hd] context K/V (normed, roped); mask [b|1, 1, Q, C+Q] bool or None."""
+    def project(self, x, cos, sin):
+        """x [b, Q, H] block states -> q [b, nh, Q, hd], k, v [b, nkv, Q, hd] (normed, roped)."""
         b, q_len, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, q_len, -1, self.head_dim)).transpose(1, 2)  # [b, nh, Q, hd]
-        k = self.k_norm(self.k_proj(x).view(b, q_len, -1, self.head_dim)).transpose(1, 2)  # [b, nkv, Q, hd]
+        q = self.q_norm(self.q_proj(x).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k = torch.cat([ctx_k, k], dim=2)
-        v = torch.cat([ctx_v, v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        """Training form: ctx_k/ctx_v [b, nkv, C, hd] context K/V (normed, roped); mask [b|1, 1, Q, C+Q] bool or None."""
+        q, k, v = self.project(x, cos, sin)
+        out = F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
 class DFlashMLP(nn.Module):
@@ -144,27 +145,37 @@ def dflash_attention_mask(q_pos, q_anchor, q_block, k_pos, k_block, causal: bool
     return visible[:, None]
 
 
-@dataclass
 class DraftKVCache:
-    """Context K/V of every draft layer, preallocated; only target-derived rows are ever kept.
+    """Context K/V of every draft layer for `slots` requests, preallocated: only target-derived rows are kept.
 
-    k/v [L, b, nkv, capacity, hd]; rows [0, length) are valid.
+    k/v [L, slots, nkv, capacity, hd]; slot i's positions [0, lengths[i]) are valid.
     """
 
-    k: torch.Tensor
-    v: torch.Tensor
-    length: int = 0
+    def __init__(self, config: DraftConfig, slots: int, capacity: int, dtype, device=None):
+        shape = (config.num_hidden_layers, slots, config.num_key_value_heads, capacity, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * slots
 
-    @classmethod
-    def empty(cls, config: DraftConfig, batch: int, capacity: int, dtype, device=None) -> "DraftKVCache":
-        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, capacity, config.head_dim)
-        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+    def reserve(self, length: int) -> None:
+        capacity = self.k.shape[3]
+        if length > capacity:
+            grow = list(self.k.shape)
+            grow[3] = max(length, 2 * capacity) - capacity
+            self.k = torch.cat([self.k, self.k.new_zeros(grow)], dim=3)
+            self.v = torch.cat([self.v, self.v.new_zeros(grow)], dim=3)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        t = k.shape[3]
-        self.k[:, :, :, self.length : self.length + t] = k
-        self.v[:, :, :, self.length : self.length + t] = v
-        self.length += t
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [L, 1, nkv, N, hd] of N context tokens, token n going to (slots[n], positions[n])."""
+        self.reserve(int(positions.max()) + 1)
+        self.k[:, slots, :, positions] = k[:, 0].permute(2, 0, 1, 3)  # advanced indices first: [N, L, nkv, hd]
+        self.v[:, slots, :, positions] = v[:, 0].permute(2, 0, 1, 3)
+
+    def move(self, src: int, dst: int) -> None:
+        n = self.lengths[src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
 
 
 class DFlashDraftModel(nn.Module):
@@ -224,20 +235,22 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rotary_emb(positions, ctx.dtype)  # [b, 1, T, hd]
         return apply_rope(k, cos, sin), kv[:, 1]
 
-    def inference_masks(self, start: int, b: int) -> list[torch.Tensor | None] | None:
-        """Masks for one block at positions start..start+b-1 over context [0, start); None if every layer sees everything."""
-        c = self.config
-        rules = [(c.layer_is_causal(i), c.layer_window(i)) for i in range(c.num_hidden_layers)]
-        if not any(causal or window for causal, window in rules):
-            return None
-        q_pos = torch.arange(start, start + b)[None]
-        k_pos = torch.arange(start + b)[None]
-        k_block = torch.cat([torch.full((start,), -1), torch.zeros(b, dtype=torch.long)])[None]
-        zeros = torch.zeros_like(q_pos)
-        return [
-            None if not (causal or window) else dflash_attention_mask(q_pos, torch.full_like(q_pos, start), zeros, k_pos, k_block, causal, window)
-            for causal, window in rules
-        ]
+    def draft_block(self, noise_embedding, positions, ctx_k, ctx_v, ctx_lens):
+        """Inference: one block per row over ragged context caches, through the block-attention op.
+
+        noise_embedding [b, Q, H]; positions [b, Q] (row i's block starts at ctx_lens[i]);
+        ctx_k/ctx_v [L, b, nkv, C, hd], row i valid below ctx_lens[i] [b]. Returns final-normed hidden [b, Q, H].
+        """
+        c, x = self.config, noise_embedding
+        b, q_len, _ = x.shape
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+            out = block_attention(q, k, v, ctx_k[i], ctx_v[i], ctx_lens, c.layer_is_causal(i), c.layer_window(i))
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
 
     def embed_block(self, embed_tokens: nn.Module, block_ids: torch.Tensor) -> torch.Tensor:
         """[anchor, MASK, ...] ids -> noise embedding: raw rows of the target's (frozen) table, times the

@@ -254,6 +254,8 @@ def _quantized_attention(module, query, key, value, attention_mask, **kwargs):
     k, v = key.double(), value.double()
     if getattr(module, "k_scale", None) is not None:
         k, v = qdq_fp8(k, module.k_scale), qdq_fp8(v, module.v_scale)
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.double()  # torch 2.13 SDPA misreads a float32 mask beside float64 queries
     out, weights = sdpa_attention_forward(module, query.double(), k, v, attention_mask, **kwargs)
     return out.to(query.dtype), weights
 

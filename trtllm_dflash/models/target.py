@@ -1,4 +1,4 @@
-"""The target: any Hugging Face causal LM, with hidden-state taps and a croppable KV cache."""
+"""The target: any Hugging Face causal LM, with hidden-state taps and a static per-slot KV cache."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
 from ..errors import DFlashError
 from ..config import rope_of
@@ -44,16 +45,15 @@ class TargetModel:
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "TargetModel":
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+        from ..untrusted import check_checkpoint_dir, read_hf_config
 
+        check_checkpoint_dir(path, "Target")  # headers, config ranges, symlinks: before transformers opens a file
+        hf_logging.disable_progress_bar()
         path = Path(path)
-        try:
-            config = AutoConfig.from_pretrained(path)  # never trust_remote_code implicitly
-        except (ValueError, OSError, KeyError) as e:
-            raise DFlashError(f"Target {path} has a config transformers cannot read without custom code ({str(e).splitlines()[0]}).") from None
+        config = read_hf_config(path, "Target")  # never trust_remote_code implicitly
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         kinds = " ".join([str(getattr(text, "model_type", ""))] + [str(t) for t in (getattr(text, "layer_types", None) or [])]).lower()
         if any(h in kinds for h in RECURRENT_HINTS):
@@ -89,19 +89,8 @@ class TargetModel:
 
         return hook
 
-    def new_cache(self):
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.config)
-        cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected drafts
-        return cache
-
-    @staticmethod
-    def crop(cache, length: int) -> None:
-        """Keep the first `length` positions (transformers 5 crops by a negative count to remove)."""
-        remove = cache.get_seq_length() - length
-        if remove > 0:
-            cache.crop(-remove)
+    def new_cache(self, slots: int = 1, capacity: int = 256) -> "SlotKVCache":
+        return SlotKVCache(slots, capacity)
 
     @contextmanager
     def _capturing(self, enabled: bool):
@@ -125,11 +114,104 @@ class TargetModel:
             self.set_taps(previous)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, start: int, cache, capture: bool, logits_to_keep: int = 0):
-        """input_ids [b, T] at positions start..start+T-1 -> logits [b, T|keep, V], features [b, T, n_sel*H] or None."""
-        positions = torch.arange(start, start + input_ids.shape[1]).expand(input_ids.shape[0], -1)
+    def forward(self, input_ids: torch.Tensor, start, cache: "SlotKVCache", capture: bool, logits_to_keep: int = 0, first_slot: int = 0):
+        """input_ids [b, T] -> logits [b, T|keep, V], features [b, T, n_sel*H] or None.
+
+        Row i is cache slot first_slot + i and its tokens sit at positions start[i]..start[i]+T-1 (`start` an int
+        for all rows, or a list). K/V are written in place at those positions; whatever a slot holds at or past a
+        row's start is overwritten, which is how rejected drafts are rolled back.
+        """
+        b, t = input_ids.shape
+        starts = torch.tensor([start] * b if isinstance(start, int) else start)
+        positions = starts[:, None] + torch.arange(t)  # [b, T]
+        masks = cache.begin(first_slot, positions, self._mask_rules(), self.dtype)
         with self._capturing(capture) as features:
-            out = self.model(
-                input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
-            )
+            out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=cache, attention_mask=masks,
+                             use_cache=True, logits_to_keep=logits_to_keep)
             return out.logits, features()
+
+    def _mask_rules(self) -> dict[str, int | None]:
+        """Mask name -> sliding window (None = full), in the form the HF decoder takes precomputed masks."""
+        types = set(getattr(self.text_config, "layer_types", None) or ["full_attention"])
+        if types == {"full_attention"}:
+            return {"": None}  # one 4-D mask, passed as is
+        return {kind: (self.text_config.sliding_window if kind == "sliding_attention" else None) for kind in types}
+
+
+class SlotKVCache(Cache):
+    """Preallocated target K/V for `slots` sequences, [slots, nkv, capacity, hd] per layer (TensorRT-LLM's per-request
+    slots on a static cache). Rows of a forward are contiguous slots; each row writes at its own positions, and
+    its attention mask is built from those positions, so ragged rows share one forward with nothing recomputed.
+    """
+
+    def __init__(self, slots: int, capacity: int):
+        super().__init__(layers=[])
+        self.slots, self.capacity = slots, capacity
+        self.k: list[torch.Tensor] = []  # allocated at the first write, when heads, head dim and dtype are known
+        self.v: list[torch.Tensor] = []
+        self._rows = slice(0, 0)
+        self._positions = torch.zeros(0, 0, dtype=torch.long)
+        self._same_start = True
+
+    def reserve(self, length: int) -> None:
+        """Grow every slot to hold `length` positions (doubling, contents kept)."""
+        if length <= self.capacity:
+            return
+        capacity = max(length, 2 * self.capacity)
+        for buffers in (self.k, self.v):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+                new[:, :, : self.capacity] = old
+                buffers[i] = new
+        self.capacity = capacity
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot src's first `length` positions into slot dst (compacting rows after one retires)."""
+        for buffers in (self.k, self.v):
+            for buf in buffers:
+                buf[dst, :, :length] = buf[src, :, :length]
+
+    def begin(self, first_slot: int, positions: torch.Tensor, rules: dict[str, int | None], dtype: torch.dtype):
+        """Set where the next forward writes; returns its attention mask(s) (additive, [b, 1, T, K])."""
+        b, t = positions.shape
+        self.reserve(int(positions[:, -1].max()) + 1)
+        self._rows = slice(first_slot, first_slot + b)
+        self._positions = positions
+        self._same_start = bool((positions[:, 0] == positions[0, 0]).all())
+        kv_len = int(positions[:, -1].max()) + 1
+        if b == 1 and t == 1 and all(w is None for w in rules.values()):
+            masks = {kind: None for kind in rules}  # one query that sees its whole row
+        else:
+            key = torch.arange(kv_len)[None, None, :]  # [1, 1, K]
+            q = positions[:, :, None]  # [b, T, 1]
+            masks = {}
+            for kind, window in rules.items():
+                visible = key <= q
+                if window is not None:
+                    visible = visible & (q - key < window)
+                masks[kind] = visible
+        out = {kind: None if m is None else torch.zeros(m.shape, dtype=dtype).masked_fill_(~m, torch.finfo(dtype).min)[:, None]
+               for kind, m in masks.items()}
+        return out[""] if "" in out else out
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """key/value_states [b, nkv, T, hd] -> this forward's rows' K/V [b, nkv, K, hd] (views, no copy)."""
+        if layer_idx == len(self.k):
+            shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[3])
+            self.k.append(key_states.new_zeros(shape))
+            self.v.append(value_states.new_zeros(shape))
+        k, v = self.k[layer_idx][self._rows], self.v[layer_idx][self._rows]
+        pos = self._positions
+        if self._same_start:
+            s = int(pos[0, 0])
+            k[:, :, s : s + pos.shape[1]] = key_states
+            v[:, :, s : s + pos.shape[1]] = value_states
+        else:
+            rows = torch.arange(pos.shape[0])[:, None]
+            k[rows, :, pos] = key_states.transpose(1, 2)
+            v[rows, :, pos] = value_states.transpose(1, 2)
+        kv_len = int(pos[:, -1].max()) + 1
+        return k[:, :, :kv_len], v[:, :, :kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self._positions[:, -1].max()) + 1 if self._positions.numel() else 0

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..data import gsm8k_records
+from ..data import gsm8k_records, magpie_card, magpie_records
 from ..errors import DFlashError
 
 CODE_COMPLETE_TEMPLATE = "Complete the following Python function:\n```python\n{code}```"
@@ -152,7 +152,23 @@ def docstring_prompts() -> list[tuple[str, str]]:
     return out
 
 
-SOURCES = {"gsm8k": gsm8k_prompts, "gsm8k-var": gsm8k_variant_prompts, "code": code_prompts, "docstring": docstring_prompts}
+def magpie_prompts() -> list[tuple[str, str]]:
+    """Chat questions SmolLM2-135M-Instruct wrote itself (Magpie, train/magpie.py), shipped in the package; never MT-Bench."""
+    return [(r["key"], r["question"]) for r in magpie_records()]
+
+
+def known_answers(target, sources: tuple[str, ...]) -> dict[str, list[int]]:
+    """Answers the data phase need not generate again: the packaged chat set's greedy answers, when `target` is the
+    model that wrote them (same embedding fingerprint); otherwise none."""
+    from .magpie import target_fingerprint
+
+    if "magpie" not in sources or magpie_card()["target_fingerprint"] != target_fingerprint(target):
+        return {}
+    return {r["key"]: r["answer_ids"] for r in magpie_records()}
+
+
+SOURCES = {"gsm8k": gsm8k_prompts, "gsm8k-var": gsm8k_variant_prompts, "code": code_prompts, "docstring": docstring_prompts,
+           "magpie": magpie_prompts}
 
 
 def load_prompts(sources: tuple[str, ...], seed: int = 0) -> list[tuple[str, str]]:
@@ -211,8 +227,12 @@ def read_features(data_path: Path, width: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_new_tokens: int, eos: set[int], pad: int):
+def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_new_tokens: int, eos: set[int], pad: int,
+                 pick=None):
     """Greedy answers of a batch of prompts, and the tapped features [len(prompt + answer), n_sel*H] (bf16) of each.
+
+    `pick` (last-position logits [rows, V] -> next ids [rows]) replaces the argmax: the magpie source samples
+    its questions with it.
 
     A lean loop instead of `generate()` (benchmarks/bench_datagen.py compares them): left-padded prefill
     with logits of the last position only (HF's makes logits of every position of every row), a preallocated
@@ -234,7 +254,8 @@ def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_
         per_row = [[feats[i, width - len(x):]] for i, x in enumerate(prompts)]
         answers: list[list[int]] = [[] for _ in range(n)]
         rows = torch.arange(n)  # batch row -> prompt index
-        nxt = target.lm_head(h[:, -1]).argmax(-1)
+        pick = pick or (lambda logits: logits.argmax(-1))
+        nxt = pick(target.lm_head(h[:, -1]))
         pos = pos[:, -1]
         for step in range(max_new_tokens):
             for i, t in zip(rows.tolist(), nxt.tolist()):
@@ -255,14 +276,26 @@ def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_
                         cache_position=torch.tensor([width + step]), use_cache=True).last_hidden_state
             for i, f in zip(rows.tolist(), features().to(torch.bfloat16)):
                 per_row[i].append(f)
-            nxt = target.lm_head(h[:, -1]).argmax(-1)
+            nxt = pick(target.lm_head(h[:, -1]))
     feats_out = [torch.cat(f + [f[0].new_zeros(1, f[0].shape[-1])]) for f in per_row]
     return answers, feats_out
 
 
+@torch.inference_mode()
+def forward_features(target, ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """Tapped features [len(ids), n_sel*H] (bf16) of one forward over a prompt and an answer known already."""
+    with target.tapped(layer_ids) as features:
+        target.model.get_decoder()(input_ids=torch.tensor([ids]), use_cache=False)
+        return features()[0].to(torch.bfloat16)
+
+
 def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, layer_ids: list[int], max_new_tokens: int = 256,
-                     batch_size: int = 16, time_budget: float | None = None, progress=None) -> dict:
+                     batch_size: int = 16, time_budget: float | None = None, progress=None,
+                     answers: dict[str, list[int]] | None = None) -> dict:
     """Answer prompts with the target (greedy, batched) and append records to `path`.
+
+    A prompt whose key is in `answers` keeps that answer (cut at max_new_tokens) and only needs one forward for
+    its features.
 
     The tapped features of every token are captured during generation itself (it computes them anyway)
     and appended to `features_path(path)` as bf16 rows; a record's "feat_offset" is its first row and
@@ -283,6 +316,7 @@ def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, laye
     engine = DFlashEngine(target, None, 1)  # its encode() is the deployment's prompt formatting
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    answers = answers or {}
     t0, n_rec, n_tok = time.perf_counter(), 0, 0
     with open(path, "a") as f, open(feat_path, "ab") as ff:
         for i in range(0, len(todo), batch_size):
@@ -290,10 +324,19 @@ def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, laye
                 break
             batch = todo[i : i + batch_size]
             ids = [engine.encode(p) for _, p in batch]
-            answers, feats = greedy_batch(target, ids, layer_ids=layer_ids, max_new_tokens=max_new_tokens,
-                                          eos=engine.eos_token_ids, pad=pad)
+            new = [j for j, (key, _) in enumerate(batch) if key not in answers]
+            resps, feats = [None] * len(batch), [None] * len(batch)
+            if new:
+                gen_answers, gen_feats = greedy_batch(target, [ids[j] for j in new], layer_ids=layer_ids, max_new_tokens=max_new_tokens,
+                                                      eos=engine.eos_token_ids, pad=pad)
+                for j, answer, feat in zip(new, gen_answers, gen_feats):
+                    resps[j], feats[j] = answer, feat
+            for j, (key, _) in enumerate(batch):
+                if resps[j] is None:
+                    resps[j] = answers[key][:max_new_tokens]
+                    feats[j] = forward_features(target, ids[j] + resps[j], layer_ids)
             lines = []
-            for (key, _), prompt_ids, resp in zip(batch, ids, answers):
+            for (key, _), prompt_ids, resp in zip(batch, ids, resps):
                 lines.append(json.dumps({"source": key.split(":")[0], "key": key, "feat_offset": offset,
                                          "input_ids": prompt_ids + resp, "loss_mask": [0] * len(prompt_ids) + [1] * len(resp)}))
                 offset += len(prompt_ids) + len(resp)
@@ -323,12 +366,17 @@ def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: 
     if not meta["done"]:
         prompts = load_prompts(sources, seed)[:num_samples]
         budget = None if minutes is None else max(0.0, minutes * 60 - meta["seconds"])
+        known = known_answers(target, sources)
         r = generate_dataset(target, prompts, data_path, layer_ids=layer_ids, max_new_tokens=max_new_tokens,
-                             batch_size=batch_size, time_budget=budget, progress=progress)
+                             batch_size=batch_size, time_budget=budget, progress=progress, answers=known)
         meta["seconds"] += r["seconds"]
         meta.update(done=True, max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=str(target.dtype).removeprefix("torch."))
         if {"code", "docstring"} & set(sources):
             meta["code_packages"] = {**meta.get("code_packages", {}), **code_package_versions()}
+        if "magpie" in sources:
+            card = magpie_card()
+            meta["magpie"] = {"card": {k: card[k] for k in ("target", "target_fingerprint", "dtype", "settings", "sampling", "stats")},
+                              "answers": "the packaged greedy answers" if known else "generated in this data phase"}
     records = read_dataset(data_path)
     if not records:
         raise DFlashError(f"No training records in {data_path}; raise --num-samples or the data time budget.")

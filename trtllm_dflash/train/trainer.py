@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..config import DraftConfig
 from ..errors import DFlashError
@@ -405,7 +404,7 @@ def run_training(target, out_dir: Path, args: TrainArgs, data_meta: dict, resume
         return {
             "target": target_name or str(target.path), "command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": machine_info(),
-            "data": {k: data_meta.get(k) for k in ("sources", "records", "response_tokens", "seconds", "max_new_tokens", "dtype", "code_packages")},
+            "data": {k: data_meta.get(k) for k in ("sources", "records", "response_tokens", "seconds", "max_new_tokens", "dtype", "code_packages", "magpie")},
             "train_records": len(trainer.train), "val_records": len(trainer.val),
             "features": "captured from the target during data generation (bf16), cached on disk",
             "steps": trainer.step, "total_steps": trainer.total_steps, "epochs_seen": round(trainer.step * args.seqs_per_step / len(trainer.train), 3),

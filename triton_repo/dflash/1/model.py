@@ -1,19 +1,41 @@
 """Triton `dflash`: the embedded PyTorch DFlash runtime (draft + verify loop) as a decoupled python model.
 
-The request loop (parsing, slots, streaming, cancellation) is trtllm_dflash/engine_model.py, shared with the
-TensorRT-LLM backend's `tensorrt_llm` model. Here one model copy serves every request: a lock serializes the
-steps, so concurrent streams interleave step by step. At most max_batch_size generations run at once (the
-build's memory estimate assumes that many KV caches); later requests wait for a slot.
+The request loop (parsing, streaming, cancellation) is trtllm_dflash/engine_model.py, shared with the TensorRT-LLM
+backend's `tensorrt_llm` model. Requests are batched in flight: each request thread submits to one engine loop
+(trtllm_dflash/scheduler.py) that runs every running request's draft and verify in one forward each, admits
+waiting requests into free slots (max_batch_size of them) in arrival order, and publishes what it does as Triton
+custom metrics on the metrics port.
 """
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.engine_model import EngineModel
 from trtllm_dflash.runtime import DFlashEngine
+
+MAX_STREAMS = 1024  # open streams the model accepts; beyond max_batch_size they wait in the scheduler's queue
+METRICS_EVERY = 0.2  # seconds between metric updates (each is a call into the Triton server)
+GAUGES = {
+    "running": "Requests in the running batch",
+    "queued": "Requests waiting for a slot",
+    "batch_size": "Rows in the last engine step",
+    "block_length": "Block length (tokens verified per row) the policy chose for the last step",
+    "tokens_last_step": "Tokens committed by the last engine step, all rows",
+    "acceptance_length": "Committed tokens per row per step since start (1.0 = no speculation)",
+}
+COUNTERS = {
+    "steps": "Engine steps (one draft + one verify forward for all rows)",
+    "prompt_tokens": "Prompt tokens prefilled",
+    "generated_tokens": "Tokens generated",
+    "drafted_tokens": "Draft tokens proposed for verification",
+    "accepted_tokens": "Draft tokens accepted",
+    "requests_finished": "Requests completed",
+    "requests_failed": "Requests that ended in an error",
+}
 
 
 class TritonPythonModel(EngineModel):
@@ -24,12 +46,49 @@ class TritonPythonModel(EngineModel):
         draft = param("draft_dir")
         self.engine = DFlashEngine.load(
             str(here / param("target_dir")), str(here / draft) if draft else None, no_draft=not draft,
-            dtype=param("dtype"), block_size=int(param("block_size")), progress=pb_utils.Logger.log_info,
+            dtype=param("dtype"), block_size=int(param("block_size")), speculation=param("speculation"), progress=pb_utils.Logger.log_info,
         )
-        self.start(name="dflash", tokenizer=self.engine.tokenizer, max_seq_len=int(param("max_seq_len")),
-                   vocab_rows=self.engine.target.vocab_rows, max_batch_size=int(config["max_batch_size"]), step_lock=threading.Lock())
-        pb_utils.Logger.log_info(f"dflash ready: block size {self.engine.block_size}, draft {'yes' if self.engine.draft else 'no'}")
+        max_batch, max_seq_len = int(config["max_batch_size"]), int(param("max_seq_len"))
+        self._metrics_lock, self._published, self._last_publish = threading.Lock(), {}, 0.0
+        # A Metric needs its MetricFamily alive: both are kept for the model's life.
+        self.families = {k: pb_utils.MetricFamily(f"dflash_{k}", d, pb_utils.MetricFamily.GAUGE) for k, d in GAUGES.items()}
+        self.families |= {k: pb_utils.MetricFamily(f"dflash_{k}_total", d, pb_utils.MetricFamily.COUNTER) for k, d in COUNTERS.items()}
+        self.gauges = {k: self.families[k].Metric(labels={"model": "dflash"}) for k in GAUGES}
+        self.counters = {k: self.families[k].Metric(labels={"model": "dflash"}) for k in COUNTERS}
+        self.block_family = pb_utils.MetricFamily("dflash_block_length_steps_total", "Engine steps per chosen block length",
+                                                  pb_utils.MetricFamily.COUNTER)
+        self.block_counters = {}
+        self.scheduler = self.engine.scheduler(max_batch, max_seq_len + self.engine.block_size, on_step=self._publish,
+                                                log=pb_utils.Logger.log_error)
+        self.start(name="dflash", tokenizer=self.engine.tokenizer, max_seq_len=max_seq_len,
+                   vocab_rows=self.engine.target.vocab_rows, max_batch_size=MAX_STREAMS)
+        pb_utils.Logger.log_info(f"dflash ready: block size {self.engine.block_size}, draft {'yes' if self.engine.draft else 'no'}, "
+                                 f"in-flight batching up to {max_batch} requests, {param('speculation')} speculation")
 
-    def steps(self, job, stats):
+    def _publish(self, m, force=False):
+        """Engine metrics -> Triton custom metrics (counters advance by what happened since the last publish)."""
+        now = time.monotonic()
+        if not force and m.running and now - self._last_publish < METRICS_EVERY:
+            return
+        self._last_publish = now
+        with self._metrics_lock:
+            for k, g in self.gauges.items():
+                g.set(float(getattr(m, k)))
+            for k, c in self.counters.items():
+                value = getattr(m, k)
+                c.increment(float(value - self._published.get(k, 0)))
+                self._published[k] = value
+            for k, steps in m.block_lengths.items():
+                if k not in self.block_counters:
+                    self.block_counters[k] = self.block_family.Metric(labels={"model": "dflash", "block_length": str(k)})
+                self.block_counters[k].increment(float(steps - self._published.get(("block", k), 0)))
+                self._published[("block", k)] = steps
+
+    def steps(self, job, stats, poll):
         return self.engine.stream(job.prompt_ids, max_new_tokens=job.max_tokens, sampling=job.sampling, stop_strings=job.stop_strings,
-                                  stop_token_ids=job.stop_token_ids, min_tokens=job.min_tokens, stats=stats)
+                                  stop_token_ids=job.stop_token_ids, min_tokens=job.min_tokens, stats=stats, scheduler=self.scheduler,
+                                  poll=poll)
+
+    def finalize(self):
+        self.scheduler.stop()
+        super().finalize()

@@ -48,7 +48,7 @@ class TritonPythonModel(EngineModel):
         self.start(name="tensorrt_llm", tokenizer=tokenizer, max_seq_len=int(param("max_seq_len")), vocab_rows=len(tokenizer),
                    max_batch_size=int(config["max_batch_size"]))  # TensorRT-LLM (or the embedded LLM) schedules the steps
 
-    def steps(self, job, stats):
+    def steps(self, job, stats, poll):
         return llm_steps(self.llm, self.sampling_params, job, stats, self.tokenizer, self.max_draft_len)
 
     def finalize(self):

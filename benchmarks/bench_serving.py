@@ -1,0 +1,119 @@
+"""Serving under load through the real Triton server: the DFlash build vs the same build without a draft, side by side.
+
+Closed-loop gRPC streaming clients (each sends its next request when the previous one ends) at every concurrency
+level, held-out prompts (GSM8K questions never used for training, and chat questions), per dtype. Reports total
+tokens/s, tokens/s per user, time to first token and inter-token latency (p50/p99) per level, DFlash's ratio to
+the build without a draft, and a Pareto plot (tokens/s per user vs total tokens/s).
+
+    python benchmarks/bench_serving.py --dtypes fp32 bf16 --concurrency 1 2 4 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from trtllm_dflash.build import BuildOptions, run_build
+from trtllm_dflash.data import gsm8k_records
+from trtllm_dflash.loadgen import Job, run_load, summary
+from trtllm_dflash.serve import ServerConfig, TritonServer
+from trtllm_dflash.train.trainer import machine_info
+
+CHAT = [  # everyday questions, not from any training set
+    "What are some good ways to stay focused while working from home?",
+    "Can you explain what a black hole is in simple terms?",
+    "Give me three ideas for a rainy-day activity with kids.",
+    "How do I make a good cup of coffee at home?",
+    "What is the difference between weather and climate?",
+    "Suggest a short plan for learning to play the guitar.",
+    "Why do leaves change color in autumn?",
+    "What should I consider when adopting a dog?",
+]
+
+
+def prompts(n_math: int) -> list[str]:
+    held_out = gsm8k_records(holdout=True)
+    math = [r["question"] for r in held_out[len(held_out) - n_math:]]
+    return [p for pair in zip(math, CHAT * (len(math) // len(CHAT) + 1)) for p in pair]  # alternate math and chat
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for key, levels in result["levels"].items():
+        xs = [lv["total_tokens_per_s"] for lv in levels]
+        ys = [lv["tokens_per_s_per_user"] for lv in levels]
+        ax.plot(xs, ys, marker="o" if "dflash" in key else "s", linestyle="-" if "dflash" in key else "--", label=key)
+        for lv, x, y in zip(levels, xs, ys):
+            ax.annotate(str(lv["concurrency"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("total output tokens/s (server)")
+    ax.set_ylabel("output tokens/s per user (median)")
+    ax.set_title(f"{result['target']} via Triton, concurrency annotated\n{result['machine']['cpu']}, {result['date'][:10]}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (default: max(4, 2 x concurrency))")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--math-prompts", type=int, default=16)
+    ap.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"])
+    ap.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/serving-<target>.json, plot beside it)")
+    args = ap.parse_args(argv)
+
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"serving-{args.target}.json"
+    prompt_list = prompts(args.math_prompts)
+    result = {"benchmark": "bench_serving", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_info(), "target": args.target, "max_tokens": args.max_tokens, "speculation": args.speculation,
+              "max_batch_size": max(args.concurrency), "prompts": len(prompt_list), "levels": {}, "ratios": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in args.dtypes:
+            for name, no_draft in (("dflash", False), ("no-draft", True)):
+                build = run_build(BuildOptions(output=Path(tmp) / f"{dtype}-{name}", target=args.target, no_draft=no_draft, dtype=dtype,
+                                               max_batch_size=max(args.concurrency), max_seq_len=1024, speculation=args.speculation),
+                                  progress=lambda m: None)
+                server = TritonServer(ServerConfig(build, grpc_port=0, http_port=0, metrics_port=0)).start()
+                try:
+                    run_load(server.grpc_url, [Job(p, 16) for p in prompt_list[:2]], 2)  # warm-up
+                    levels = []
+                    for c in args.concurrency:
+                        jobs = [Job(prompt_list[i % len(prompt_list)], args.max_tokens) for i in range(args.requests or max(4, 2 * c))]
+                        lv = {"concurrency": c} | summary(*run_load(server.grpc_url, jobs, c))
+                        levels.append(lv)
+                        print(f"{dtype} {name:8s} c={c:2d}: {lv['total_tokens_per_s']:7.1f} tok/s total, {lv['tokens_per_s_per_user']:6.1f}/user, "
+                              f"TTFT p50 {lv['ttft_p50_s']:.3f}s, tau {lv['acceptance_length_median']}, errors {len(lv['errors'])}", flush=True)
+                    result["levels"][f"{dtype} {name}"] = levels
+                finally:
+                    server.stop()
+            d, a = result["levels"][f"{dtype} dflash"], result["levels"][f"{dtype} no-draft"]
+            result["ratios"][dtype] = {
+                "dflash_vs_no_draft": {str(x["concurrency"]): round(x["total_tokens_per_s"] / y["total_tokens_per_s"], 3) for x, y in zip(d, a)},
+                "dflash_top_vs_c1": round(  # total tokens/s at the highest concurrency over concurrency 1
+                d[-1]["total_tokens_per_s"] / d[0]["total_tokens_per_s"], 3),
+            }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps(result["ratios"], indent=2))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""What verification costs: the target's forward over k tokens against its one-token decode step, per dtype and per
+CPU instruction set, through the runtime's own forward (static per-slot KV cache, context of 128 positions).
+
+DFlash's speed-up is tau over (verify + draft) / decode; on a GPU verify of a block costs about one decode step, on a
+CPU it depends on the matrix kernels the CPU has. `--isa avx2` reruns in a subprocess with oneDNN and ATen limited to
+AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), an approximation of an AVX2-only CPU.
+
+    python benchmarks/bench_step_cost.py --dtypes fp32 bf16 --isa native avx2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+
+
+def cpu_flags() -> list[str]:
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), [])
+    return sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
+
+
+def measure(target: str, dtype: str, tokens: list[int], reps: int, context: int) -> dict:
+    import torch
+
+    from trtllm_dflash.runtime import DTYPES
+    from trtllm_dflash.models.target import TargetModel
+    from trtllm_dflash.resolve import resolve_target
+
+    tm = TargetModel.load(resolve_target(target, lambda m: None), DTYPES[dtype])
+    cache = tm.new_cache(1, context + max(tokens) + 1)
+    ids = torch.randint(100, 1000, (1, context + max(tokens)), generator=torch.Generator().manual_seed(0))
+    tm.forward(ids[:, :context], 0, cache, capture=False, logits_to_keep=1)
+    out = {}
+    for t in tokens:
+        times = []
+        for i in range(reps + 2):  # two warm-ups per shape
+            t0 = time.perf_counter()
+            tm.forward(ids[:, context : context + t], context, cache, capture=False)  # the same positions each time
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        out[str(t)] = round(statistics.median(times) * 1000, 3)
+    return {"ms": out, "ratio_to_decode": {t: round(ms / out["1"], 3) for t, ms in out.items()},
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--isa", nargs="+", default=["native", "avx2"], choices=list(ISA_ENV))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "step-cost.json"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # run one (isa, dtype) in this process, print JSON
+    args = ap.parse_args(argv)
+
+    if args.child:
+        print(json.dumps(measure(args.target, args.child, args.tokens, args.reps, args.context)))
+        return
+    from trtllm_dflash.train.trainer import machine_info
+
+    result = {"benchmark": "bench_step_cost", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_info() | {"cpu_flags": cpu_flags()}, "target": args.target, "context": args.context,
+              "reps": args.reps, "runs": {}}
+    for isa in args.isa:
+        for dtype in args.dtypes:
+            cmd = [sys.executable, __file__, "--child", dtype, "--target", args.target, "--reps", str(args.reps),
+                   "--context", str(args.context), "--tokens", *map(str, args.tokens)]
+            done = subprocess.run(cmd, env=os.environ | ISA_ENV[isa], capture_output=True, text=True, check=True)
+            run = json.loads(done.stdout.strip().splitlines()[-1])
+            result["runs"][f"{isa} {dtype}"] = run
+            print(f"{isa:6s} {dtype}: " + ", ".join(f"{t} tok {ms} ms ({run['ratio_to_decode'][t]}x)" for t, ms in run["ms"].items()), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

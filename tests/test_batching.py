@@ -1,0 +1,156 @@
+"""In-flight batching: a request's greedy output is its batch-1 output (the target's own greedy decoding) whatever runs
+beside it, on the real SmolLM2-135M target and the shipped draft; requests join, leave, stop and get cancelled
+mid-stream; the engine loop queues, admits and retires them."""
+
+import threading
+
+import pytest
+import torch
+
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.generate import Batch, Request
+from trtllm_dflash.models.checkpoint import load_draft
+from trtllm_dflash.resolve import DRAFTS_DIR
+from trtllm_dflash.runtime import DFlashEngine
+
+PROMPTS = [  # (prompt, chat, max_new_tokens): different lengths and budgets
+    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?", True, 40),
+    ("Write a Python function that returns the n-th Fibonacci number.", True, 24),
+    ("What should I pack for a weekend trip to the mountains?", True, 56),
+    ("The capital of France is", False, 12),
+    ("A train travels 60 miles per hour for 3 hours. How far does it go?", True, 32),
+    ("def is_prime(n):", False, 44),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+    draft = load_draft(DRAFTS_DIR / "smollm2-135m")
+    target.set_taps(draft.config.target_layer_ids)
+    return DFlashEngine(target, draft, draft.config.block_size)
+
+
+@pytest.fixture(scope="module")
+def references(engine):
+    """Per prompt: ids and the target's own HF generate() greedy continuation (the ground truth)."""
+    refs = []
+    for prompt, chat, max_new in PROMPTS:
+        ids = engine.encode(prompt, chat)
+        out = engine.target.model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                                           eos_token_id=sorted(engine.eos_token_ids), pad_token_id=engine.tokenizer.pad_token_id)
+        refs.append((ids, out[0, len(ids):].tolist()))
+    return refs
+
+
+def request(engine, ids, max_new, stop_token_ids=()):
+    return Request(ids, max_new, stop_token_ids=engine.eos_token_ids | frozenset(stop_token_ids))
+
+
+@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+def test_rows_join_leave_stop_and_cancel_without_changing_output(engine, references, speculation):
+    """Four slots, six requests: two start, others join at later steps, one stops on a token, one is cancelled."""
+    engine.policy.adaptive = speculation == "adaptive"
+    if engine.policy.adaptive:
+        engine.calibrate(4)
+    batch = Batch(engine.target, engine.draft, engine.block_size, slots=4, policy=engine.policy)
+    stop_at = references[4][1][5]  # request 4 stops at the first occurrence of its 6th token
+    reqs = [request(engine, ids, PROMPTS[i][2], (stop_at,) if i == 4 else ()) for i, (ids, _) in enumerate(references)]
+    joins = {0: [0, 1], 1: [2], 3: [3]}  # step -> requests admitted before it; the rest wait for a free slot
+    waiting, out, step, cancelled_at, sizes = [4, 5], {i: [] for i in range(len(reqs))}, 0, None, []
+    while step < 400:
+        for i in joins.get(step, []) + ([waiting.pop(0)] if waiting and step > 3 and len(batch.rows) < batch.slots else []):
+            while not (first := batch.add(reqs[i])):  # prefill (chunked) until the first token
+                pass
+            out[i] += first
+        for r in [r for r in batch.rows if r.stats.finish_reason]:
+            batch.remove(r)
+        if step == 6 and reqs[1] in batch.rows:  # the client of request 1 goes away
+            cancelled_at = len(out[1])
+            batch.remove(reqs[1])
+        if not batch.rows and not waiting:
+            break
+        if batch.ready:
+            ready = batch.ready
+            sizes.append(len(ready))
+            advanced = batch.step()
+            assert all(advanced[r] for r in ready), "every running row advances every step"
+            for r, tokens in advanced.items():
+                out[reqs.index(r)] += tokens
+        step += 1
+    assert max(sizes) == 4 and not batch.rows
+    for i, (_, ref) in enumerate(references):
+        if i == 1:
+            assert out[1] == ref[:cancelled_at] and 0 < cancelled_at < len(ref)
+        elif i == 4:
+            assert out[4] == ref[: ref.index(stop_at) + 1] and reqs[4].stats.finish_reason == "stop"
+        else:
+            assert out[i] == ref, f"request {i} differs from its batch-1 output"
+    if engine.policy.adaptive:
+        chosen = {k for r in reqs for k in r.stats.block_lengths}
+        assert chosen and max(chosen) <= engine.block_size
+
+
+def test_scheduler_serves_concurrent_streams_in_order(engine, references):
+    """Six client threads on a three-slot engine loop: same tokens as alone, batched steps, a cancelled stream freed."""
+    engine.policy.adaptive = True
+    seen = []
+    scheduler = engine.scheduler(3, 512, on_step=lambda m: seen.append((m.batch_size, m.running, m.queued)))
+    results, errors = {}, []
+
+    def client(i):
+        ids, _ = references[i]
+        tokens = []
+        try:
+            steps = engine.stream(ids, max_new_tokens=PROMPTS[i][2], scheduler=scheduler)
+            for new, _ in steps:
+                tokens += new
+                if i == 2 and len(tokens) >= 8:  # a client that leaves mid-stream
+                    steps.close()
+                    break
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        results[i] = tokens
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    try:
+        assert not errors
+        for i, (_, ref) in enumerate(references):
+            if i == 2:
+                assert results[2] == ref[: len(results[2])] and len(results[2]) < len(ref)
+            else:
+                assert results[i] == ref
+        assert max(b for b, _, _ in seen) >= 2, "steps were batched"
+        assert max(q for _, _, q in seen) >= 1 or len(PROMPTS) <= 3
+        assert scheduler.metrics.requests_finished == len(PROMPTS)
+        assert seen[-1][1] == 0 and not scheduler.batch.rows  # everything retired, the cancelled stream included
+        with pytest.raises(DFlashError, match="KV-cache positions"):
+            engine.stream(references[0][0], max_new_tokens=600, scheduler=scheduler).__next__()
+    finally:
+        scheduler.stop()
+
+
+def test_long_prompt_prefills_in_chunks_between_steps(engine, references):
+    """A 700-token prompt joins a running request: one 512-token chunk, a step of the other row, the rest; both lossless."""
+    from trtllm_dflash.generate import PREFILL_CHUNK
+
+    ids, ref = references[0]
+    long_ids = (engine.encode("Repeat after me. " + "The quick brown fox jumps over the lazy dog. " * 70, chat=False))[:700]
+    assert len(long_ids) > PREFILL_CHUNK
+    long_ref = engine.target.model.generate(torch.tensor([long_ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                            pad_token_id=engine.tokenizer.pad_token_id)[0, len(long_ids):].tolist()
+    batch = Batch(engine.target, engine.draft, engine.block_size, slots=2, policy=engine.policy)
+    short, long = request(engine, ids, 40), Request(long_ids, 16)
+    out = {short: batch.add(short), long: []}
+    assert batch.add(long) == [] and long.prefilled == PREFILL_CHUNK  # first chunk only
+    out[short] += batch.step()[short]  # the running row advances while the long prompt is half in
+    out[long] += batch.add(long)
+    while batch.ready:
+        for r, tokens in batch.step().items():
+            out[r] += tokens
+        for r in [r for r in batch.rows if r.stats.finish_reason]:
+            batch.remove(r)
+    assert out[short] == ref and out[long] == long_ref

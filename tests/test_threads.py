@@ -1,0 +1,50 @@
+"""The CLI sizes torch's OpenMP pool from the CPUs it may use and makes waiting threads sleep (threads.py)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trtllm_dflash.threads import cgroup_cpus
+
+CHILD = """
+import os
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # as `taskset -c 0` or a one-CPU cpuset would
+from trtllm_dflash.cli import main
+try:
+    main(["generate", "--help"])
+except SystemExit:
+    pass
+import torch
+print(torch.get_num_threads(), os.environ["OMP_NUM_THREADS"], os.environ["OMP_WAIT_POLICY"])
+"""
+
+
+def run(**env):
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env={**base, **env}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()[-3:]
+
+
+def test_the_cli_sets_threads_from_the_affinity_mask_and_passive_waiting_before_torch_loads():
+    assert run() == ["1", "1", "PASSIVE"]
+
+
+def test_the_users_settings_win():
+    assert run(OMP_NUM_THREADS="2", OMP_WAIT_POLICY="ACTIVE") == ["2", "2", "ACTIVE"]
+
+
+@pytest.mark.parametrize("files, cpus", [
+    ({"cpu.max": "150000 100000\n"}, 2),  # cgroup v2, docker --cpus 1.5
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),
+])
+def test_a_container_cpu_quota_caps_the_threads(tmp_path, files, cpus):
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert cgroup_cpus(tmp_path) == cpus

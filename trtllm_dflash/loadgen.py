@@ -1,0 +1,185 @@
+"""Load against a running server: closed-loop gRPC clients (each sends its next request when the previous one ends),
+streaming or not, some leaving mid-stream. One home for what the serving benchmark, the soak run and the load test
+send, and for the latency figures they report.
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .client import CompletionRequest, EnsembleStream
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: str
+    max_tokens: int
+    stream: bool = True
+    leave_after: int | None = None  # the client disconnects after this many responses
+
+
+@dataclass
+class Outcome:
+    job: int
+    text: str = ""
+    tokens: int = 0
+    error: str = ""
+    left: bool = False  # the client disconnected on purpose
+    ttft: float = 0.0
+    latency: float = 0.0
+    gaps: list[float] = field(default_factory=list)  # seconds between streamed responses
+    acceptance_length: float = 0.0
+
+
+def _one(url: str, index: int, job: Job, timeout: float) -> Outcome:
+    out, responses = Outcome(index), queue.Queue()
+    t0 = time.perf_counter()
+    try:
+        stream = EnsembleStream(url, CompletionRequest(job.prompt, job.max_tokens, job.stream), lambda r, e: responses.put((r, e)))
+    except Exception as e:  # noqa: BLE001 - a refused connection is an outcome like any other
+        out.error = f"{type(e).__name__}: {e}"
+        return out
+    arrivals = []
+    try:
+        while not stream.finished:
+            try:
+                piece = stream.read(*responses.get(timeout=timeout))
+            except queue.Empty:
+                out.error = f"no response within {timeout:.0f} s"
+                break
+            if piece:
+                arrivals.append(time.perf_counter())
+            if job.leave_after is not None and len(stream.done.pieces) >= job.leave_after and not stream.finished:
+                out.left = True
+                break
+    except Exception as e:  # noqa: BLE001
+        out.error = f"{type(e).__name__}: {e}"
+    finally:
+        stream.close()
+    done = stream.done
+    out.text, out.tokens, out.acceptance_length = "".join(done.pieces), done.num_tokens, done.acceptance_length
+    out.ttft, out.latency = done.time_to_first_token, time.perf_counter() - t0
+    out.gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return out
+
+
+def run_load(url: str, jobs: list[Job], concurrency: int, timeout: float = 600.0) -> tuple[list[Outcome], float]:
+    """Run every job over `concurrency` clients; returns the outcomes (in job order) and the wall time."""
+    todo, lock, outcomes = list(range(len(jobs))), threading.Lock(), [None] * len(jobs)
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            outcomes[i] = _one(url, i, jobs[i], timeout)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes, time.perf_counter() - t0
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))] if xs else 0.0
+
+
+def summary(outcomes: list[Outcome], wall: float) -> dict:
+    """Totals and p50/p99 latencies of the requests that completed (left and failed ones are counted apart)."""
+    done = [o for o in outcomes if not o.error and not o.left]
+    tokens = sum(o.tokens for o in done)
+    tpot = [(o.latency - o.ttft) / max(o.tokens - 1, 1) for o in done]
+    gaps = [g for o in done for g in o.gaps]
+    pct = lambda xs, q: round(percentile(xs, q), 4)  # noqa: E731
+    return {
+        "requests": len(outcomes), "completed": len(done), "left": sum(o.left for o in outcomes),
+        "errors": [o.error for o in outcomes if o.error], "wall_s": round(wall, 3), "tokens": tokens,
+        "requests_per_s": round(len(done) / wall, 3) if wall else 0.0,
+        "total_tokens_per_s": round(tokens / wall, 2) if wall else 0.0,
+        "tokens_per_s_per_user": round(statistics.median(o.tokens / o.latency for o in done), 2) if done else 0.0,
+        "ttft_p50_s": pct([o.ttft for o in done], 50), "ttft_p99_s": pct([o.ttft for o in done], 99),
+        "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
+        "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99),
+        "latency_p50_s": pct([o.latency for o in done], 50), "latency_p99_s": pct([o.latency for o in done], 99),
+        "acceptance_length_median": round(statistics.median(o.acceptance_length for o in done), 3) if done else 0.0,
+    }
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of a process and all its descendants (the server and its model stubs), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            rss = next(line for line in Path(f"/proc/{p}/status").read_text().splitlines() if line.startswith("VmRSS:"))
+            total += int(rss.split()[1]) * 1024
+        except (OSError, StopIteration):
+            pass
+        todo += children.get(p, [])
+    return total
+
+
+def mismatches(outcomes: list[Outcome], jobs: list[Job], references: dict[tuple[str, int], str]) -> list[str]:
+    """Greedy outputs against each (prompt, max_tokens)'s text served alone: equal when completed, a prefix when the
+    client left; one line per request that is neither (errors are reported by `summary`)."""
+    bad = []
+    for o in outcomes:
+        job = jobs[o.job]
+        ref = references[(job.prompt, job.max_tokens)]
+        if not o.error and not (o.text == ref if not o.left else ref.startswith(o.text)):
+            bad.append(f"request {o.job} ({'left' if o.left else 'completed'}): {o.text[:60]!r} vs {ref[:60]!r}")
+    return bad
+
+
+def mixed_jobs(prompts: list[str], n: int, lengths: tuple[int, ...], seed: int = 0) -> list[Job]:
+    """n jobs cycling through prompts and lengths: a third not streamed, one in eight left after two responses."""
+    import random
+
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        stream = i % 3 != 0
+        jobs.append(Job(prompts[i % len(prompts)], lengths[rng.randrange(len(lengths))], stream,
+                        leave_after=2 if stream and i % 8 == 1 else None))
+    return jobs
+
+
+def soak(server, prompts: list[str], n: int, concurrency: int, lengths: tuple[int, ...]) -> dict:
+    """Warm up with every (prompt, length) alone (these are the references), then the mixed load; the report."""
+    references = {}
+    for p in prompts:
+        for m in lengths:
+            (o,), _ = run_load(server.grpc_url, [Job(p, m)], 1)
+            references[(p, m)] = o.text
+    rss_before = tree_rss_bytes(server.proc.pid)
+    jobs = mixed_jobs(prompts, n, lengths)
+    outcomes, wall = run_load(server.grpc_url, jobs, concurrency)
+    time.sleep(2)  # let the last retirements land
+    rss_after = tree_rss_bytes(server.proc.pid)
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    report = summary(outcomes, wall) | {
+        "concurrency": concurrency, "mismatches": mismatches(outcomes, jobs, references),
+        "healthy_after": bool(client.is_server_live() and client.is_server_ready() and client.is_model_ready("ensemble")),
+        "rss_before_mb": round(rss_before / 2**20, 1), "rss_after_mb": round(rss_after / 2**20, 1),
+    }
+    client.close()
+    return report

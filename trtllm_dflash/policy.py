@@ -1,0 +1,114 @@
+"""How many tokens to speculate per step: the block length that maximises expected committed tokens per second.
+
+At batch 1 a block is nearly free to verify; at high batch every rejected slot costs real compute, and on a
+chat prompt the draft may rarely be right. Each step the policy takes, for every candidate block length k,
+the expected tokens committed (from each running row's own acceptance, position by position, shrunk toward
+the population's) over the measured cost of drafting and verifying n*k tokens, and picks the best; k = 1 is
+plain decoding. TensorRT-LLM's `DFlashDecodingConfig` switches on fixed thresholds (`draft_len_schedule` by
+batch size, `acceptance_rate_threshold`); here both sides of the trade are measured on the machine it runs on.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+PRIOR = 0.6  # conditional acceptance assumed before anything is measured
+PRIOR_WEIGHT = 4.0  # a row's own counts outweigh the population's after a few steps
+PROBE_EVERY = 8  # steps of plain decoding after which one full block is tried, so acceptance stays measured
+EMA = 0.25
+
+
+class BlockPolicy:
+    def __init__(self, max_block: int, adaptive: bool = False):
+        self.max_block, self.adaptive = max_block, adaptive and max_block > 1
+        self.verify_cost: dict[int, float] = {}  # tokens in the step -> seconds (EMA of measurements)
+        self.draft_cost: dict[int, float] = {}
+        self.reached = [0.0] * (max_block - 1)  # population: steps where slot j was drafted with all before accepted
+        self.accepted = [0.0] * (max_block - 1)  # ... and slot j was accepted
+        self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> (reached, accepted)
+        self._plain_steps = 0
+        self.choices: dict[int, int] = {}  # block length -> steps, for metrics
+
+    def _conditional(self, counts) -> list[float]:
+        reached, accepted = counts
+        out = []
+        for j in range(self.max_block - 1):
+            prior = (self.accepted[j] + PRIOR * PRIOR_WEIGHT) / (self.reached[j] + PRIOR_WEIGHT)
+            out.append((accepted[j] + prior * PRIOR_WEIGHT) / (reached[j] + PRIOR_WEIGHT))
+        return out
+
+    def expected_tokens(self, req, k: int) -> float:
+        """Tokens a step with block length k commits for `req` on average: 1 + sum_j prod_{m<=j} p_m."""
+        counts = self._rows.get(req) or ([0.0] * (self.max_block - 1), [0.0] * (self.max_block - 1))
+        total, run = 1.0, 1.0
+        for p in self._conditional(counts)[: k - 1]:
+            run *= p
+            total += run
+        return total
+
+    @staticmethod
+    def _estimate(costs: dict[int, float], tokens: int) -> float:
+        """Cost of a forward over `tokens` tokens: the measurements made non-decreasing in tokens (pool-adjacent-
+        violators, so one noisy spike cannot make a longer block look cheaper or a shorter one dearer), linearly
+        interpolated, proportional beyond the largest."""
+        blocks = []  # [tokens of the first point, summed cost, points]
+        for t, c in sorted(costs.items()):
+            blocks.append([t, c, 1])
+            while len(blocks) > 1 and blocks[-2][1] / blocks[-2][2] > blocks[-1][1] / blocks[-1][2]:
+                t2, c2, n2 = blocks.pop()
+                blocks[-1][1] += c2
+                blocks[-1][2] += n2
+        level = {}
+        points = sorted(costs)
+        i = 0
+        for _, c, n in blocks:
+            for t in points[i : i + n]:
+                level[t] = c / n
+            i += n
+        below = max((t for t in level if t <= tokens), default=None)
+        above = min((t for t in level if t >= tokens), default=None)
+        if above is None:
+            return level[below] * tokens / below
+        if below is None or below == above:
+            return level[above]
+        w = (tokens - below) / (above - below)
+        return level[below] * (1 - w) + level[above] * w
+
+    def step_cost(self, rows: int, k: int) -> float:
+        cost = self._estimate(self.verify_cost, rows * k)
+        return cost + (self._estimate(self.draft_cost, rows * k) if k > 1 else 0.0)
+
+    def choose(self, rows: list) -> int:
+        if not self.adaptive or not self.verify_cost or not self.draft_cost:
+            return self.max_block
+        if self._plain_steps >= PROBE_EVERY:
+            return self.max_block
+        best, best_rate = 1, 0.0
+        for k in range(1, self.max_block + 1):
+            gain = sum(self.expected_tokens(r, min(k, max(r.remaining, 1))) for r in rows)
+            rate = gain / self.step_cost(len(rows), k)
+            if rate > best_rate * 1.02:  # a longer block must pay clearly: ties go to less speculation
+                best, best_rate = k, rate
+        return best
+
+    def record_cost(self, tokens: int, draft_seconds: float | None, verify_seconds: float) -> None:
+        for costs, seconds in ((self.verify_cost, verify_seconds), (self.draft_cost, draft_seconds)):
+            if seconds is not None:
+                old = costs.get(tokens)
+                costs[tokens] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def observe(self, rows: list, k: int, budgets: list[int], accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
+        """Learn from a finished step: its measured costs and each row's accepted run."""
+        self.choices[k] = self.choices.get(k, 0) + 1
+        self._plain_steps = self._plain_steps + 1 if k == 1 else 0
+        if not self.adaptive:
+            return
+        self.record_cost(len(rows) * k, draft_seconds if k > 1 else None, verify_seconds)
+        for r, b, a in zip(rows, budgets, accepted):
+            reached, acc = self._rows.setdefault(r, ([0.0] * (self.max_block - 1), [0.0] * (self.max_block - 1)))
+            for j in range(min(a + 1, b - 1)):
+                reached[j] += 1
+                self.reached[j] += 1
+                if j < a:
+                    acc[j] += 1
+                    self.accepted[j] += 1

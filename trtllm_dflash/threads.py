@@ -1,0 +1,48 @@
+"""CPU threads that share the machine: slow down in proportion to the cores a neighbour takes, not many times over.
+
+torch's CPU wheels run OpenMP (GNU libgomp) with one thread per core and threads that spin while they wait.
+Beside another busy process every parallel region then waits for a thread the kernel has descheduled while its
+siblings burn the neighbour's time spinning; a 10 s `trtdflash generate` took over 5 minutes. So: one thread per
+CPU this process may run on (its affinity mask, which `taskset` and cpusets narrow, or a container's CPU quota,
+not the machine's core count), and a passive wait policy (a waiting thread sleeps at once).
+
+libgomp reads these variables once, when torch loads it, so they must be in the environment before the first
+`import torch`: `trtdflash` sets them first thing (cli.main), and `serve` passes them to tritonserver, whose
+python backend stubs (the Triton models, where torch runs) inherit its environment. Values the user set win.
+A program using the Python API calls `configure_threads()` itself, before its first `import torch`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+
+def cgroup_cpus(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """CPUs a container's CPU quota grants (`docker --cpus 2` sets a quota, not an affinity mask), rounded up; None
+    without a quota. cgroup v2 (cpu.max), else v1 (cpu/cpu.cfs_quota_us)."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        try:
+            quota, period = ((root / "cpu" / f"cpu.cfs_{k}_us").read_text().strip() for k in ("quota", "period"))
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    return max(1, math.ceil(int(quota) / int(period)))
+
+
+def thread_defaults() -> dict[str, str]:
+    """OpenMP settings: threads = CPUs in the affinity mask (or the cgroup quota, if smaller), passive waiting. (MKL
+    follows OMP_NUM_THREADS, and torch sizes its pool from MKL's count, so MKL_NUM_THREADS is left alone: a value of
+    its own would override the user's OMP_NUM_THREADS.)"""
+    cpus = len(os.sched_getaffinity(0))
+    return {"OMP_NUM_THREADS": str(min(cpus, cgroup_cpus() or cpus)), "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def configure_threads() -> None:
+    """Put the defaults into this process's environment (before torch is imported); the user's own values stay."""
+    for key, value in thread_defaults().items():
+        os.environ.setdefault(key, value)
