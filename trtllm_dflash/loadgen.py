@@ -40,7 +40,7 @@ def _one(url: str, index: int, job: Job, timeout: float) -> Outcome:
     out, responses = Outcome(index), queue.Queue()
     t0 = time.perf_counter()
     try:
-        stream = EnsembleStream(url, CompletionRequest(job.prompt, job.max_tokens, job.stream), lambda r, e: responses.put((r, e)))
+        stream = EnsembleStream(url, CompletionRequest(job.prompt, job.max_tokens, job.stream), lambda result, error: responses.put((result, error)))
     except Exception as e:  # noqa: BLE001 - a refused connection is an outcome like any other
         out.error = f"{type(e).__name__}: {e}"
         return out
