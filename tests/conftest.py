@@ -42,3 +42,12 @@ def make_random_draft(target: TargetModel, path, num_layers=2, block_size=16, se
 @pytest.fixture(scope="session")
 def random_draft_dir(target, tmp_path_factory):
     return make_random_draft(target, tmp_path_factory.mktemp("drafts") / "random")
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -18,12 +18,7 @@ from trtllm_dflash.train.magpie import (
 TINY = MagpieSettings(seed=3, batch_size=8, question_max_tokens=32, answer_max_tokens=4)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small models: thread sync would dominate
 
 
 @pytest.fixture(scope="module")

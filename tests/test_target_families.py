@@ -21,12 +21,7 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small models: thread sync would dominate
 
 
 @pytest.mark.parametrize("family", FAMILIES)

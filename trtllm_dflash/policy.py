@@ -27,7 +27,6 @@ class BlockPolicy:
         self.accepted = [0.0] * (max_block - 1)  # ... and slot j was accepted
         self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> (reached, accepted)
         self._plain_steps = 0
-        self.choices: dict[int, int] = {}  # block length -> steps, for metrics
 
     def _conditional(self, counts) -> list[float]:
         reached, accepted = counts
@@ -99,7 +98,6 @@ class BlockPolicy:
 
     def observe(self, rows: list, k: int, budgets: list[int], accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
         """Learn from a finished step: its measured costs and each row's accepted run."""
-        self.choices[k] = self.choices.get(k, 0) + 1
         self._plain_steps = self._plain_steps + 1 if k == 1 else 0
         if not self.adaptive:
             return
