@@ -379,3 +379,22 @@ def test_output_holding_another_model_is_refused(tmp_path, target_dir):
 def test_bad_options_are_refused(tmp_path, kwargs, message):
     with pytest.raises(DFlashError, match=message.replace("(", r"\(").replace("*", r"\*")):
         ConvertOptions(model=str(DRAFT), output=tmp_path / "out", **kwargs)
+
+
+def test_a_second_conversion_into_the_same_output_is_refused_and_leftovers_are_cleared(tmp_path):
+    from trtllm_dflash.atomic import locked
+
+    out = tmp_path / "draft-fp8"
+    opts = ConvertOptions(model=str(DRAFT), quant="fp8", calib_data="chat", calib_samples=1, output=out)
+    with locked(out, "conversion"):  # another writer holds the output (its own open file: flock conflicts)
+        with pytest.raises(DFlashError, match="Another conversion .* is writing"):
+            convert_checkpoint(opts, progress=QUIET)
+    assert not out.exists()
+    killed = [tmp_path / ".draft-fp8.tmp999999", tmp_path / ".draft-fp8.offload999999"]  # what a SIGKILLed run leaves
+    for d in killed:
+        d.mkdir()
+        (d / "part.safetensors").write_bytes(b"half")
+    said = []
+    convert_checkpoint(opts, progress=said.append)
+    assert check_draft(out) is not None and not any(d.exists() for d in killed)
+    assert any("Cleaned up after an interrupted conversion" in m for m in said)

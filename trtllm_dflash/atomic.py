@@ -84,8 +84,8 @@ def locked(dest: Path, what: str = "build"):
 
 def recover(dest: Path) -> list[str]:
     """Clear what killed writers of `dest` left (call it holding `locked(dest)`): a version parked by an interrupted
-    swap goes back to `dest` if `dest` is missing, and every temporary sibling is removed. Returns the names found."""
-    pattern = re.compile(rf"\.{re.escape(dest.name)}\.(tmp|old)\d+")
+    swap goes back to `dest` if `dest` is missing, and every temporary sibling (a conversion's offloaded layers too) is removed. Returns the names found."""
+    pattern = re.compile(rf"\.{re.escape(dest.name)}\.(tmp|old|offload)\d+")
     leftovers = sorted(p for p in dest.parent.iterdir() if pattern.fullmatch(p.name)) if dest.parent.is_dir() else []
     for p in leftovers:
         if p.name.startswith(f".{dest.name}.old") and not dest.exists():

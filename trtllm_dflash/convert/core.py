@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..atomic import replace_dir
+from ..atomic import locked, recover, replace_dir
 from ..config import DRAFT_ARCHITECTURE
 from ..errors import DFlashError
 from ..resolve import PRESETS, preset_for
@@ -253,10 +253,13 @@ def convert_checkpoint(opts: ConvertOptions, progress: Callable[[str], None] = p
     offload = _offload(opts, shapes)
     opts.output.parent.mkdir(parents=True, exist_ok=True)
     offload_dir = opts.output.with_name(f".{opts.output.name}.offload{os.getpid()}")  # next to the output: never a tmpfs
-    try:
-        return _convert(opts, job, fmt, offload, offload_dir, started, progress, track)
-    finally:
-        shutil.rmtree(offload_dir, ignore_errors=True)
+    with locked(opts.output, "conversion"):  # a second conversion into the same output is refused, not interleaved
+        if leftovers := recover(opts.output):
+            progress(f"Cleaned up after an interrupted conversion into {opts.output}: {', '.join(leftovers)}.")
+        try:
+            return _convert(opts, job, fmt, offload, offload_dir, started, progress, track)
+        finally:
+            shutil.rmtree(offload_dir, ignore_errors=True)
 
 
 def _convert(opts, job, fmt: QuantFormat, offload: bool, offload_dir: Path, started: float, progress, track) -> Path:
