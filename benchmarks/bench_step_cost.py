@@ -5,7 +5,7 @@ DFlash's speed-up is tau over (verify + draft) / decode; on a GPU verify of a bl
 CPU it depends on the matrix kernels the CPU has. `--isa avx2` reruns in a subprocess with oneDNN and ATen limited to
 AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), an approximation of an AVX2-only CPU.
 
-    python benchmarks/bench_step_cost.py --dtypes fp32 bf16 --isa native avx2
+    python benchmarks/bench_step_cost.py --dtypes fp32 bf16 --isa native avx2 --linears packed dense
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ def cpu_flags() -> list[str]:
     return sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
 
 
-def measure(target: str, dtype: str, tokens: list[int], reps: int, context: int) -> dict:
+def measure(target: str, dtype: str, tokens: list[int], reps: int, context: int, pack: bool) -> dict:
     import torch
 
     from trtllm_dflash.runtime import DTYPES
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.resolve import resolve_target
 
-    tm = TargetModel.load(resolve_target(target, lambda m: None), DTYPES[dtype])
+    tm = TargetModel.load(resolve_target(target, lambda m: None), DTYPES[dtype], pack=pack)
     cache = tm.new_cache(1, context + max(tokens) + 1)
     ids = torch.randint(100, 1000, (1, context + max(tokens)), generator=torch.Generator().manual_seed(0))
     tm.forward(ids[:, :context], 0, cache, capture=False, logits_to_keep=1)
@@ -61,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--isa", nargs="+", default=["native", "avx2"], choices=list(ISA_ENV))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--linears", nargs="+", default=["packed", "dense"], choices=["packed", "dense"],
+                    help="packed: weights prepacked for oneDNN (the runtime's default); dense: stock F.linear.")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "step-cost.json"))
@@ -68,7 +70,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     if args.child:
-        print(json.dumps(measure(args.target, args.child, args.tokens, args.reps, args.context)))
+        dtype, linears = args.child.split(":")
+        print(json.dumps(measure(args.target, dtype, args.tokens, args.reps, args.context, linears == "packed")))
         return
     from trtllm_dflash.train.trainer import machine_info
 
@@ -77,12 +80,14 @@ def main(argv=None):
               "reps": args.reps, "runs": {}}
     for isa in args.isa:
         for dtype in args.dtypes:
-            cmd = [sys.executable, __file__, "--child", dtype, "--target", args.target, "--reps", str(args.reps),
-                   "--context", str(args.context), "--tokens", *map(str, args.tokens)]
-            done = subprocess.run(cmd, env=os.environ | ISA_ENV[isa], capture_output=True, text=True, check=True)
-            run = json.loads(done.stdout.strip().splitlines()[-1])
-            result["runs"][f"{isa} {dtype}"] = run
-            print(f"{isa:6s} {dtype}: " + ", ".join(f"{t} tok {ms} ms ({run['ratio_to_decode'][t]}x)" for t, ms in run["ms"].items()), flush=True)
+            for linears in args.linears:
+                cmd = [sys.executable, __file__, "--child", f"{dtype}:{linears}", "--target", args.target, "--reps", str(args.reps),
+                       "--context", str(args.context), "--tokens", *map(str, args.tokens)]
+                done = subprocess.run(cmd, env=os.environ | ISA_ENV[isa], capture_output=True, text=True, check=True)
+                run = json.loads(done.stdout.strip().splitlines()[-1])
+                result["runs"][f"{isa} {dtype} {linears}"] = run
+                print(f"{isa:6s} {dtype} {linears:6s}: " + ", ".join(f"{t} tok {ms} ms ({run['ratio_to_decode'][t]}x)" for t, ms in run["ms"].items()),
+                      flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -181,11 +181,12 @@ class Batch:
                 t0 = time.perf_counter()
                 self.target.forward(ids, 0, self.cache, capture=self.draft is not None)
                 t1 = time.perf_counter()
-                if self.draft is not None and n > 1:
-                    x = self.draft.embed_block(self.target.embed_tokens, ids)
-                    c = self.dcache.k[:, :1, :, :0]
-                    hidden = self.draft.draft_block(x, torch.arange(n)[None], c, c, torch.zeros(1, dtype=torch.long))
-                    self.draft.compute_logits(hidden[:, 1:], self.target.lm_head)
+                if self.draft is not None and n > 1:  # as a step drafts: whole blocks, n - 1 guesses to the LM head
+                    rows = max(1, n // self.block_size)
+                    x = self.draft.embed_block(self.target.embed_tokens, torch.zeros(rows, self.block_size, dtype=torch.long))
+                    c = self.dcache.k[:, :1, :, :0].expand(-1, rows, -1, -1, -1)
+                    hidden = self.draft.draft_block(x, torch.arange(self.block_size).expand(rows, -1), c, c, torch.zeros(rows, dtype=torch.long))
+                    self.draft.compute_logits(hidden.reshape(1, -1, hidden.shape[-1])[:, : n - 1], self.target.lm_head)
                 verify.append(t1 - t0)
                 draft.append(time.perf_counter() - t1)
             self.policy.record_cost(n, min(draft) if n > 1 else None, min(verify))
@@ -230,13 +231,15 @@ class Batch:
         drafts, q = torch.empty(n, 0, dtype=torch.long), None
         t0 = time.perf_counter()
         if k > 1:
-            # Draft: context K/V of newly committed tokens, then one block forward for all rows.
+            # Draft: context K/V of newly committed tokens, then one block forward for all rows. The whole block is
+            # drafted whatever k is (the draft was trained on full blocks, and its in-block attention is bidirectional:
+            # fewer mask slots would change every slot's guess); only the first k-1 guesses reach the LM head.
             self._update_draft_context(rows)
-            block = torch.cat([tokens, torch.full((n, k - 1), draft.config.mask_token_id)], dim=1)
+            block = torch.cat([tokens, torch.full((n, self.block_size - 1), draft.config.mask_token_id)], dim=1)
             c = int(starts.max())
-            hidden = draft.draft_block(draft.embed_block(target.embed_tokens, block), starts[:, None] + torch.arange(k),
+            hidden = draft.draft_block(draft.embed_block(target.embed_tokens, block), starts[:, None] + torch.arange(self.block_size),
                                        self.dcache.k[:, :n, :, :c], self.dcache.v[:, :n, :, :c], starts)
-            draft_logits = draft.compute_logits(hidden[:, 1:], target.lm_head)  # [n, k-1, V]; slot j: position start+j
+            draft_logits = draft.compute_logits(hidden[:, 1:k], target.lm_head)  # [n, k-1, V]; slot j: position start+j
             for i, r in enumerate(rows):
                 r.hold_stops(draft_logits[i], r.stats.num_tokens)
             drafts = draft_logits.argmax(-1)

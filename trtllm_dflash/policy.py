@@ -15,13 +15,15 @@ import weakref
 PRIOR = 0.6  # conditional acceptance assumed before anything is measured
 PRIOR_WEIGHT = 4.0  # a row's own counts outweigh the population's after a few steps
 PROBE_EVERY = 8  # steps of plain decoding after which one full block is tried, so acceptance stays measured
-EMA = 0.25
+# Timing noise on a CPU only ever adds time (another thread, an interrupt), so a cost estimate falls fast and rises
+# slowly: it settles near a low percentile of the measurements, and still follows a lasting slowdown within ~20 steps.
+FALL, RISE = 0.5, 0.05
 
 
 class BlockPolicy:
     def __init__(self, max_block: int, adaptive: bool = False):
         self.max_block, self.adaptive = max_block, adaptive and max_block > 1
-        self.verify_cost: dict[int, float] = {}  # tokens in the step -> seconds (EMA of measurements)
+        self.verify_cost: dict[int, float] = {}  # tokens in the step -> seconds (FALL/RISE average of measurements)
         self.draft_cost: dict[int, float] = {}
         self.reached = [0.0] * (max_block - 1)  # population: steps where slot j was drafted with all before accepted
         self.accepted = [0.0] * (max_block - 1)  # ... and slot j was accepted
@@ -47,23 +49,14 @@ class BlockPolicy:
 
     @staticmethod
     def _estimate(costs: dict[int, float], tokens: int) -> float:
-        """Cost of a forward over `tokens` tokens: the measurements made non-decreasing in tokens (pool-adjacent-
-        violators, so one noisy spike cannot make a longer block look cheaper or a shorter one dearer), linearly
-        interpolated, proportional beyond the largest."""
-        blocks = []  # [tokens of the first point, summed cost, points]
-        for t, c in sorted(costs.items()):
-            blocks.append([t, c, 1])
-            while len(blocks) > 1 and blocks[-2][1] / blocks[-2][2] > blocks[-1][1] / blocks[-1][2]:
-                t2, c2, n2 = blocks.pop()
-                blocks[-1][1] += c2
-                blocks[-1][2] += n2
-        level = {}
-        points = sorted(costs)
-        i = 0
-        for _, c, n in blocks:
-            for t in points[i : i + n]:
-                level[t] = c / n
-            i += n
+        """Cost of a forward over `tokens` tokens. A longer forward never costs less than a shorter one, so each
+        measured point counts as the cheapest measurement at or beyond it (noise only adds time: a spike, say one
+        taken while another process ran, cannot make a short block look dearer than a long one); linear in between,
+        proportional beyond the largest."""
+        level, low = {}, float("inf")
+        for t in sorted(costs, reverse=True):
+            low = min(low, costs[t])
+            level[t] = low
         below = max((t for t in level if t <= tokens), default=None)
         above = min((t for t in level if t >= tokens), default=None)
         if above is None:
@@ -94,7 +87,7 @@ class BlockPolicy:
         for costs, seconds in ((self.verify_cost, verify_seconds), (self.draft_cost, draft_seconds)):
             if seconds is not None:
                 old = costs.get(tokens)
-                costs[tokens] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+                costs[tokens] = seconds if old is None else old + (FALL if seconds < old else RISE) * (seconds - old)
 
     def observe(self, rows: list, k: int, budgets: list[int], accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
         """Learn from a finished step: its measured costs and each row's accepted run."""

@@ -131,6 +131,7 @@ class DFlashEngine:
         if draft_cfg is not None and block > 1:
             validate_pair(draft_cfg, hidden_size=tm.hidden_size, num_layers=tm.num_layers, vocab_rows=tm.vocab_rows, rope_parameters=tm.rope_parameters)
             dm = load_draft(draft_path, DTYPES[dtype])
+            dm.pack()
             tm.set_taps(draft_cfg.target_layer_ids)
         return cls(tm, dm, block, speculation)
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..config import DraftConfig
 from ..kernels import block_attention
+from .packed import pack_linears
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -193,6 +194,11 @@ class DFlashDraftModel(nn.Module):
         self.output_multiplier = float(dflash.get("output_multiplier", 1.0))
         self.final_logit_softcapping = float(dflash.get("final_logit_softcapping") or 0.0)
         self._stacked = None  # inference-time stacked K/V weights of all layers
+
+    def pack(self) -> None:
+        """For inference only: prepack the linears for oneDNN (models/packed.py). The k/v projections keep their dense
+        weights, which the context K/V GEMM stacks."""
+        pack_linears(self, keep=tuple(m for layer in self.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)))
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         for name, p in self.named_parameters():

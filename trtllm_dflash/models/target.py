@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache
 
 from ..errors import DFlashError
 from ..config import rope_of
+from .packed import pack_linears
 from .quantized import load_quantized_lm, read_quant_spec
 
 RECURRENT_HINTS = ("mamba", "rwkv", "recurrent", "linear_attention", "gated_deltanet", "xlstm")
@@ -44,7 +45,8 @@ class TargetModel:
         self._capture = False
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "TargetModel":
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True) -> "TargetModel":
+        """`pack`: prepack the linear layers for oneDNN (models/packed.py); off where weights are trained or exported."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -69,6 +71,8 @@ class TargetModel:
         except (ValueError, OSError) as e:
             raise DFlashError(f"Could not load target {path}: {str(e).splitlines()[0]}") from None
         model.eval().requires_grad_(False)
+        if pack:
+            pack_linears(model, keep=(model.get_output_embeddings(),))
         return cls(model, tokenizer, path)
 
     @property

@@ -1,0 +1,68 @@
+"""Prepacked linears (models/packed.py): the target decodes exactly as stock Hugging Face does, and faster."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from trtllm_dflash.models.packed import PackedLinear, pack_linears
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.runtime import DFlashEngine
+
+from test_lossless import MAX_NEW, PROMPTS
+
+
+@pytest.fixture(scope="module")
+def stock(target_dir):
+    return TargetModel.load(target_dir, pack=False)
+
+
+def test_packed_target_greedy_equals_stock_hf_generate(target, stock):
+    """fp32 greedy output of the packed target (the runtime's) equals unmodified transformers' generate()."""
+    assert any(isinstance(m, PackedLinear) for m in target.model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in stock.model.modules())
+    engine = DFlashEngine(target, None, 1)
+    for prompt, chat in PROMPTS:
+        ids = torch.tensor([engine.encode(prompt, chat)])
+        kw = dict(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=sorted(engine.eos_token_ids),
+                  pad_token_id=target.tokenizer.pad_token_id)
+        assert target.model.generate(ids, **kw).tolist() == stock.model.generate(ids, **kw).tolist(), prompt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_projection_does_not_depend_on_the_rows_beside_it(dtype):
+    """A token verified inside a block gets the same projection as when it is decoded alone, bit for bit."""
+    lin = nn.Linear(576, 1536, bias=True).to(dtype)
+    packed = PackedLinear(lin)
+    x = torch.randn(3, 8, 576, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.inference_mode():
+        full = packed(x)
+        assert torch.equal(packed(x[1:2, 3:4]), full[1:2, 3:4])
+        torch.testing.assert_close(full, lin(x), rtol=0, atol=2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_packing_keeps_the_lm_head_weight_and_drops_the_others():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    n = pack_linears(model, keep=(model[2],))
+    assert n == 2 and model[0].weight is None and model[2].weight is not None
+    assert not any(p.shape == (16, 8) for p in model.parameters())  # the dense copy is gone
+
+
+def test_verify_of_a_block_costs_little_more_than_a_decode_step(target, stock, one_thread):
+    """The point of packing: with the dense BLAS path, 8 tokens cost far more than 1 (the weights are repacked every
+    call); packed, much less. Compared side by side on one thread (noise hits both)."""
+    def cost(tm, t):
+        cache = tm.new_cache(1, 160)
+        ids = torch.randint(100, 1000, (1, 136), generator=torch.Generator().manual_seed(0))
+        tm.forward(ids[:, :128], 0, cache, capture=False, logits_to_keep=1)
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            tm.forward(ids[:, 128 : 128 + t], 128, cache, capture=False)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[3]
+
+    packed_ratio = cost(target, 8) / cost(target, 1)
+    stock_ratio = cost(stock, 8) / cost(stock, 1)
+    assert packed_ratio < stock_ratio, (packed_ratio, stock_ratio)
