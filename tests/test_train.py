@@ -187,15 +187,6 @@ def test_output_dir_refusals(tmp_path):
     check_output_dir(tmp_path / "new", resume=False)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny ops on 2 busy cores: a second OpenMP thread mostly waits at barriers (measured 5-10x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_tiny_training_run_resumes_and_is_lossless(target_dir, tmp_path, monkeypatch, one_thread):
     from trtllm_dflash.runtime import DFlashEngine
 
