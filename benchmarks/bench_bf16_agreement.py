@@ -18,7 +18,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,15 +30,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 def bf16_ulp(x: float) -> float:
     """Spacing of bf16 values around x (8 significant bits)."""
     return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
-
-
-def cpu_model() -> dict:
-    """lscpu's model name and the CPU features bf16 speed depends on."""
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = set(info.get("Flags", "").split())
-    return {"model": info.get("Model name", "").strip(),
-            "bf16_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})}
 
 
 def gap_at(model, ids: list[int], a: int, b: int) -> dict:
@@ -70,13 +60,13 @@ def main() -> None:
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.resolve import resolve_target
     from trtllm_dflash.runtime import DFlashEngine
-    from trtllm_dflash.train.trainer import machine_info
+    from trtllm_dflash.cpu import machine_info
 
     engine = DFlashEngine.load(a.target, a.draft, dtype="bf16", speculation="fixed", progress=lambda m: None)
     if engine.draft is None:
         raise SystemExit(f"Target {a.target} has no draft to compare; pass --draft.")
     fp32 = TargetModel.load(resolve_target(a.target, lambda m: None), torch.float32).model
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": cpu_model(), "machine": machine_info(),
+    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
               "torch": torch.__version__, "target": a.target, "draft": str(a.draft or "packaged default"),
               "block_size": engine.block_size, "max_new_tokens": a.max_new_tokens, "decoding": "greedy, bf16 target and draft",
               "sets": {}}

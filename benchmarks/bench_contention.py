@@ -39,7 +39,7 @@ if policy == "ours":
     configure_threads()
 import torch
 from trtllm_dflash.runtime import DFlashEngine
-engine = DFlashEngine.load("smollm2-135m", progress=lambda m: None)
+engine = DFlashEngine.load("smollm2-135m", dtype="fp32", progress=lambda m: None)
 engine.generate("Hi", max_new_tokens=4)  # warm-up: first-call allocations and kernel selection
 times, tokens = [], 0
 for _ in range(repeats):

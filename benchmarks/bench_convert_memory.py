@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -22,15 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from trtllm_dflash.cpu import cpu_model, isa_summary
+
 RESULTS = Path(__file__).parent / "results" / "convert-memory.json"
 TRTDFLASH = Path(sys.executable).with_name("trtdflash")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def wait_for_quiet(max_load: float, max_wait: float) -> float:
@@ -103,7 +97,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = {
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "ram_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
+        "machine": {"cpu": cpu_model(), "isa": isa_summary(), "cores": os.cpu_count(), "ram_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": args.model,
         "source_weights_gb": round(sum(f.stat().st_size for f in _weight_files(source)) / 1e9, 2),

@@ -24,7 +24,7 @@ from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.resolve import resolve_target
 from trtllm_dflash.runtime import DFlashEngine
 from trtllm_dflash.train.data import greedy_batch, load_prompts
-from trtllm_dflash.train.trainer import machine_info
+from trtllm_dflash.cpu import machine_info
 
 LAYERS = [1, 14, 27]
 

@@ -24,7 +24,7 @@ import torch
 from trtllm_dflash.data import gsm8k_records
 from trtllm_dflash.generate import GenerationStats
 from trtllm_dflash.runtime import DFlashEngine
-from trtllm_dflash.train.trainer import machine_info
+from trtllm_dflash.cpu import machine_info
 
 DEFAULT_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",

@@ -116,7 +116,7 @@ def main() -> None:
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.resolve import resolve_draft, resolve_target
     from trtllm_dflash.runtime import DFlashEngine
-    from trtllm_dflash.train.trainer import machine_info
+    from trtllm_dflash.cpu import machine_info
 
     load = os.getloadavg()
     cache = Path(a.cache)

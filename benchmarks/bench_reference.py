@@ -41,14 +41,9 @@ from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.generate import GenerationStats
 from trtllm_dflash.resolve import DRAFTS_DIR, resolve_target
 from trtllm_dflash.runtime import DTYPES, DFlashEngine
-from trtllm_dflash.train.trainer import machine_info
+from trtllm_dflash.cpu import machine_info
 
 INSTALL_HINT = "pip install --no-deps dflash==0.1.0"
-
-
-def cpu_flags() -> list[str]:
-    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), [])
-    return sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
 
 
 def import_reference():
@@ -186,7 +181,7 @@ def run(args, date: datetime.datetime, out_path: Path) -> int:
         del engine, r_target, r_draft
 
     report = {"benchmark": "bench_reference", "date": date.isoformat(timespec="seconds"),
-              "machine": machine_info() | {"cpu_flags": cpu_flags()}, "reference": {"package": "dflash", "version": importlib.metadata.version("dflash"),
+              "machine": machine_info(), "reference": {"package": "dflash", "version": importlib.metadata.version("dflash"),
                                                                                     "function": "dflash.model.dflash_generate"},
               "target": args.target, "draft": str(draft_path.name), "block_size": args.block_size, "prompts": len(questions),
               "prompt_source": "gsm8k held-out (last N), chat template", "max_new_tokens": args.max_new_tokens, "greedy": True,

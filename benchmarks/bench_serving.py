@@ -24,7 +24,7 @@ from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.data import gsm8k_records
 from trtllm_dflash.loadgen import Job, run_load, summary
 from trtllm_dflash.serve import ServerConfig, TritonServer
-from trtllm_dflash.train.trainer import machine_info
+from trtllm_dflash.cpu import machine_info
 
 CHAT = [  # everyday questions, not from any training set
     "What are some good ways to stay focused while working from home?",

@@ -22,7 +22,7 @@ from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.data import gsm8k_records
 from trtllm_dflash.loadgen import soak
 from trtllm_dflash.serve import ServerConfig, TritonServer
-from trtllm_dflash.train.trainer import machine_info
+from trtllm_dflash.cpu import machine_info
 
 CHAT = ["How do I make a good cup of coffee at home?", "Why do leaves change color in autumn?",
         "Give me three ideas for a rainy-day activity with kids.", "What is the difference between weather and climate?"]
@@ -41,7 +41,7 @@ def main(argv=None):
     held_out = gsm8k_records(holdout=True)
     prompts = [r["question"] for r in held_out[-4:]] + CHAT
     with tempfile.TemporaryDirectory() as tmp:
-        build = run_build(BuildOptions(output=Path(tmp) / "build", target=args.target, max_batch_size=args.max_batch_size, max_seq_len=512),
+        build = run_build(BuildOptions(output=Path(tmp) / "build", target=args.target, max_batch_size=args.max_batch_size, max_seq_len=512, dtype="fp32"),
                           progress=lambda m: None)
         with TritonServer(ServerConfig(build, grpc_port=0, http_port=0, metrics_port=0)) as server:
             report = soak(server, prompts, args.requests, args.concurrency, tuple(args.lengths))

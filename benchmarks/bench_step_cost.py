@@ -26,11 +26,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
 
 
-def cpu_flags() -> list[str]:
-    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), [])
-    return sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
-
-
 def measure(target: str, dtype: str, tokens: list[int], reps: int, context: int, pack: bool) -> dict:
     import torch
 
@@ -73,10 +68,10 @@ def main(argv=None):
         dtype, linears = args.child.split(":")
         print(json.dumps(measure(args.target, dtype, args.tokens, args.reps, args.context, linears == "packed")))
         return
-    from trtllm_dflash.train.trainer import machine_info
+    from trtllm_dflash.cpu import machine_info
 
     result = {"benchmark": "bench_step_cost", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info() | {"cpu_flags": cpu_flags()}, "target": args.target, "context": args.context,
+              "machine": machine_info(), "target": args.target, "context": args.context,
               "reps": args.reps, "runs": {}}
     for isa in args.isa:
         for dtype in args.dtypes:

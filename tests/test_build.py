@@ -97,7 +97,7 @@ def _no_tokenizer_target(target_dir, dst):
     (["--max-seq-len", "100000"], "exceeds the target's context window 8192"),
     (["--block-size", "99"], "exceeds the draft's trained block size 16"),
     (["--max-batch-size", "0"], "--max-batch-size must be at least 1"),
-    (["--dtype", "fp8"], "--dtype must be one of fp32, bf16"),
+    (["--dtype", "fp8"], "--dtype must be one of auto, fp32, bf16"),
     (["--no-draft"], "contradict"),
     ("BAD_MASK", "mask_token_id 999999 is not a row"),
     ("FC_WIDTH", "fc.weight has shape"),

@@ -15,7 +15,7 @@ def run(*args):
 
 
 def test_generate_json_autoregressive_and_with_draft_agree(random_draft_dir):
-    base = ["generate", "--prompt", "What is 12 times 7?", "--max-new-tokens", "24", "--json"]
+    base = ["generate", "--prompt", "What is 12 times 7?", "--max-new-tokens", "24", "--dtype", "fp32", "--json"]
     ar = run(*base, "--no-draft")
     assert ar.exit_code == 0, ar.output
     ar = json.loads(ar.output.strip().splitlines()[-1])

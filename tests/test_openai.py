@@ -41,7 +41,7 @@ def build_dir(request, tmp_path_factory):
     """The packaged default draft once it has landed (the build's default), else a random one."""
     draft = None if resolve_draft(None, MODEL) else str(request.getfixturevalue("random_draft_dir"))
     return run_build(BuildOptions(output=tmp_path_factory.mktemp("openai") / "build", draft=draft, block_size=BLOCK,
-                                  max_seq_len=MAX_SEQ_LEN, max_batch_size=2, speculation="fixed"),
+                                  max_seq_len=MAX_SEQ_LEN, max_batch_size=2, speculation="fixed", dtype="fp32"),
                      progress=lambda m: None)  # fixed: statistics comparable between calls
 
 

@@ -65,7 +65,7 @@ def test_every_endpoint_binds_loopback_by_default_and_the_models_get_the_thread_
     assert frontend.host == "127.0.0.1" and frontend.port > 0
     host = next(p for p in main.commands["serve"].params if p.name == "host")
     assert host.default == ServerConfig(build_dir=None).host == "127.0.0.1"
-    out = run_build(BuildOptions(output=tmp_path / "b", draft=str(random_draft_dir), max_seq_len=64), progress=lambda m: None)
+    out = run_build(BuildOptions(output=tmp_path / "b", draft=str(random_draft_dir), max_seq_len=64, dtype="fp32"), progress=lambda m: None)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     cmd, env = TritonServer(ServerConfig(out)).command()

@@ -170,10 +170,10 @@ def test_quantized_target_served_by_triton_equals_generate(request, packaged_dra
     """build (torch backend) + the real tritonserver + one gRPC completion == `trtdflash generate` on the same NVFP4 target."""
     target = _converted(request, "smollm2-135m", "nvfp4", "target")
     build = run_build(BuildOptions(output=tmp_path / "build", target=str(target), draft=str(packaged_draft), block_size=4,
-                                   max_seq_len=256, max_batch_size=1, speculation="fixed"), progress=lambda m: None)
+                                   max_seq_len=256, max_batch_size=1, speculation="fixed", dtype="fp32"), progress=lambda m: None)
     ref = json.loads(subprocess.run(
         [TRTDFLASH, "generate", "--target", str(target), "--draft", str(packaged_draft), "--block-size", "4", "--speculation", "fixed",
-         "--max-new-tokens", "24", "--prompt", "Name three colors.", "--json"], capture_output=True, text=True, check=True, timeout=300).stdout)
+         "--max-new-tokens", "24", "--dtype", "fp32", "--prompt", "Name three colors.", "--json"], capture_output=True, text=True, check=True, timeout=300).stdout)
     server = TritonServer(ServerConfig(build, grpc_port=0, http_port=0, metrics_port=0)).start()
     try:
         done = complete(server.grpc_url, CompletionRequest("Name three colors.", 24, True), timeout=120)

@@ -47,7 +47,7 @@ def build_dir(draft_dir, random_draft_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("serve") / "build"
     draft = None if draft_dir != random_draft_dir else str(draft_dir)
     return run_build(BuildOptions(output=out, draft=draft, block_size=BLOCK, max_seq_len=MAX_SEQ_LEN, max_batch_size=2,
-                                  speculation="fixed"),  # statistics comparable with `generate --speculation fixed`
+                                  speculation="fixed", dtype="fp32"),  # statistics comparable with `generate --speculation fixed`
                      progress=lambda m: None)
 
 
@@ -68,7 +68,7 @@ def reference(draft_dir):
     """What `trtdflash generate` prints for the same prompt and settings (greedy)."""
     out = subprocess.run(
         [TRTDFLASH, "generate", "--draft", str(draft_dir), "--block-size", str(BLOCK), "--max-new-tokens", str(MAX_TOKENS), "--speculation", "fixed",
-         "--prompt", PROMPT, "--json"], capture_output=True, text=True, check=True, timeout=300)
+         "--dtype", "fp32", "--prompt", PROMPT, "--json"], capture_output=True, text=True, check=True, timeout=300)
     return json.loads(out.stdout)
 
 

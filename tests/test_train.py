@@ -219,7 +219,7 @@ def test_tiny_training_run_resumes_and_is_lossless(target_dir, tmp_path, monkeyp
     draft = load_draft(out / "draft")
     assert draft.config.mask_token_id == SMOL_MASK_ID and draft.config.block_size == 4
 
-    engine = DFlashEngine.load(str(target_dir), str(out / "draft"), progress=lambda m: None)
+    engine = DFlashEngine.load(str(target_dir), str(out / "draft"), dtype="fp32", progress=lambda m: None)
     ids = engine.encode("What is 12 times 7?")
     spec = engine.generate("What is 12 times 7?", max_new_tokens=16)
     plain = [t for new, _ in engine.stream(ids, max_new_tokens=16, block_size=1) for t in new]
@@ -246,7 +246,7 @@ def test_shipped_draft_accepts_on_fixed_prompts(one_thread):
 
     if not (DRAFTS_DIR / "smollm2-135m" / "config.json").is_file():
         pytest.skip("no packaged smollm2-135m draft")
-    engine = DFlashEngine.load("smollm2-135m", progress=lambda m: None)
+    engine = DFlashEngine.load("smollm2-135m", dtype="fp32", progress=lambda m: None)
     assert engine.draft is not None
     prompts = ["A baker sells 24 muffins a day at $3 each. How much money does he make in a week?",
                "Write a Python function that returns the sum of the squares of a list of numbers."]

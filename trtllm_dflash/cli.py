@@ -10,8 +10,12 @@ import sys
 
 import click
 
+from .config import DTYPE_CHOICES
 from .errors import DFlashError
 from .threads import configure_threads
+
+DTYPE_HELP = ("auto: bf16 where the CPU has bf16 arithmetic (AVX-512 BF16, AMX), else fp32, whichever runs DFlash faster; "
+              "fp32 output is token-identical to decoding without a draft")
 
 
 def user_errors(fn):
@@ -77,7 +81,7 @@ def sampling_options(fn):
 @click.option("--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's); 1 = autoregressive.")
 @sampling_options
 @click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable).")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
 @speculation_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @user_errors
@@ -99,12 +103,12 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
         if not as_json:
             click.echo(delta, nl=False)
     if as_json:
-        click.echo(json.dumps({"text": "".join(text), "token_ids": ids, "block_size": engine.block_size, **stats.to_dict()}))
+        click.echo(json.dumps({"text": "".join(text), "token_ids": ids, "block_size": engine.block_size, "dtype": engine.dtype, **stats.to_dict()}))
     else:
         click.echo()
         click.echo(
             f"[{stats.num_tokens} tokens in {stats.wall_time:.2f}s, {stats.tokens_per_second:.1f} tok/s, "
-            f"{stats.steps} steps, acceptance length {stats.acceptance_length:.2f}, block {engine.block_size}, {dtype}]",
+            f"{stats.steps} steps, acceptance length {stats.acceptance_length:.2f}, block {engine.block_size}, {engine.dtype}]",
             err=True,
         )
 
@@ -125,7 +129,7 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
 @click.option("--max-batch-size", type=int, default=None, help="Concurrent requests. Default: the recipe's (trtllm) or 8 (torch).")
 @click.option("--max-seq-len", type=int, default=None, help="Prompt + generated tokens per request. Default: the recipe's or the target's window.")
 @click.option("--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's); the trtllm max_draft_len is this minus 1.")
-@click.option("--dtype", default="fp32", show_default=True, help="fp32 or bf16 (torch backend).")
+@click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP.replace("auto:", "auto, fp32 or bf16 (torch backend); auto:", 1))
 @speculation_option
 @click.option("--force", is_flag=True, help="Write a TensorRT-LLM plan even if its memory plan does not fit the GPUs.")
 @click.option("--draft-engine", is_flag=True, help="Also write the ONNX drafter (block attention as one TensorRT plugin node) and, "
@@ -202,28 +206,24 @@ def client(url, prompt, max_tokens, stream, temperature, top_p, top_k, seed, sto
 
 
 @main.command()
-@click.option("--output", default=None, help="Build directory (default: <cache>/quickstart); rebuilt only when inputs change.")
+@click.option("--output", default=None, help="Build directory (default: <cache>/quickstart); rebuilt only when inputs change. "
+                                             "The comparison build goes beside it, in OUTPUT-no-draft.")
 @click.option("--draft", default=None, help="DFlash draft directory. Default: the packaged SmolLM2-135M draft.")
 @click.option("--prompt", default="Explain speculative decoding in two sentences.", show_default=True)
 @click.option("--max-tokens", type=int, default=96, show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
+@click.option("--compare/--no-compare", default=True, show_default=True,
+              help="Time DFlash against the same build without a draft on a chat, a math and a code prompt.")
 @user_errors
-def quickstart(output, draft, prompt, max_tokens):
-    """Build the embedded default (SmolLM2-135M + draft, torch backend), start Triton, stream one completion over gRPC, stop."""
-    from pathlib import Path
+def quickstart(output, draft, prompt, max_tokens, dtype, compare):
+    """Build the embedded default (SmolLM2-135M + draft, torch backend), start Triton, stream one completion over gRPC,
+    then show DFlash's speed-up over the same server without a draft."""
+    from .quickstart import comparison_table, run_quickstart
 
-    from .build import BuildOptions, run_build
-    from .config import SamplingParams
-    from .resolve import cache_dir
-    from .serve import ServerConfig, TritonServer
-
-    say = lambda m: click.echo(m, err=True)  # noqa: E731
-    out = run_build(BuildOptions(output=Path(output) if output else cache_dir() / "quickstart", draft=draft), progress=say)
-    say("Starting tritonserver (free loopback ports)...")
-    with TritonServer(ServerConfig(out, grpc_port=0, http_port=0, metrics_port=0)) as server:
-        say("Ready.\n" + server.endpoints())
-        say(f"\n$ trtdflash client --url {server.grpc_url} --prompt {prompt!r} --max-tokens {max_tokens}")
-        _stream_completion(server.grpc_url, prompt, max_tokens, True, SamplingParams(), (), False)
-        say("Stopping tritonserver...")
+    result = run_quickstart(output, draft, prompt, max_tokens, dtype, compare, say=lambda m: click.echo(m, err=True),
+                            on_text=lambda piece: click.echo(piece, nl=False))
+    if result.rows:
+        click.echo("\n" + comparison_table(result))
 
 
 @main.command("train-draft")

@@ -8,6 +8,7 @@ from typing import Any
 
 from .errors import DFlashError
 
+DTYPE_CHOICES = ("auto", "fp32", "bf16")  # embedded backend; auto: the faster on this CPU (cpu.fastest_dtype)
 SPECULATION = ("adaptive", "fixed")  # block length per step from measured costs and acceptance, or always the full block
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"

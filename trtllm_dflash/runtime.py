@@ -10,7 +10,8 @@ from typing import Iterator
 
 import torch
 
-from .config import SPECULATION, SamplingParams
+from .config import DTYPE_CHOICES, SPECULATION, SamplingParams
+from .cpu import fastest_dtype
 from .errors import DFlashError
 from .generate import Batch, GenerationStats, Request, speculative_stream
 from .models.checkpoint import load_draft, read_draft_config
@@ -22,6 +23,13 @@ from .scheduler import Scheduler
 from .validate import validate_block_size, validate_pair
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(name: str) -> str:
+    """A --dtype value as 'fp32' or 'bf16'."""
+    if name not in DTYPE_CHOICES:
+        raise DFlashError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}.")
+    return fastest_dtype() if name == "auto" else name
 
 
 class IncrementalDetokenizer:
@@ -115,11 +123,14 @@ class DFlashEngine:
         self.policy = BlockPolicy(block_size if draft is not None else 1, adaptive=speculation == "adaptive")
         self._calibrated_rows = 0
 
+    @property
+    def dtype(self) -> str:
+        return next(name for name, dt in DTYPES.items() if dt == self.target.dtype)
+
     @classmethod
-    def load(cls, target: str, draft: str | None = None, *, no_draft: bool = False, dtype: str = "fp32",
+    def load(cls, target: str, draft: str | None = None, *, no_draft: bool = False, dtype: str = "auto",
              block_size: int | None = None, speculation: str = "adaptive", progress=print) -> "DFlashEngine":
-        if dtype not in DTYPES:
-            raise DFlashError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+        dtype = resolve_dtype(dtype)
         target_path = resolve_target(target, progress)
         draft_path = None if no_draft else resolve_draft(draft, target)
         draft_cfg = read_draft_config(draft_path) if draft_path is not None else None

@@ -26,13 +26,13 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
 from ..atomic import locked, recover, replace_dir
-from ..config import SPECULATION, rope_of
+from ..config import DTYPE_CHOICES, SPECULATION, rope_of
 from ..errors import DFlashError
 from ..models.checkpoint import check_draft
 from ..repository import TEMPLATE_DIR, RepoParams, emit_repository, template_files
@@ -71,7 +71,7 @@ class BuildOptions:
     max_batch_size: int | None = None
     max_seq_len: int | None = None
     block_size: int | None = None
-    dtype: str = "fp32"
+    dtype: str = "auto"  # resolved to fp32 or bf16 for this CPU when the build starts
     speculation: str = "adaptive"  # torch backend: block length per step from measured costs, or fixed
     chat_template: bool = True
     force: bool = False  # write a TensorRT-LLM plan that does not fit the GPUs
@@ -96,8 +96,8 @@ class BuildOptions:
         for flag, value in (("--tp", self.tp), ("--ep", self.ep), ("--max-batch-size", self.max_batch_size)):
             if value is not None and value < 1:
                 raise DFlashError(f"{flag} must be at least 1, got {value}.")
-        if self.dtype not in DTYPE_BYTES:
-            raise DFlashError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}.")
+        if self.dtype not in DTYPE_CHOICES:
+            raise DFlashError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}.")
         if self.speculation not in SPECULATION:
             raise DFlashError(f"--speculation must be one of {', '.join(SPECULATION)}, got {self.speculation!r}.")
         if self.max_seq_len is not None and self.max_seq_len < 2:
@@ -366,6 +366,10 @@ def _hash_sources(src: Sources | None, progress) -> dict[str, str]:
 
 def make_plan(opts: BuildOptions, progress: Callable[[str], None] = print) -> Plan:
     opts.check()
+    if opts.dtype == "auto":  # the build records the dtype it chose, so a build moved to another CPU keeps it
+        from ..cpu import fastest_dtype
+
+        opts = replace(opts, dtype=fastest_dtype())
     if opts.resolved_backend == "trtllm":
         from . import trtllm_backend
 
@@ -536,7 +540,7 @@ def _build(opts: BuildOptions, out: Path, progress: Callable[[str], None], dry_r
     if dry_run:
         progress(describe(plan))
         return out
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()} | {"output": str(out), "backend": plan.backend}
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(plan.options).items()} | {"output": str(out), "backend": plan.backend}
     reuse = {step.name: _reusable(step, old, out) for step in plan.steps}
     if old and all(reuse.values()) and {s.name for s in plan.steps} == set(old.get("steps", {})) and old.get("options") == options:
         progress(f"{out} is up to date (same inputs, outputs intact); nothing to do.")

@@ -20,10 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..data import gsm8k_records, magpie_card, magpie_records
+from ..data import CODE_COMPLETE_TEMPLATE, gsm8k_records, magpie_card, magpie_records
 from ..errors import DFlashError
-
-CODE_COMPLETE_TEMPLATE = "Complete the following Python function:\n```python\n{code}```"
 
 
 def gsm8k_prompts() -> list[tuple[str, str]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import random
 import time
 import zlib
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import DraftConfig
+from ..cpu import machine_info
 from ..errors import DFlashError
 from ..models.checkpoint import load_draft, save_draft
 from ..models.draft import DFlashDraftModel, dflash_attention_mask
@@ -370,15 +370,6 @@ def check_output_dir(out_dir: Path, resume: bool) -> None:
         raise DFlashError(f"--output {out_dir} already holds other files ({', '.join(foreign[:3])}); pass an empty or new directory.")
     if names and not resume:
         raise DFlashError(f"--output {out_dir} holds an earlier training run; pass --resume to continue it or choose a new directory.")
-
-
-def machine_info() -> dict:
-    import transformers
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": None,
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
 
 
 def run_training(target, out_dir: Path, args: TrainArgs, data_meta: dict, resume: bool, progress_bar: bool = True,

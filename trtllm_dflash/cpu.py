@@ -1,0 +1,69 @@
+"""What this CPU is and which dtype runs DFlash fastest on it, decided once for generate, build and quickstart.
+
+bf16 is the faster dtype only where the CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX) and oneDNN packs bf16
+weights: measured with `benchmarks/bench_generate.py`, bf16 DFlash ran 51.0 tok/s against fp32's 44.3 on an AMD
+EPYC with AVX-512 BF16 (2026-11-23), and bf16 was the faster dtype on an AMX Xeon (2026-11-22); on an AVX2-only CPU
+bf16 arithmetic is emulated and an 8-token verify costs 3.3x a decode step against fp32's 1.3x
+(`benchmarks/bench_step_cost.py --isa avx2`), so there fp32 wins. fp32 is also the dtype whose greedy output is
+token-identical to decoding without a draft; bf16's may differ at near-ties (`benchmarks/bench_bf16_agreement.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+BF16_HARDWARE_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    path = Path("/proc/cpuinfo")
+    if not path.exists():
+        return {}
+    fields: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            break
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def cpu_model() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or "unknown"
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo().get("flags", "").split())
+
+
+def isa_summary() -> list[str]:
+    """The flags that decide CPU inference speed here, for results files."""
+    return sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
+
+
+def machine_info() -> dict:
+    """The machine facts every results file and training card records."""
+    import os
+
+    import torch
+    import transformers
+
+    return {"cpu": cpu_model(), "isa": isa_summary(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": None,
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+@functools.cache
+def fastest_dtype() -> str:
+    """'bf16' where the CPU has bf16 arithmetic and oneDNN packs bf16 weights (ONEDNN_MAX_CPU_ISA=AVX2 turns that
+    off, so the AVX2 emulation gets fp32 too), else 'fp32'."""
+    import torch
+
+    from .models.packed import can_pack
+
+    if cpu_flags() & set(BF16_HARDWARE_FLAGS) and can_pack(torch.bfloat16):
+        return "bf16"
+    return "fp32"
