@@ -56,3 +56,16 @@ def test_compute_bound_costs_and_a_draft_that_misses_decode_plainly_then_probe()
     for _ in range(PROBE_EVERY):
         p.observe(rows, 1, [1] * 16, [0] * 16, draft_seconds=0.0, verify_seconds=0.032)
     assert p.choose(rows) == 8  # after PROBE_EVERY plain steps one full block keeps acceptance measured
+
+
+def test_sizes_not_chosen_follow_the_measured_ones():
+    """Start-up costs are measured at an empty context; once contexts grow, the sizes the policy keeps choosing get
+    dearer, and the others must too, or a shorter block would look cheaper than it is."""
+    p = BlockPolicy(8, adaptive=True)
+    for t, cost in ((1, 0.040), (2, 0.041), (4, 0.043), (8, 0.050)):
+        p.record_cost(t, 0.010 if t > 1 else None, cost)
+    for _ in range(200):  # full blocks at a long context: twice the start-up cost
+        p.record_cost(8, 0.020, 0.100)
+    assert abs(p.verify_cost[8] - 0.100) < 0.002 and abs(p.draft_cost[8] - 0.020) < 0.001
+    assert abs(p._estimate(p.verify_cost, 4) - 0.086) < 0.002  # the calibrated ratio 43/50, at today's level
+    assert abs(p.step_cost(1, 4) / p.step_cost(1, 8) - (0.043 + 0.010) / (0.050 + 0.010)) < 0.01

@@ -84,10 +84,19 @@ class BlockPolicy:
         return best
 
     def record_cost(self, tokens: int, draft_seconds: float | None, verify_seconds: float) -> None:
+        """A new size is stored as measured. A known one moves by FALL/RISE, and every other size moves by the same
+        factor: what changes a step's cost while requests run (their contexts growing, a busier machine) changes all
+        sizes alike, and the sizes not being chosen would otherwise keep their start-up cost and look cheap."""
         for costs, seconds in ((self.verify_cost, verify_seconds), (self.draft_cost, draft_seconds)):
-            if seconds is not None:
-                old = costs.get(tokens)
-                costs[tokens] = seconds if old is None else old + (FALL if seconds < old else RISE) * (seconds - old)
+            if seconds is None:
+                continue
+            old = costs.get(tokens)
+            if not old:
+                costs[tokens] = seconds
+                continue
+            scale = 1 + (FALL if seconds < old else RISE) * (seconds - old) / old
+            for t in costs:
+                costs[t] *= scale
 
     def observe(self, rows: list, k: int, budgets: list[int], accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
         """Learn from a finished step: its measured costs and each row's accepted run."""
