@@ -48,3 +48,24 @@ def test_a_container_cpu_quota_caps_the_threads(tmp_path, files, cpus):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     assert cgroup_cpus(tmp_path) == cpus
+
+
+SERVER_CHILD = """
+from trtllm_dflash.cli import main
+try:
+    main(["serve", "--help"])
+except SystemExit:
+    pass
+from trtllm_dflash.threads import server_thread_env
+print(server_thread_env().get("OMP_NUM_THREADS", "theirs"))
+"""
+
+
+def test_the_server_leaves_one_cpu_to_tritons_own_processes_unless_the_user_chose():
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    cpus = len(os.sched_getaffinity(0))
+    expected = str(max(1, min(cpus, cgroup_cpus() or cpus) - 1))
+    for env, want in (({}, expected), ({"OMP_NUM_THREADS": "2"}, "theirs")):
+        r = subprocess.run([sys.executable, "-c", SERVER_CHILD], capture_output=True, text=True, env={**base, **env}, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split()[-1] == want

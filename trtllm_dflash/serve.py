@@ -32,7 +32,7 @@ from pathlib import Path
 from .build import read_build
 from .errors import DFlashError
 from .resolve import cache_dir
-from .threads import thread_defaults
+from .threads import server_thread_env
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ class TritonServer:
         ]
         if backends is not None:
             cmd.append(f"--backend-directory={backends}")
-        return cmd, {**thread_defaults(), **os.environ, **env}  # the models' torch threads: see threads.py
+        return cmd, {**os.environ, **server_thread_env(), **env}  # the models' torch threads: see threads.py
 
     def _check_ports(self) -> None:
         ports = (("--grpc-port", self.grpc_port), ("--http-port", self.http_port), ("--metrics-port", self.metrics_port), ("--openai-port", self.openai_port))
