@@ -181,12 +181,7 @@ def _stream_completion(url, prompt, max_tokens, stream, sampling, stop_words, as
         click.echo(json.dumps(done.to_dict()))
     else:
         click.echo()
-        click.echo(
-            f"[{done.num_tokens} tokens, {done.tokens_per_second:.1f} tok/s, time to first token {done.time_to_first_token * 1000:.0f} ms, "
-            f"acceptance length {done.acceptance_length:.2f} ({done.accepted_tokens}/{done.drafted_tokens} drafts accepted), "
-            f"finish {done.finish_reason or '?'}]",
-            err=True,
-        )
+        click.echo(done.summary(), err=True)
 
 
 @main.command()

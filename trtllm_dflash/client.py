@@ -76,6 +76,11 @@ class Completion:
     def tokens_per_second(self) -> float:
         return self.num_tokens / self.wall_time if self.wall_time > 0 else 0.0
 
+    def summary(self) -> str:
+        return (f"[{self.num_tokens} tokens, {self.tokens_per_second:.1f} tok/s, time to first token {self.time_to_first_token * 1000:.0f} ms, "
+                f"acceptance length {self.acceptance_length:.2f} ({self.accepted_tokens}/{self.drafted_tokens} drafts accepted), "
+                f"finish {self.finish_reason or '?'}]")
+
     def to_dict(self) -> dict:
         return {
             "text": self.text, "num_tokens": self.num_tokens, "acceptance_length": round(self.acceptance_length, 4),

@@ -76,9 +76,7 @@ def run_quickstart(output: Path | None = None, draft: str | None = None, prompt:
         say(f"\n$ trtdflash client --url {server.grpc_url} --prompt {prompt!r} --max-tokens {max_tokens}")
         done = complete(server.grpc_url, CompletionRequest(prompt, max_tokens), on_text=on_text)
         on_text("\n")
-        say(f"[{done.num_tokens} tokens, {done.tokens_per_second:.1f} tok/s, time to first token {done.time_to_first_token * 1000:.0f} ms, "
-            f"acceptance length {done.acceptance_length:.2f} ({done.accepted_tokens}/{done.drafted_tokens} drafts accepted), "
-            f"finish {done.finish_reason or '?'}]")
+        say(done.summary())
         if not compare:
             say("Stopping tritonserver...")
             return result
