@@ -67,3 +67,13 @@ def fastest_dtype() -> str:
     if cpu_flags() & set(BF16_HARDWARE_FLAGS) and can_pack(torch.bfloat16):
         return "bf16"
     return "fp32"
+
+
+def resolve_dtype(name: str) -> str:
+    """A --dtype value as 'fp32' or 'bf16'."""
+    from .config import DTYPE_CHOICES
+    from .errors import DFlashError
+
+    if name not in DTYPE_CHOICES:
+        raise DFlashError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}.")
+    return fastest_dtype() if name == "auto" else name

@@ -14,7 +14,7 @@ from typing import Callable
 
 from .build import BuildOptions, run_build
 from .client import Completion, CompletionRequest, complete
-from .cpu import cpu_model, fastest_dtype
+from .cpu import cpu_model, resolve_dtype
 from .data import CODE_COMPLETE_TEMPLATE, gsm8k_records
 from .resolve import cache_dir
 from .serve import ServerConfig, TritonServer
@@ -67,7 +67,7 @@ def run_quickstart(output: Path | None = None, draft: str | None = None, prompt:
     """Build (or reuse) the DFlash repository, serve it and stream `prompt` through `on_text`; with `compare`, time it
     on `demo_prompts()`, then build and time the same repository without a draft (in `<output>-no-draft`)."""
     out = Path(output) if output else cache_dir() / "quickstart"
-    dtype = fastest_dtype() if dtype == "auto" else dtype
+    dtype = resolve_dtype(dtype)
     result = QuickstartResult(run_build(BuildOptions(output=out, draft=draft, dtype=dtype), progress=say), dtype)
     prompts = demo_prompts()
     say("Starting tritonserver (free loopback ports)...")

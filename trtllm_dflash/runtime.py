@@ -10,8 +10,8 @@ from typing import Iterator
 
 import torch
 
-from .config import DTYPE_CHOICES, SPECULATION, SamplingParams
-from .cpu import fastest_dtype
+from .config import SPECULATION, SamplingParams
+from .cpu import resolve_dtype
 from .errors import DFlashError
 from .generate import Batch, GenerationStats, Request, speculative_stream
 from .models.checkpoint import load_draft, read_draft_config
@@ -23,13 +23,6 @@ from .scheduler import Scheduler
 from .validate import validate_block_size, validate_pair
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def resolve_dtype(name: str) -> str:
-    """A --dtype value as 'fp32' or 'bf16'."""
-    if name not in DTYPE_CHOICES:
-        raise DFlashError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}.")
-    return fastest_dtype() if name == "auto" else name
 
 
 class IncrementalDetokenizer:

@@ -367,9 +367,9 @@ def _hash_sources(src: Sources | None, progress) -> dict[str, str]:
 def make_plan(opts: BuildOptions, progress: Callable[[str], None] = print) -> Plan:
     opts.check()
     if opts.dtype == "auto":  # the build records the dtype it chose, so a build moved to another CPU keeps it
-        from ..cpu import fastest_dtype
+        from ..cpu import resolve_dtype
 
-        opts = replace(opts, dtype=fastest_dtype())
+        opts = replace(opts, dtype=resolve_dtype(opts.dtype))
     if opts.resolved_backend == "trtllm":
         from . import trtllm_backend
 
