@@ -1,6 +1,6 @@
 """The block-length policy (policy.py) decides from measured costs and acceptance: its estimates and choices."""
 
-from trtllm_dflash.policy import PROBE_EVERY, BlockPolicy
+from trtllm_dflash.policy import BlockPolicy
 
 
 class Row:
@@ -8,9 +8,11 @@ class Row:
 
 
 def feed(policy: BlockPolicy, row, accepted_runs: list[int]) -> None:
-    """Full-block steps in which `row` got these numbers of drafts accepted."""
+    """Full-block steps in which `row` got these numbers of drafts accepted, each costing what the policy expects."""
+    k = policy.max_block
     for a in accepted_runs:
-        policy.observe([row], policy.max_block, [policy.max_block], [a], draft_seconds=0.0, verify_seconds=0.0)
+        policy.observe([row], k, [k], [a], draft_seconds=policy._estimate(policy.draft_cost, k),
+                       verify_seconds=policy._estimate(policy.verify_cost, k))
 
 
 def test_a_noise_spike_cannot_make_a_short_forward_dearer_than_a_longer_one():
@@ -45,17 +47,38 @@ def test_flat_costs_and_good_acceptance_draft_the_full_block():
     assert p.choose([stuck]) == 6
 
 
-def test_compute_bound_costs_and_a_draft_that_misses_decode_plainly_then_probe():
+def plain_steps(policy: BlockPolicy, rows: list, steps: int, seconds: float) -> None:
+    for _ in range(steps):
+        policy.observe(rows, 1, [1] * len(rows), [0] * len(rows), draft_seconds=0.0, verify_seconds=seconds)
+
+
+def test_a_draft_that_misses_decodes_plainly_and_probes_within_its_budget():
     p = BlockPolicy(8, adaptive=True)
-    p.verify_cost.update({t: 0.002 * t for t in (16, 32, 64, 128)})  # 16 rows: every token costs
-    p.draft_cost.update({t: 0.001 * t for t in (32, 64, 128)})
-    rows = [Row() for _ in range(16)]
+    p.verify_cost.update({2: 0.030, 4: 0.032, 8: 0.036, 16: 0.045})  # 2 rows
+    p.draft_cost.update({4: 0.010, 16: 0.012})
+    rows = [Row(), Row()]
     for r in rows:
         feed(p, r, [0] * 10)
     assert p.choose(rows) == 1
-    for _ in range(PROBE_EVERY):
-        p.observe(rows, 1, [1] * 16, [0] * 16, draft_seconds=0.0, verify_seconds=0.032)
-    assert p.choose(rows) == 8  # after PROBE_EVERY plain steps one full block keeps acceptance measured
+    # A probe costs 0.057 - 0.030 s more than a plain step; 3 % of 30 ms plain steps pays for it after 30 of them.
+    plain_steps(p, rows, 29, 0.030)
+    assert p.choose(rows) == 1
+    plain_steps(p, rows, 2, 0.030)
+    assert p.choose(rows) == 8
+    for r in rows:  # rows that have shown for long they never accept are not probed again
+        feed(p, r, [0] * 200)
+    plain_steps(p, rows, 1000, 0.030)
+    assert p.choose(rows) == 1
+
+
+def test_no_probe_where_even_a_good_draft_could_not_pay():
+    p = BlockPolicy(8, adaptive=True)
+    p.verify_cost.update({t: 0.002 * t for t in (16, 32, 64, 128)})  # 16 rows, compute-bound: every token costs
+    p.draft_cost.update({t: 0.001 * t for t in (32, 64, 128)})
+    rows = [Row() for _ in range(16)]  # new rows, nothing measured: credited 0.9 per slot, 5.7 tokens a block
+    assert p.choose(rows) == 1
+    plain_steps(p, rows, 1000, 0.032)
+    assert p.choose(rows) == 1
 
 
 def test_sizes_not_chosen_follow_the_measured_ones():
