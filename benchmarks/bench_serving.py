@@ -1,7 +1,9 @@
 """Serving under load through the real Triton server: the DFlash build vs the same build without a draft, side by side.
 
 Closed-loop gRPC streaming clients (each sends its next request when the previous one ends) at every concurrency
-level, held-out prompts (GSM8K questions never used for training, and chat questions), per dtype. Reports total
+level, held-out prompts (GSM8K questions never used for training, and chat questions), per dtype. Both builds are
+served at once and each level runs on one and then the other (the order alternating between rounds), so a drift in
+the machine's speed falls on both; every figure is the median of `--rounds` runs. Reports total
 tokens/s, tokens/s per user, time to first token and inter-token latency (p50/p99) per level, DFlash's ratio to
 the build without a draft, and a Pareto plot (tokens/s per user vs total tokens/s).
 
@@ -44,6 +46,12 @@ def prompts(n_math: int) -> list[str]:
     return [p for pair in zip(math, CHAT * (len(math) // len(CHAT) + 1)) for p in pair]  # alternate math and chat
 
 
+def median_level(rounds: list[dict]) -> dict:
+    """The round with the median total tokens/s (its latencies with it), and every round's total."""
+    ranked = sorted(rounds, key=lambda lv: lv["total_tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2] | {"total_tokens_per_s_rounds": [lv["total_tokens_per_s"] for lv in rounds]}
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -72,6 +80,7 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--requests", type=int, default=0, help="requests per level (default: max(4, 2 x concurrency))")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every level per build; figures are the median round's")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--math-prompts", type=int, default=16)
     ap.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"])
@@ -82,26 +91,33 @@ def main(argv=None):
     prompt_list = prompts(args.math_prompts)
     result = {"benchmark": "bench_serving", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine_info(), "target": args.target, "max_tokens": args.max_tokens, "speculation": args.speculation,
-              "max_batch_size": max(args.concurrency), "prompts": len(prompt_list), "levels": {}, "ratios": {}}
+              "max_batch_size": max(args.concurrency), "rounds": args.rounds, "prompts": len(prompt_list), "levels": {}, "ratios": {}}
+    builds = (("dflash", False), ("no-draft", True))
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
-            for name, no_draft in (("dflash", False), ("no-draft", True)):
-                build = run_build(BuildOptions(output=Path(tmp) / f"{dtype}-{name}", target=args.target, no_draft=no_draft, dtype=dtype,
-                                               max_batch_size=max(args.concurrency), max_seq_len=1024, speculation=args.speculation),
-                                  progress=lambda m: None)
-                server = TritonServer(ServerConfig(build, grpc_port=0, http_port=0, metrics_port=0)).start()
-                try:
-                    run_load(server.grpc_url, [Job(p, 16) for p in prompt_list[:2]], 2)  # warm-up
-                    levels = []
+            servers = {}
+            try:
+                for name, no_draft in builds:  # both served at once, so each level runs them back to back
+                    build = run_build(BuildOptions(output=Path(tmp) / f"{dtype}-{name}", target=args.target, no_draft=no_draft, dtype=dtype,
+                                                   max_batch_size=max(args.concurrency), max_seq_len=1024, speculation=args.speculation),
+                                      progress=lambda m: None)
+                    servers[name] = TritonServer(ServerConfig(build, grpc_port=0, http_port=0, metrics_port=0)).start()
+                    run_load(servers[name].grpc_url, [Job(p, 16) for p in prompt_list[:2]], 2)  # warm-up
+                runs = {name: {c: [] for c in args.concurrency} for name, _ in builds}
+                for r in range(args.rounds):
                     for c in args.concurrency:
                         jobs = [Job(prompt_list[i % len(prompt_list)], args.max_tokens) for i in range(args.requests or max(4, 2 * c))]
-                        lv = {"concurrency": c} | summary(*run_load(server.grpc_url, jobs, c))
-                        levels.append(lv)
-                        print(f"{dtype} {name:8s} c={c:2d}: {lv['total_tokens_per_s']:7.1f} tok/s total, {lv['tokens_per_s_per_user']:6.1f}/user, "
-                              f"TTFT p50 {lv['ttft_p50_s']:.3f}s, tau {lv['acceptance_length_median']}, errors {len(lv['errors'])}", flush=True)
-                    result["levels"][f"{dtype} {name}"] = levels
-                finally:
+                        for name, _ in builds[:: 1 if r % 2 == 0 else -1]:  # alternate which build goes first
+                            lv = summary(*run_load(servers[name].grpc_url, jobs, c))
+                            runs[name][c].append(lv)
+                            print(f"{dtype} {name:8s} round {r + 1} c={c:2d}: {lv['total_tokens_per_s']:7.1f} tok/s total, "
+                                  f"{lv['tokens_per_s_per_user']:6.1f}/user, TTFT p50 {lv['ttft_p50_s']:.3f}s, "
+                                  f"tau {lv['acceptance_length_median']}, errors {len(lv['errors'])}", flush=True)
+            finally:
+                for server in servers.values():
                     server.stop()
+            for name, _ in builds:
+                result["levels"][f"{dtype} {name}"] = [{"concurrency": c} | median_level(runs[name][c]) for c in args.concurrency]
             d, a = result["levels"][f"{dtype} dflash"], result["levels"][f"{dtype} no-draft"]
             result["ratios"][dtype] = {
                 "dflash_vs_no_draft": {str(x["concurrency"]): round(x["total_tokens_per_s"] / y["total_tokens_per_s"], 3) for x, y in zip(d, a)},

@@ -10,6 +10,7 @@ import torch
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.generate import Batch, Request
 from trtllm_dflash.models.checkpoint import load_draft
+from trtllm_dflash.policy import BlockPolicy
 from trtllm_dflash.resolve import DRAFTS_DIR
 from trtllm_dflash.runtime import DFlashEngine
 
@@ -88,6 +89,49 @@ def test_rows_join_leave_stop_and_cancel_without_changing_output(engine, referen
     if engine.policy.adaptive:
         chosen = {k for r in reqs for k in r.stats.block_lengths}
         assert chosen and max(chosen) <= engine.block_size
+
+
+class CyclingPolicy(BlockPolicy):
+    """Block lengths that differ between rows and steps (8, 1, 3, 5, 2, ...), whatever acceptance says, so each verify
+    forward mixes rows of every length; the policy's own choices are tested in test_policy.py."""
+
+    PATTERN = (8, 1, 3, 5, 2, 7, 1, 4)
+
+    def __init__(self, max_block):
+        super().__init__(max_block)
+        self.mixed_steps, self.step = 0, 0
+
+    def choose(self, rows):
+        self.step += 1
+        ks = [min(self.PATTERN[(self.step + 3 * i) % len(self.PATTERN)], max(r.remaining, 1)) for i, r in enumerate(rows)]
+        self.mixed_steps += len(set(ks)) > 1
+        return ks
+
+
+@pytest.mark.parametrize("ragged", [True, False], ids=["flat-token-axis", "padded"])
+def test_rows_with_different_block_lengths_in_one_forward_keep_their_output(engine, references, ragged):
+    """Four requests at once, each row its own block length every step, on the flat token axis and on the padded
+    layout a target without our attention takes: every output is the target's own greedy continuation."""
+    previous, engine.target.ragged = engine.target.ragged, ragged
+    try:
+        policy = CyclingPolicy(engine.block_size)
+        batch = Batch(engine.target, engine.draft, engine.block_size, slots=4, policy=policy)
+        reqs = [request(engine, ids, PROMPTS[i][2]) for i, (ids, _) in enumerate(references[:4])]
+        out = {r: [] for r in reqs}
+        for r in reqs:
+            while not (first := batch.add(r)):
+                pass
+            out[r] += first
+        while batch.ready:
+            for r, tokens in batch.step().items():
+                out[r] += tokens
+            for r in [r for r in batch.rows if r.stats.finish_reason]:
+                batch.remove(r)
+    finally:
+        engine.target.ragged = previous
+    assert policy.mixed_steps >= 10
+    for r, (_, ref) in zip(reqs, references):
+        assert out[r] == ref
 
 
 def test_scheduler_serves_concurrent_streams_in_order(engine, references):

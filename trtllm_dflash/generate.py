@@ -124,7 +124,7 @@ class Batch:
         self.cache = target.new_cache(slots)
         self.dcache = DraftKVCache(draft.config, slots, 256, target.dtype) if self.draft is not None else None
         self.slots = slots
-        self.last_step = (0, 0, 0)
+        self.last_step: tuple[list[int], int, int] = ([], 0, 0)
 
     @torch.inference_mode()
     def add(self, req: Request) -> list[int]:
@@ -181,15 +181,16 @@ class Batch:
                 t0 = time.perf_counter()
                 self.target.forward(ids, 0, self.cache, capture=self.draft is not None)
                 t1 = time.perf_counter()
-                if self.draft is not None and n > 1:  # as a step drafts: whole blocks, n - 1 guesses to the LM head
-                    rows = max(1, n // self.block_size)
+                if self.draft is not None and n >= self.block_size:  # as a step drafts: whole blocks, n - rows guesses to the LM head
+                    rows = n // self.block_size
                     x = self.draft.embed_block(self.target.embed_tokens, torch.zeros(rows, self.block_size, dtype=torch.long))
                     c = self.dcache.k[:, :1, :, :0].expand(-1, rows, -1, -1, -1)
                     hidden = self.draft.draft_block(x, torch.arange(self.block_size).expand(rows, -1), c, c, torch.zeros(rows, dtype=torch.long))
-                    self.draft.compute_logits(hidden.reshape(1, -1, hidden.shape[-1])[:, : n - 1], self.target.lm_head)
+                    self.draft.compute_logits(hidden[:, 1:].reshape(1, -1, hidden.shape[-1]), self.target.lm_head)
                 verify.append(t1 - t0)
                 draft.append(time.perf_counter() - t1)
-            self.policy.record_cost(n, min(draft) if n > 1 else None, min(verify))
+            self.policy.record_cost(n, min(draft) if self.draft is not None and n >= self.block_size else None, min(verify),
+                                    draft_tokens=n // self.block_size * self.block_size)
             if n == max_rows * self.block_size:
                 break
             tokens *= 2
@@ -199,10 +200,12 @@ class Batch:
         """Rows past prefill and not finished: the ones a step advances."""
         return [r for r in self.rows if r.prefilled == len(r.prompt_ids) and not r.stats.finish_reason]
 
-    def _update_draft_context(self, rows: list[Request]) -> None:
-        """Context K/V of every row's newly committed tokens: one GEMM over all of them, written into each row's slot."""
+    def _update_draft_context(self, rows: list[Request], which: list[int]) -> None:
+        """Context K/V of the newly committed tokens of rows[i] for i in `which`: one GEMM over all of them, written
+        into each row's slot. A row decoding plainly keeps its features until it drafts again (if it ever does)."""
         feats, slots, positions = [], [], []
-        for i, r in enumerate(rows):
+        for i in which:
+            r = rows[i]
             if not r.features:
                 continue
             f = torch.cat(r.features) if len(r.features) > 1 else r.features[0]
@@ -219,65 +222,76 @@ class Batch:
 
     @torch.inference_mode()
     def step(self) -> dict[Request, list[int]]:
-        """One speculative step for every ready row (they must be slots 0..n-1): draft, verify, accept, commit."""
+        """One speculative step for every ready row (they must be slots 0..n-1): draft, verify, accept, commit.
+
+        Each row has its own block length k_i (1 = plain decoding); the verify forward carries sum(k_i) tokens.
+        """
         rows = self.ready
         assert rows == self.rows[: len(rows)], "ready rows must lead the slots"
         n, draft, target = len(rows), self.draft, self.target
-        k = self.policy.choose(rows)  # block length for this step: 1 = plain decoding
-        budgets = [min(k, r.remaining) for r in rows]
-        k = max(budgets)
-        starts = torch.tensor([r.start for r in rows])
-        tokens = torch.tensor([[r.token] for r in rows])  # [n, 1]
-        drafts, q = torch.empty(n, 0, dtype=torch.long), None
+        ks = self.policy.choose(rows)  # block length per row, within its budget
+        drafting = [i for i, k in enumerate(ks) if k > 1]
+        drafts, q = [[] for _ in rows], [None] * n  # row i's guesses for positions start+1..start+k_i-1 (and their probs)
         t0 = time.perf_counter()
-        if k > 1:
-            # Draft: context K/V of newly committed tokens, then one block forward for all rows. The whole block is
-            # drafted whatever k is (the draft was trained on full blocks, and its in-block attention is bidirectional:
-            # fewer mask slots would change every slot's guess); only the first k-1 guesses reach the LM head.
-            self._update_draft_context(rows)
-            block = torch.cat([tokens, torch.full((n, self.block_size - 1), draft.config.mask_token_id)], dim=1)
+        if drafting:
+            # Draft: context K/V of newly committed tokens, then one block forward for the drafting rows. The whole block
+            # is drafted whatever k_i is (the draft was trained on full blocks, and its in-block attention is
+            # bidirectional: fewer mask slots would change every slot's guess); only k_i-1 guesses reach the LM head.
+            self._update_draft_context(rows, drafting)
+            idx = torch.tensor(drafting)
+            starts = torch.tensor([rows[i].start for i in drafting])
+            block = torch.full((len(drafting), self.block_size), draft.config.mask_token_id)
+            block[:, 0] = torch.tensor([rows[i].token for i in drafting])
             c = int(starts.max())
-            hidden = draft.draft_block(draft.embed_block(target.embed_tokens, block), starts[:, None] + torch.arange(self.block_size),
-                                       self.dcache.k[:, :n, :, :c], self.dcache.v[:, :n, :, :c], starts)
-            draft_logits = draft.compute_logits(hidden[:, 1:k], target.lm_head)  # [n, k-1, V]; slot j: position start+j
-            for i, r in enumerate(rows):
-                r.hold_stops(draft_logits[i], r.stats.num_tokens)
-            drafts = draft_logits.argmax(-1)
-            if not all(r.sampling.greedy for r in rows):
-                q = [None if r.sampling.greedy else sampling_probs(draft_logits[i], r.sampling) for i, r in enumerate(rows)]
-                for i, r in enumerate(rows):
-                    if q[i] is not None:
-                        drafts[i] = sample(q[i], r.gen)
+            ck, cv = self.dcache.k[:, :n, :, :c], self.dcache.v[:, :n, :, :c]
+            if len(drafting) < n:
+                ck, cv = ck[:, idx], cv[:, idx]
+            hidden = draft.draft_block(draft.embed_block(target.embed_tokens, block), starts[:, None] + torch.arange(self.block_size), ck, cv, starts)
+            guesses = torch.cat([hidden[d, 1 : ks[i]] for d, i in enumerate(drafting)])  # [sum(k_i - 1), H]
+            draft_logits = draft.compute_logits(guesses[None], target.lm_head)[0].split([ks[i] - 1 for i in drafting])
+            for i, logits in zip(drafting, draft_logits):
+                r = rows[i]
+                r.hold_stops(logits, r.stats.num_tokens)
+                if r.sampling.greedy:
+                    drafts[i] = logits.argmax(-1).tolist()
+                else:
+                    q[i] = sampling_probs(logits, r.sampling)
+                    drafts[i] = sample(q[i], r.gen).tolist()
         t1 = time.perf_counter()
-        # Verify [token, d_1..d_{k-1}] of every row at positions start..start+k-1 in one target forward.
-        logits, feats = target.forward(torch.cat([tokens, drafts], dim=1), starts.tolist(), self.cache, capture=draft is not None)
+        # Verify [token, d_1..d_{k_i-1}] of every row at positions start..start+k_i-1, all rows in one target forward.
+        logits, feats = target.forward_rows([[r.token] + drafts[i] for i, r in enumerate(rows)], [r.start for r in rows],
+                                            self.cache, capture=draft is not None)
+        row_logits = logits.split(ks)
+        for r, lg in zip(rows, row_logits):
+            r.hold_stops(lg, r.stats.num_tokens)
+        posterior = logits.argmax(-1).split(ks)
+        out, accepted, offset = {}, [], 0
         for i, r in enumerate(rows):
-            r.hold_stops(logits[i], r.stats.num_tokens)
-        posterior = logits.argmax(-1)  # [n, k]
-        in_budget = torch.arange(k - 1)[None] < torch.tensor(budgets)[:, None] - 1
-        accepted = ((drafts == posterior[:, :-1]) & in_budget).int().cumprod(1).sum(1).tolist()
-        bonus = posterior.gather(1, torch.tensor(accepted)[:, None])[:, 0].tolist()
-        for i, r in enumerate(rows):
-            if not r.sampling.greedy:
-                b = budgets[i]
-                accepted[i], bonus[i] = rejection_sample(drafts[i, : b - 1], sampling_probs(logits[i, :b], r.sampling),
-                                                         q[i][: b - 1] if q is not None and q[i] is not None else torch.empty(0, 0), r.gen)
-        drafts, out = drafts.tolist(), {}
-        for i, r in enumerate(rows):
-            a, s = accepted[i], r.stats
+            k, s = ks[i], r.stats
+            if r.sampling.greedy:  # accept the longest prefix of drafts the target agrees with; its next argmax is the bonus
+                post = posterior[i].tolist()
+                a = 0
+                while a < k - 1 and drafts[i][a] == post[a]:
+                    a += 1
+                bonus = post[a]
+            else:
+                a, bonus = rejection_sample(torch.tensor(drafts[i], dtype=torch.long), sampling_probs(row_logits[i], r.sampling),
+                                            q[i] if q[i] is not None else torch.empty(0, 0), r.gen)
+            accepted.append(a)
             s.steps += 1
-            s.drafted_tokens += budgets[i] - 1
+            s.drafted_tokens += k - 1
             s.accepted_tokens += a
             s.block_lengths[k] = s.block_lengths.get(k, 0) + 1
             for j in range(a):
                 s.accepted_per_position[j] += 1
-            out[r] = r.commit(drafts[i][:a] + [bonus[i]])
+            out[r] = r.commit(drafts[i][:a] + [bonus])
             r.start += a + 1  # the cache beyond start is stale: the next forward overwrites it
-            r.token = bonus[i]
+            r.token = bonus
             if feats is not None:
-                r.features.append(feats[i, : a + 1])  # token + accepted drafts, positions old start..start-1
-        self.policy.observe(rows, k, budgets, accepted, draft_seconds=t1 - t0, verify_seconds=time.perf_counter() - t1)
-        self.last_step = (k, sum(budgets) - n, sum(accepted))  # block length, drafted, accepted: for metrics
+                r.features.append(feats[offset : offset + a + 1])  # token + accepted drafts, positions old start..start-1
+            offset += k
+        self.policy.observe(rows, ks, accepted, draft_seconds=t1 - t0, verify_seconds=time.perf_counter() - t1)
+        self.last_step = (ks, sum(ks) - n, sum(accepted))  # block lengths, drafted, accepted: for metrics
         return out
 
 

@@ -1,50 +1,69 @@
-"""How many tokens to speculate per step: the block length that maximises expected committed tokens per second.
+"""How many tokens to speculate per step, per request: the block lengths that maximise expected committed tokens per
+second.
 
-At batch 1 a block is nearly free to verify; at high batch every rejected slot costs real compute, and on a
-chat prompt the draft may rarely be right. Each step the policy takes, for every candidate block length k,
-the expected tokens committed (from each running row's own acceptance, position by position, shrunk toward
-the population's) over the measured cost of drafting and verifying n*k tokens, and picks the best; k = 1 is
-plain decoding. While it decodes plainly it still probes now and then with a full block, so acceptance stays
-measured, but only when the block could pay were the rows as good as their evidence allows, and only as often as
-PROBE_BUDGET of the plain steps' time covers the probe's extra cost: at high batch a full block costs several plain
-steps, and a fixed probe rate would spend a large share of the server's time on them. TensorRT-LLM's `DFlashDecodingConfig` switches on fixed thresholds (`draft_len_schedule` by
-batch size, `acceptance_rate_threshold`); here both sides of the trade are measured on the machine it runs on.
+At batch 1 a block is nearly free to verify; at high batch every rejected slot costs real compute, and on a chat
+prompt the draft may rarely be right while on a math prompt beside it it is right three times in four. Each row
+gets its own block length (the verify forward carries sum(k_i) tokens on one flat axis): starting from plain
+decoding everywhere, the policy adds one slot at a time to the row whose next slot is likeliest to be accepted
+(each row's own acceptance, position by position, shrunk toward the population's), prices each allocation with
+the measured cost of verifying its tokens and drafting its drafting rows, and keeps the best. A row decoding
+plainly is still probed with a full block so its acceptance stays measured: once when it is new, then only as
+often as PROBE_BUDGET of its share of the plain steps covers the probe's extra cost, and only when the block could
+pay were the row as good as its evidence allows. TensorRT-LLM's `DFlashDecodingConfig` switches the whole batch on fixed
+thresholds (`draft_len_schedule` by batch size, `acceptance_rate_threshold`); here both sides of the trade are
+measured on the machine it runs on, per request.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
 
 PRIOR = 0.6  # conditional acceptance assumed before anything is measured
 PRIOR_WEIGHT = 4.0  # a row's own counts outweigh the population's after a few steps
-PROBE_BUDGET = 0.03  # share of plain-decoding time a probe's extra cost may take
+PROBE_BUDGET = 0.03  # share of a row's plain-decoding time a probe's extra cost may take
 OPTIMISTIC = 0.9  # conditional acceptance a row is credited with, against its evidence, when deciding whether to probe
+PROBE_MARGIN = 1.1  # ... and by how much that best case must beat the step without the probe (a probe's context update
+# and first-block overheads are not in the cost estimates; at 8 rows on a 2-core CPU they are a third of its cost)
 # Timing noise on a CPU only ever adds time (another thread, an interrupt), so a cost estimate falls fast and rises
 # slowly: it settles near a low percentile of the measurements, and still follows a lasting slowdown within ~20 steps.
 FALL, RISE = 0.5, 0.05
+# Steps with drafting rows pay what one-row calibration forwards do not (the draft's context update, the per-row
+# attention layout, the guesses' LM head): their measured/estimated ratio is learned apart from plain steps'.
+FACTOR_RATE = 0.1
+
+
+@dataclass
+class RowCounts:
+    reached: list[float]  # [j]: steps where slot j was drafted with all before it accepted
+    accepted: list[float]  # [j]: ... and slot j was accepted
+    plain_seconds: float = field(default=0.0)  # this row's share of the steps since it last drafted
 
 
 class BlockPolicy:
-    def __init__(self, max_block: int, adaptive: bool = False):
-        self.max_block, self.adaptive = max_block, adaptive and max_block > 1
-        self.verify_cost: dict[int, float] = {}  # tokens in the step -> seconds (FALL/RISE average of measurements)
-        self.draft_cost: dict[int, float] = {}
-        self.reached = [0.0] * (max_block - 1)  # population: steps where slot j was drafted with all before accepted
-        self.accepted = [0.0] * (max_block - 1)  # ... and slot j was accepted
-        self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> (reached, accepted)
-        self._plain_seconds = 0.0  # time in plain steps since the last block
+    def __init__(self, max_block: int, adaptive: bool = False, ragged: bool = True):
+        """`ragged`: the target verifies rows of different lengths on one flat axis (else every row is padded to the
+        longest, and a step costs n * max(k_i) tokens)."""
+        self.max_block, self.adaptive, self.ragged = max_block, adaptive and max_block > 1, ragged
+        self.verify_cost: dict[int, float] = {}  # tokens verified -> seconds (FALL/RISE average of measurements)
+        self.draft_cost: dict[int, float] = {}  # drafting rows * block size -> seconds
+        self.population = self._new_counts()
+        self.factor = {False: 1.0, True: 1.0}  # drafting step? -> measured / estimated cost (moving average)
+        self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> RowCounts
 
-    def _counts(self, req) -> tuple[list[float], list[float]]:
-        return self._rows.get(req) or ([0.0] * (self.max_block - 1), [0.0] * (self.max_block - 1))
+    def _new_counts(self) -> RowCounts:
+        return RowCounts([0.0] * (self.max_block - 1), [0.0] * (self.max_block - 1))
 
-    def _conditional(self, counts, optimistic: bool = False) -> list[float]:
+    def _counts(self, req) -> RowCounts:
+        return self._rows.get(req) or self._new_counts()
+
+    def _conditional(self, counts: RowCounts, optimistic: bool = False) -> list[float]:
         """P(slot j accepted | slots before it were): the row's counts shrunk toward the population's (or, optimistic,
         toward OPTIMISTIC: what the row could still be, given its evidence)."""
-        reached, accepted = counts
-        out = []
+        pop, out = self.population, []
         for j in range(self.max_block - 1):
-            prior = OPTIMISTIC if optimistic else (self.accepted[j] + PRIOR * PRIOR_WEIGHT) / (self.reached[j] + PRIOR_WEIGHT)
-            out.append((accepted[j] + prior * PRIOR_WEIGHT) / (reached[j] + PRIOR_WEIGHT))
+            prior = OPTIMISTIC if optimistic else (pop.accepted[j] + PRIOR * PRIOR_WEIGHT) / (pop.reached[j] + PRIOR_WEIGHT)
+            out.append((counts.accepted[j] + prior * PRIOR_WEIGHT) / (counts.reached[j] + PRIOR_WEIGHT))
         return out
 
     @staticmethod
@@ -78,55 +97,102 @@ class BlockPolicy:
         w = (tokens - below) / (above - below)
         return level[below] * (1 - w) + level[above] * w
 
-    def step_cost(self, rows: int, k: int) -> float:
-        cost = self._estimate(self.verify_cost, rows * k)
-        return cost + (self._estimate(self.draft_cost, rows * k) if k > 1 else 0.0)
+    def verified_tokens(self, ks: list[int]) -> int:
+        return sum(ks) if self.ragged else len(ks) * max(ks)
 
-    def choose(self, rows: list) -> int:
+    def _curve_cost(self, ks: list[int]) -> float:
+        drafting = sum(k > 1 for k in ks)
+        cost = self._estimate(self.verify_cost, self.verified_tokens(ks))
+        return cost + (self._estimate(self.draft_cost, drafting * self.max_block) if drafting else 0.0)
+
+    def step_cost(self, ks: list[int]) -> float:
+        """Seconds of a step whose rows verify ks[i] tokens each (those with k > 1 drafting a whole block)."""
+        return self._curve_cost(ks) * self.factor[max(ks) > 1]
+
+    def choose(self, rows: list) -> list[int]:
+        """Block length per row (1 = plain decoding), never beyond what the row may still generate."""
+        caps = [min(self.max_block, max(r.remaining, 1)) for r in rows]
         if not self.adaptive or not self.verify_cost or not self.draft_cost:
-            return self.max_block
-        best, best_rate = 1, 0.0
-        for k in range(1, self.max_block + 1):
-            gain = sum(self.expected_tokens(r, min(k, max(r.remaining, 1))) for r in rows)
-            rate = gain / self.step_cost(len(rows), k)
+            return caps
+        conditional = [self._conditional(self._counts(r)) for r in rows]
+        ks, gain = [1] * len(rows), float(len(rows))
+        nxt = [c[0] for c in conditional]  # expected tokens row i's next slot adds: prod of its conditionals so far
+        best, best_rate = list(ks), gain / self.step_cost(ks)
+        while True:
+            open_rows = [i for i in range(len(rows)) if ks[i] < caps[i]]
+            if not open_rows:
+                break
+            i = max(open_rows, key=lambda i: nxt[i])
+            gain += nxt[i]
+            ks[i] += 1
+            if ks[i] < self.max_block:
+                nxt[i] *= conditional[i][ks[i] - 1]
+            rate = gain / self.step_cost(ks)
             if rate > best_rate * 1.02:  # a longer block must pay clearly: ties go to less speculation
-                best, best_rate = k, rate
-        return self.max_block if best == 1 and self._probe_due(rows) else best
+                best, best_rate = list(ks), rate
+        probe = self._probe(rows, best, caps)
+        if probe is not None:
+            best[probe] = caps[probe]
+        return best
 
-    def _probe_due(self, rows: list) -> bool:
-        n, k = len(rows), self.max_block
-        plain, block = self.step_cost(n, 1), self.step_cost(n, k)
-        if self._plain_seconds * PROBE_BUDGET < block - plain:
-            return False
-        could = sum(self._tokens(self._conditional(self._counts(r), optimistic=True), min(k, max(r.remaining, 1))) for r in rows)
-        return could / block > n / plain
+    def _probe(self, rows: list, ks: list[int], caps: list[int]) -> int | None:
+        """The plain row that is due a full block, if any: a row never measured (one block in its life tells the
+        policy what the population's average cannot: whether this request is one the draft serves), else the one
+        longest plain whose share of the plain steps' time covers the probe within PROBE_BUDGET."""
+        counts = {i: self._counts(rows[i]) for i, k in enumerate(ks) if k == 1 and caps[i] > 1}
+        if not counts:
+            return None
+        base = self.step_cost(ks)
+        gain = sum(self.expected_tokens(r, k) for r, k in zip(rows, ks))
+        for i in sorted(counts, key=lambda i: (counts[i].reached[0] > 0, -counts[i].plain_seconds)):
+            with_block = list(ks)
+            with_block[i] = caps[i]
+            cost = self.step_cost(with_block)
+            if counts[i].reached[0] > 0 and counts[i].plain_seconds * PROBE_BUDGET < cost - base:
+                return None  # the rows after it have less plain time behind them
+            could = gain - 1 + self._tokens(self._conditional(counts[i], optimistic=True), caps[i])
+            if could / cost > PROBE_MARGIN * gain / base:
+                return i
+        return None
 
-    def record_cost(self, tokens: int, draft_seconds: float | None, verify_seconds: float) -> None:
-        """A new size is stored as measured. A known one moves by FALL/RISE, and every other size moves by the same
-        factor: what changes a step's cost while requests run (their contexts growing, a busier machine) changes all
-        sizes alike, and the sizes not being chosen would otherwise keep their start-up cost and look cheap."""
-        for costs, seconds in ((self.verify_cost, verify_seconds), (self.draft_cost, draft_seconds)):
+    def record_cost(self, tokens: int, draft_seconds: float | None, verify_seconds: float, draft_tokens: int | None = None) -> None:
+        """A step that verified `tokens` tokens and drafted `draft_tokens` (rows x block; default `tokens`). A new size
+        is stored as measured. A known one moves by FALL/RISE, and every other size moves by the same factor: what
+        changes a step's cost while requests run (their contexts growing, a busier machine) changes all sizes
+        alike, and the sizes not being chosen would otherwise keep their start-up cost and look cheap."""
+        for costs, size, seconds in ((self.verify_cost, tokens, verify_seconds),
+                                     (self.draft_cost, tokens if draft_tokens is None else draft_tokens, draft_seconds)):
             if seconds is None:
                 continue
-            old = costs.get(tokens)
+            old = costs.get(size)
             if not old:
-                costs[tokens] = seconds
+                costs[size] = seconds
                 continue
             scale = 1 + (FALL if seconds < old else RISE) * (seconds - old) / old
             for t in costs:
                 costs[t] *= scale
 
-    def observe(self, rows: list, k: int, budgets: list[int], accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
+    def observe(self, rows: list, ks: list[int], accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
         """Learn from a finished step: its measured costs and each row's accepted run."""
-        self._plain_seconds = self._plain_seconds + draft_seconds + verify_seconds if k == 1 else 0.0
         if not self.adaptive:
             return
-        self.record_cost(len(rows) * k, draft_seconds if k > 1 else None, verify_seconds)
-        for r, b, a in zip(rows, budgets, accepted):
-            reached, acc = self._rows.setdefault(r, ([0.0] * (self.max_block - 1), [0.0] * (self.max_block - 1)))
+        drafting = sum(k > 1 for k in ks)
+        if self.verify_cost and (self.draft_cost or not drafting):
+            f = self.factor[drafting > 0]
+            ratio = (draft_seconds + verify_seconds) / max(self._curve_cost(ks), 1e-9)
+            self.factor[drafting > 0] = min(3.0, max(0.5, f + FACTOR_RATE * (ratio - f)))
+        self.record_cost(self.verified_tokens(ks), draft_seconds if drafting else None, verify_seconds,
+                         draft_tokens=drafting * self.max_block)
+        share = (draft_seconds + verify_seconds) / len(rows)
+        pop = self.population
+        for r, b, a in zip(rows, ks, accepted):
+            counts = self._rows.get(r)
+            if counts is None:
+                counts = self._rows[r] = self._new_counts()
+            counts.plain_seconds = counts.plain_seconds + share if b == 1 else 0.0
             for j in range(min(a + 1, b - 1)):
-                reached[j] += 1
-                self.reached[j] += 1
+                counts.reached[j] += 1
+                pop.reached[j] += 1
                 if j < a:
-                    acc[j] += 1
-                    self.accepted[j] += 1
+                    counts.accepted[j] += 1
+                    pop.accepted[j] += 1

@@ -113,7 +113,7 @@ class DFlashEngine:
         self.eos_token_ids = frozenset(i for i in ids if i is not None)
         if speculation not in SPECULATION:
             raise DFlashError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}.")
-        self.policy = BlockPolicy(block_size if draft is not None else 1, adaptive=speculation == "adaptive")
+        self.policy = BlockPolicy(block_size if draft is not None else 1, adaptive=speculation == "adaptive", ragged=target.ragged)
         self._calibrated_rows = 0
 
     @property

@@ -26,7 +26,7 @@ class EngineMetrics:
     running: int = 0
     queued: int = 0
     batch_size: int = 0  # rows in the last step
-    block_length: int = 0  # block length the policy chose for the last step
+    block_length: float = 0.0  # tokens verified per row in the last step (the rows' block lengths, averaged)
     tokens_last_step: int = 0
     steps: int = 0
     prompt_tokens: int = 0
@@ -36,7 +36,7 @@ class EngineMetrics:
     requests_finished: int = 0
     requests_failed: int = 0
     row_steps: int = 0  # sum over steps of the rows in them
-    block_lengths: dict[int, int] = field(default_factory=dict)  # block length chosen -> steps
+    block_lengths: dict[int, int] = field(default_factory=dict)  # block length chosen -> row-steps
 
     @property
     def acceptance_length(self) -> float:
@@ -166,11 +166,12 @@ class Scheduler:
                 for req in rows:
                     self._finish(self.running[req], error)
                 continue
-            m, (k, drafted, accepted) = self.metrics, batch.last_step
+            m, (ks, drafted, accepted) = self.metrics, batch.last_step
             m.steps += 1
             m.row_steps += len(rows)
-            m.batch_size, m.block_length = len(rows), k
-            m.block_lengths[k] = m.block_lengths.get(k, 0) + 1
+            m.batch_size, m.block_length = len(rows), sum(ks) / len(ks)
+            for k in ks:
+                m.block_lengths[k] = m.block_lengths.get(k, 0) + 1
             m.drafted_tokens += drafted
             m.accepted_tokens += accepted
             m.tokens_last_step = sum(len(t) for t in out.values())

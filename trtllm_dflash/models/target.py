@@ -7,7 +7,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..errors import DFlashError
 from ..config import rope_of
@@ -15,6 +18,42 @@ from .packed import pack_linears
 from .quantized import load_quantized_lm, read_quant_spec
 
 RECURRENT_HINTS = ("mamba", "rwkv", "recurrent", "linear_attention", "gated_deltanet", "xlstm")
+
+
+def _rows_sdpa(query, key, value, attention_mask, scaling):
+    """Attention of few queries per row: two batched matmuls, each K/V head shared by its query group (HF's repeat_kv
+    order: query head h reads K/V head h // groups); a third of SDPA's CPU kernel at these shapes.
+    query [n, H, kmax, hd], key/value [n, nkv, K, hd], attention_mask [n, 1, kmax, K] or None -> [n, kmax, H, hd]."""
+    (n, heads, kmax, hd), (_, nkv, length, _) = query.shape, key.shape
+    groups = heads // nkv
+    q = query.reshape(n, nkv, groups * kmax, hd)
+    scores = torch.matmul(q, key.transpose(-1, -2)).view(n, nkv, groups, kmax, length).float() * scaling
+    if attention_mask is not None:  # None: one row of one token, which sees its whole slot
+        scores = scores + attention_mask[:, :, None].float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(n, nkv, groups * kmax, length)
+    return torch.matmul(probs, value).view(n, nkv, groups, kmax, hd).permute(0, 3, 1, 2, 4).reshape(n, kmax, heads, hd)
+
+
+def _rows_attention(inner_name: str):
+    """The model's own attention (`inner_name`), and for a forward of rows laid on one flat token axis (`slot_rows`),
+    the same per row: the flat queries [1, H, T, hd] are gathered into [n, H, kmax, hd] (a short row's pads repeat its
+    last token), attend to their own slot's K/V [n, nkv, K, hd] under the per-row mask, and go back to the flat axis.
+    Linear layers never see a pad. Quantized targets keep their batch-invariant attention this way."""
+    inner = ALL_ATTENTION_FUNCTIONS[inner_name]
+
+    def attention(module, query, key, value, attention_mask, slot_rows=None, **kwargs):
+        if slot_rows is None:
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        pad_index, flat_row, flat_col = slot_rows
+        q = query[0][:, pad_index].transpose(0, 1)  # [n, H, kmax, hd]
+        if inner_name == "sdpa":
+            scaling = kwargs.get("scaling")
+            out = _rows_sdpa(q, key, value, attention_mask, scaling if scaling is not None else q.shape[-1] ** -0.5)
+        else:
+            out, _ = inner(module, q.contiguous(), key, value, attention_mask, **kwargs)
+        return out[flat_row, flat_col][None], None  # [1, T, H, hd]
+
+    return attention
 
 
 class TargetModel:
@@ -43,6 +82,25 @@ class TargetModel:
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = []
         self._capture = False
+        self.ragged = self._use_ragged_attention()
+
+    def _use_ragged_attention(self) -> bool:
+        """Wrap the model's attention so `forward_rows` can lay rows on one flat axis; True where it could (HF models
+        that dispatch through ALL_ATTENTION_FUNCTIONS and a registered implementation: SDPA, our quantized one).
+        Elsewhere `forward_rows` pads rows to one length."""
+        inner = getattr(self.model.config, "_attn_implementation", None)
+        if isinstance(inner, str) and inner.startswith("slot_rows_"):
+            return True  # wrapped by an earlier TargetModel of the same model
+        if inner not in ALL_ATTENTION_FUNCTIONS or inner not in ALL_MASK_ATTENTION_FUNCTIONS:
+            return False
+        name = f"slot_rows_{inner}"  # no "flash" in it: transformers routes those names to hub kernels
+        AttentionInterface.register(name, _rows_attention(inner))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])  # other forwards: masks as before
+        try:
+            self.model.set_attn_implementation(name)
+        except (ValueError, ImportError, AttributeError, NotImplementedError):
+            return False
+        return self.model.config._attn_implementation == name
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True) -> "TargetModel":
@@ -134,6 +192,28 @@ class TargetModel:
                              use_cache=True, logits_to_keep=logits_to_keep)
             return out.logits, features()
 
+    @torch.inference_mode()
+    def forward_rows(self, rows: list[list[int]], starts: list[int], cache: "SlotKVCache", capture: bool):
+        """Rows of different lengths in one forward (vLLM's flat token axis): row i is cache slot i, its tokens at
+        positions starts[i]... Returns logits [T, V] and features [T, n_sel*H] or None, T = the rows' tokens in order."""
+        lengths = torch.tensor([len(r) for r in rows])
+        kmax, offsets = int(lengths.max()), torch.cumsum(lengths, 0) - lengths
+        col = torch.minimum(torch.arange(kmax)[None], lengths[:, None] - 1)  # [n, kmax]: pads repeat a row's last token
+        pad_index = offsets[:, None] + col  # [n, kmax] -> flat token index
+        flat_row = torch.repeat_interleave(torch.arange(len(rows)), lengths)  # [T]
+        flat_col = torch.arange(int(lengths.sum())) - offsets[flat_row]
+        ids = torch.tensor([t for r in rows for t in r])
+        if not self.ragged:  # every row padded to kmax: the pads' K/V land past the row's start, where stale K/V may be
+            logits, feats = self.forward(ids[pad_index], starts, cache, capture)
+            return logits[flat_row, flat_col], None if feats is None else feats[flat_row, flat_col]
+        positions = torch.tensor(starts)[:, None] + col  # [n, kmax]
+        masks = cache.begin(0, positions, self._mask_rules(), self.dtype, pad_index)
+        with self._capturing(capture) as features:
+            out = self.model(input_ids=ids[None], position_ids=positions[flat_row, flat_col][None], past_key_values=cache,
+                             attention_mask=masks, use_cache=True, slot_rows=(pad_index, flat_row, flat_col))
+            feats = features()
+            return out.logits[0], None if feats is None else feats[0]
+
     def _mask_rules(self) -> dict[str, int | None]:
         """Mask name -> sliding window (None = full), in the form the HF decoder takes precomputed masks."""
         types = set(getattr(self.text_config, "layer_types", None) or ["full_attention"])
@@ -156,6 +236,7 @@ class SlotKVCache(Cache):
         self._rows = slice(0, 0)
         self._positions = torch.zeros(0, 0, dtype=torch.long)
         self._same_start = True
+        self._pad_index: torch.Tensor | None = None  # flat forwards: [n, kmax] token of each (row, column)
 
     def reserve(self, length: int) -> None:
         """Grow every slot to hold `length` positions (doubling, contents kept)."""
@@ -175,13 +256,15 @@ class SlotKVCache(Cache):
             for buf in buffers:
                 buf[dst, :, :length] = buf[src, :, :length]
 
-    def begin(self, first_slot: int, positions: torch.Tensor, rules: dict[str, int | None], dtype: torch.dtype):
-        """Set where the next forward writes; returns its attention mask(s) (additive, [b, 1, T, K])."""
+    def begin(self, first_slot: int, positions: torch.Tensor, rules: dict[str, int | None], dtype: torch.dtype,
+              pad_index: torch.Tensor | None = None):
+        """Set where the next forward writes; returns its attention mask(s) (additive, [b, 1, T, K]). With `pad_index`
+        the forward's tokens come on one flat axis, and `positions` [b, T] is its padded per-row layout."""
         b, t = positions.shape
         self.reserve(int(positions[:, -1].max()) + 1)
         self._rows = slice(first_slot, first_slot + b)
-        self._positions = positions
-        self._same_start = bool((positions[:, 0] == positions[0, 0]).all())
+        self._positions, self._pad_index = positions, pad_index
+        self._same_start = bool((positions[:, 0] == positions[0, 0]).all() and (positions[:, -1] - positions[:, 0] == t - 1).all())
         kv_len = int(positions[:, -1].max()) + 1
         if b == 1 and t == 1 and all(w is None for w in rules.values()):
             masks = {kind: None for kind in rules}  # one query that sees its whole row
@@ -206,6 +289,9 @@ class SlotKVCache(Cache):
             self.v.append(value_states.new_zeros(shape))
         k, v = self.k[layer_idx][self._rows], self.v[layer_idx][self._rows]
         pos = self._positions
+        if self._pad_index is not None:  # flat [1, nkv, T, hd] -> padded [b, nkv, kmax, hd]; a pad rewrites its row's last K/V
+            key_states = key_states[0][:, self._pad_index].transpose(0, 1)
+            value_states = value_states[0][:, self._pad_index].transpose(0, 1)
         if self._same_start:
             s = int(pos[0, 0])
             k[:, :, s : s + pos.shape[1]] = key_states

@@ -23,7 +23,7 @@ GAUGES = {
     "running": "Requests in the running batch",
     "queued": "Requests waiting for a slot",
     "batch_size": "Rows in the last engine step",
-    "block_length": "Block length (tokens verified per row) the policy chose for the last step",
+    "block_length": "Tokens verified per row in the last step (the block lengths the policy chose, averaged over rows)",
     "tokens_last_step": "Tokens committed by the last engine step, all rows",
     "acceptance_length": "Committed tokens per row per step since start (1.0 = no speculation)",
 }
@@ -55,7 +55,7 @@ class TritonPythonModel(EngineModel):
         self.families |= {k: pb_utils.MetricFamily(f"dflash_{k}_total", d, pb_utils.MetricFamily.COUNTER) for k, d in COUNTERS.items()}
         self.gauges = {k: self.families[k].Metric(labels={"model": "dflash"}) for k in GAUGES}
         self.counters = {k: self.families[k].Metric(labels={"model": "dflash"}) for k in COUNTERS}
-        self.block_family = pb_utils.MetricFamily("dflash_block_length_steps_total", "Engine steps per chosen block length",
+        self.block_family = pb_utils.MetricFamily("dflash_block_length_steps_total", "Requests' steps per chosen block length (each running request counts once per engine step)",
                                                   pb_utils.MetricFamily.COUNTER)
         self.block_counters = {}
         self.scheduler = self.engine.scheduler(max_batch, max_seq_len + self.engine.block_size, on_step=self._publish,
