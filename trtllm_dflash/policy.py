@@ -16,6 +16,7 @@ measured on the machine it runs on, per request.
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass, field
 
@@ -79,45 +80,59 @@ class BlockPolicy:
         return self._tokens(self._conditional(self._counts(req)), k)
 
     @staticmethod
-    def _estimate(costs: dict[int, float], tokens: int) -> float:
-        """Cost of a forward over `tokens` tokens. A longer forward never costs less than a shorter one, so each
-        measured point counts as the cheapest measurement at or beyond it (noise only adds time: a spike, say one
-        taken while another process ran, cannot make a short block look dearer than a long one); linear in between,
-        proportional beyond the largest."""
-        level, low = {}, float("inf")
+    def _levels(costs: dict[int, float]) -> list[tuple[int, float]]:
+        """(tokens, cost) ascending, each point the cheapest measurement at or beyond it: a longer forward never
+        costs less than a shorter one, and noise only adds time (a spike, say one taken while another process ran,
+        cannot make a short block look dearer than a long one)."""
+        out, low = [], float("inf")
         for t in sorted(costs, reverse=True):
             low = min(low, costs[t])
-            level[t] = low
-        below = max((t for t in level if t <= tokens), default=None)
-        above = min((t for t in level if t >= tokens), default=None)
-        if above is None:
-            return level[below] * tokens / below
-        if below is None or below == above:
-            return level[above]
-        w = (tokens - below) / (above - below)
-        return level[below] * (1 - w) + level[above] * w
+            out.append((t, low))
+        return out[::-1]
+
+    @staticmethod
+    def _interpolate(levels: list[tuple[int, float]], tokens: int) -> float:
+        """Linear between measured sizes, the smallest below them, proportional beyond the largest."""
+        i = bisect.bisect_left(levels, (tokens, -1.0))
+        if i == len(levels):
+            t, c = levels[-1]
+            return c * tokens / t
+        t, c = levels[i]
+        if t == tokens or i == 0:
+            return c
+        t0, c0 = levels[i - 1]
+        w = (tokens - t0) / (t - t0)
+        return c0 * (1 - w) + c * w
+
+    def _estimate(self, costs: dict[int, float], tokens: int) -> float:
+        """Cost of a forward over `tokens` tokens, from the measured sizes."""
+        return self._interpolate(self._levels(costs), tokens)
 
     def verified_tokens(self, ks: list[int]) -> int:
         return sum(ks) if self.ragged else len(ks) * max(ks)
 
-    def _curve_cost(self, ks: list[int]) -> float:
+    def _curve_cost(self, ks: list[int], levels=None) -> float:
+        verify, draft = levels or (self._levels(self.verify_cost), self._levels(self.draft_cost))
         drafting = sum(k > 1 for k in ks)
-        cost = self._estimate(self.verify_cost, self.verified_tokens(ks))
-        return cost + (self._estimate(self.draft_cost, drafting * self.max_block) if drafting else 0.0)
+        cost = self._interpolate(verify, self.verified_tokens(ks))
+        return cost + (self._interpolate(draft, drafting * self.max_block) if drafting else 0.0)
 
-    def step_cost(self, ks: list[int]) -> float:
-        """Seconds of a step whose rows verify ks[i] tokens each (those with k > 1 drafting a whole block)."""
-        return self._curve_cost(ks) * self.factor[max(ks) > 1]
+    def step_cost(self, ks: list[int], levels=None) -> float:
+        """Seconds of a step whose rows verify ks[i] tokens each (those with k > 1 drafting a whole block); `levels`
+        saves re-sorting the measurements when many allocations are priced at once."""
+        return self._curve_cost(ks, levels) * self.factor[max(ks) > 1]
 
     def choose(self, rows: list) -> list[int]:
         """Block length per row (1 = plain decoding), never beyond what the row may still generate."""
         caps = [min(self.max_block, max(r.remaining, 1)) for r in rows]
         if not self.adaptive or not self.verify_cost or not self.draft_cost:
             return caps
+        levels = (self._levels(self.verify_cost), self._levels(self.draft_cost))
         conditional = [self._conditional(self._counts(r)) for r in rows]
         ks, gain = [1] * len(rows), float(len(rows))
+        most = sum(self._tokens(c, cap) for c, cap in zip(conditional, caps))  # every row at its longest block
         nxt = [c[0] for c in conditional]  # expected tokens row i's next slot adds: prod of its conditionals so far
-        best, best_rate = list(ks), gain / self.step_cost(ks)
+        best, best_rate = list(ks), gain / self.step_cost(ks, levels)
         while True:
             open_rows = [i for i in range(len(rows)) if ks[i] < caps[i]]
             if not open_rows:
@@ -127,27 +142,29 @@ class BlockPolicy:
             ks[i] += 1
             if ks[i] < self.max_block:
                 nxt[i] *= conditional[i][ks[i] - 1]
-            rate = gain / self.step_cost(ks)
-            if rate > best_rate * 1.02:  # a longer block must pay clearly: ties go to less speculation
-                best, best_rate = list(ks), rate
-        probe = self._probe(rows, best, caps)
+            cost = self.step_cost(ks, levels)
+            if gain / cost > best_rate * 1.02:  # a longer block must pay clearly: ties go to less speculation
+                best, best_rate = list(ks), gain / cost
+            elif most / cost <= best_rate * 1.02:
+                break  # costs only grow from here: not even every slot accepted could beat the best
+        probe = self._probe(rows, best, caps, levels)
         if probe is not None:
             best[probe] = caps[probe]
         return best
 
-    def _probe(self, rows: list, ks: list[int], caps: list[int]) -> int | None:
+    def _probe(self, rows: list, ks: list[int], caps: list[int], levels) -> int | None:
         """The plain row that is due a full block, if any: a row never measured (one block in its life tells the
         policy what the population's average cannot: whether this request is one the draft serves), else the one
         longest plain whose share of the plain steps' time covers the probe within PROBE_BUDGET."""
         counts = {i: self._counts(rows[i]) for i, k in enumerate(ks) if k == 1 and caps[i] > 1}
         if not counts:
             return None
-        base = self.step_cost(ks)
+        base = self.step_cost(ks, levels)
         gain = sum(self.expected_tokens(r, k) for r, k in zip(rows, ks))
         for i in sorted(counts, key=lambda i: (counts[i].reached[0] > 0, -counts[i].plain_seconds)):
             with_block = list(ks)
             with_block[i] = caps[i]
-            cost = self.step_cost(with_block)
+            cost = self.step_cost(with_block, levels)
             if counts[i].reached[0] > 0 and counts[i].plain_seconds * PROBE_BUDGET < cost - base:
                 return None  # the rows after it have less plain time behind them
             could = gain - 1 + self._tokens(self._conditional(counts[i], optimistic=True), caps[i])

@@ -196,6 +196,9 @@ class TargetModel:
     def forward_rows(self, rows: list[list[int]], starts: list[int], cache: "SlotKVCache", capture: bool):
         """Rows of different lengths in one forward (vLLM's flat token axis): row i is cache slot i, its tokens at
         positions starts[i]... Returns logits [T, V] and features [T, n_sel*H] or None, T = the rows' tokens in order."""
+        if len({len(r) for r in rows}) == 1:  # rows of one length: the dense forward, no gathers
+            logits, feats = self.forward(torch.tensor(rows), starts, cache, capture)
+            return logits.flatten(0, 1), None if feats is None else feats.flatten(0, 1)
         lengths = torch.tensor([len(r) for r in rows])
         kmax, offsets = int(lengths.max()), torch.cumsum(lengths, 0) - lengths
         col = torch.minimum(torch.arange(kmax)[None], lengths[:, None] - 1)  # [n, kmax]: pads repeat a row's last token
