@@ -7,10 +7,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..errors import DFlashError
 from ..config import rope_of
@@ -39,6 +36,8 @@ def _rows_attention(inner_name: str):
     the same per row: the flat queries [1, H, T, hd] are gathered into [n, H, kmax, hd] (a short row's pads repeat its
     last token), attend to their own slot's K/V [n, nkv, K, hd] under the per-row mask, and go back to the flat axis.
     Linear layers never see a pad. Quantized targets keep their batch-invariant attention this way."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     inner = ALL_ATTENTION_FUNCTIONS[inner_name]
 
     def attention(module, query, key, value, attention_mask, slot_rows=None, **kwargs):
@@ -88,6 +87,11 @@ class TargetModel:
         """Wrap the model's attention so `forward_rows` can lay rows on one flat axis; True where it could (HF models
         that dispatch through ALL_ATTENTION_FUNCTIONS and a registered implementation: SDPA, our quantized one).
         Elsewhere `forward_rows` pads rows to one length."""
+        # transformers.modeling_utils imports triton: not at our import time (the kernel tests set the interpreter first)
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
         inner = getattr(self.model.config, "_attn_implementation", None)
         if isinstance(inner, str) and inner.startswith("slot_rows_"):
             return True  # wrapped by an earlier TargetModel of the same model
