@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 PRIOR = 0.6  # conditional acceptance assumed before anything is measured
 PRIOR_WEIGHT = 4.0  # a row's own counts outweigh the population's after a few steps
@@ -38,7 +38,7 @@ FACTOR_RATE = 0.1
 class RowCounts:
     reached: list[float]  # [j]: steps where slot j was drafted with all before it accepted
     accepted: list[float]  # [j]: ... and slot j was accepted
-    plain_seconds: float = field(default=0.0)  # this row's share of the steps since it last drafted
+    plain_seconds: float = 0.0  # this row's share of the steps since it last drafted
 
 
 class BlockPolicy:
@@ -132,7 +132,7 @@ class BlockPolicy:
         ks, gain = [1] * len(rows), float(len(rows))
         most = sum(self._tokens(c, cap) for c, cap in zip(conditional, caps))  # every row at its longest block
         nxt = [c[0] for c in conditional]  # expected tokens row i's next slot adds: prod of its conditionals so far
-        best, best_rate = list(ks), gain / self.step_cost(ks, levels)
+        best, best_gain, best_rate = list(ks), gain, gain / self.step_cost(ks, levels)
         while True:
             open_rows = [i for i in range(len(rows)) if ks[i] < caps[i]]
             if not open_rows:
@@ -144,15 +144,15 @@ class BlockPolicy:
                 nxt[i] *= conditional[i][ks[i] - 1]
             cost = self.step_cost(ks, levels)
             if gain / cost > best_rate * 1.02:  # a longer block must pay clearly: ties go to less speculation
-                best, best_rate = list(ks), gain / cost
+                best, best_gain, best_rate = list(ks), gain, gain / cost
             elif most / cost <= best_rate * 1.02:
                 break  # costs only grow from here: not even every slot accepted could beat the best
-        probe = self._probe(rows, best, caps, levels)
+        probe = self._probe(rows, best, best_gain, caps, levels)
         if probe is not None:
             best[probe] = caps[probe]
         return best
 
-    def _probe(self, rows: list, ks: list[int], caps: list[int], levels) -> int | None:
+    def _probe(self, rows: list, ks: list[int], gain: float, caps: list[int], levels) -> int | None:
         """The plain row that is due a full block, if any: a row never measured (one block in its life tells the
         policy what the population's average cannot: whether this request is one the draft serves), else the one
         longest plain whose share of the plain steps' time covers the probe within PROBE_BUDGET."""
@@ -160,7 +160,6 @@ class BlockPolicy:
         if not counts:
             return None
         base = self.step_cost(ks, levels)
-        gain = sum(self.expected_tokens(r, k) for r, k in zip(rows, ks))
         for i in sorted(counts, key=lambda i: (counts[i].reached[0] > 0, -counts[i].plain_seconds)):
             with_block = list(ks)
             with_block[i] = caps[i]
