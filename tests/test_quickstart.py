@@ -12,7 +12,8 @@ ROW = re.compile(r"^(chat|math|code)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+
 
 
 def test_quickstart_streams_then_compares_with_the_same_build_without_a_draft(tmp_path):
-    out = subprocess.run([TRTDFLASH, "quickstart", "--output", str(tmp_path / "qs"), "--dtype", "fp32", "--max-tokens", "16"],
+    out = subprocess.run([TRTDFLASH, "quickstart", "--output", str(tmp_path / "qs"), "--dtype", "fp32", "--max-tokens", "16",
+                          "--rounds", "2"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {m[1]: m for line in out.stdout.splitlines() if (m := ROW.match(line.strip()))}
@@ -21,6 +22,6 @@ def test_quickstart_streams_then_compares_with_the_same_build_without_a_draft(tm
         dflash, baseline, speedup, acceptance, same = float(m[2]), float(m[3]), float(m[4]), float(m[5]), m[6]
         assert dflash > 0 and baseline > 0 and abs(speedup - dflash / baseline) < 0.01 + 0.01 * speedup
         assert acceptance >= 1.0 and same == "yes", (kind, m[0])  # greedy fp32: lossless across the two servers
-    assert "(fp32, batch 1" in out.stdout
+    assert "(fp32, batch 1, greedy, median of 2 interleaved runs" in out.stdout
     twin = json.loads((tmp_path / "qs-no-draft" / "manifest.json").read_text())
     assert twin["options"]["no_draft"] is True and twin["options"]["dtype"] == "fp32"

@@ -209,14 +209,16 @@ def client(url, prompt, max_tokens, stream, temperature, top_p, top_k, seed, sto
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
 @click.option("--compare/--no-compare", default=True, show_default=True,
               help="Time DFlash against the same build without a draft on a chat, a math and a code prompt.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Runs of each prompt on each server (interleaved, the order alternating); the table shows medians.")
 @user_errors
-def quickstart(output, draft, prompt, max_tokens, dtype, compare):
+def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
     """Build the embedded default (SmolLM2-135M + draft, torch backend), start Triton, stream one completion over gRPC,
     then show DFlash's speed-up over the same server without a draft."""
     from .quickstart import comparison_table, run_quickstart
 
     result = run_quickstart(output, draft, prompt, max_tokens, dtype, compare, say=lambda m: click.echo(m, err=True),
-                            on_text=lambda piece: click.echo(piece, nl=False))
+                            on_text=lambda piece: click.echo(piece, nl=False), rounds=rounds)
     if result.rows:
         click.echo("\n" + comparison_table(result))
 
