@@ -6,13 +6,20 @@ written again each forward, so verifying 8 tokens cost 1.8x decoding one (AMD EP
 into oneDNN's layout (what inductor's weight freezing does), a forward reads each weight once, as decoding does.
 Each row's output does not depend on how many rows are in the call, so a token verified in a block gets the
 same projection as decoding it alone. Inference only: the op has no backward.
+
+One exception, measured per process: where ATen's own kernel multiplies a single bf16 token faster than oneDNN's
+packed one (on an AMD EPYC with AVX-512 BF16, all of SmolLM2's linears for one token took 11.2 ms against 17.9 ms,
+2026-11-23; for 8 tokens 63 ms against 19), a one-token call keeps the dense weight and takes ATen's kernel, so plain
+decoding runs as fast as this CPU allows. In fp32 oneDNN's packed kernel is the faster one everywhere measured.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -20,17 +27,56 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 class PackedLinear(nn.Module):
     """nn.Linear's forward over a oneDNN-reordered weight. `weight` stays only where other code reads it (the LM
-    head, often tied to the embeddings); elsewhere the dense copy is dropped, so memory does not double."""
+    head, often tied to the embeddings) or where one-token calls use it (`aten_decodes_faster`); elsewhere the dense
+    copy is dropped, so memory does not double."""
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
         self.bias = linear.bias
-        self.weight = linear.weight if keep_weight else None
+        self.one_token_dense = aten_decodes_faster(linear.weight.dtype)
+        self.weight = linear.weight if keep_weight or self.one_token_dense else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_token_dense and x.numel() == self.in_features:
+            enabled = torch._C._get_mkldnn_enabled()
+            torch._C._set_mkldnn_enabled(False)  # F.linear would otherwise route bf16 to oneDNN, repacking the weight
+            try:
+                return F.linear(x, self.weight, self.bias)
+            finally:
+                torch._C._set_mkldnn_enabled(enabled)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+@functools.cache
+def aten_decodes_faster(dtype: torch.dtype) -> bool:
+    """Whether ATen's kernel (oneDNN off) multiplies one bf16 token by a weight clearly faster than oneDNN's packed
+    kernel on this CPU: timed once per process over 48 MB of weights (more than a last-level cache holds, as a
+    decode step's weights are), the best of 3 passes each."""
+    if dtype != torch.bfloat16 or not can_pack(dtype):
+        return False
+    weights = [torch.full((2048, 1536), 0.01, dtype=dtype) for _ in range(8)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    x = torch.full((1, 1536), 0.01, dtype=dtype)
+
+    def best(step) -> float:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for i in range(len(weights)):
+                step(i)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    onednn = best(lambda i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""))
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        aten = best(lambda i: F.linear(x, weights[i]))
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+    return aten < 0.8 * onednn
 
 
 @functools.cache
