@@ -32,13 +32,20 @@ def test_packed_target_greedy_equals_stock_hf_generate(target, stock):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_projection_does_not_depend_on_the_rows_beside_it(dtype):
-    """A token verified inside a block gets the same projection as when it is decoded alone, bit for bit."""
+    """A token verified inside a block gets the same projection as inside any other block, bit for bit, and alone
+    too, except where one bf16 token takes ATen's faster kernel: then it may differ by bf16 rounding."""
     lin = nn.Linear(576, 1536, bias=True).to(dtype)
     packed = PackedLinear(lin)
     x = torch.randn(3, 8, 576, generator=torch.Generator().manual_seed(0)).to(dtype)
     with torch.inference_mode():
         full = packed(x)
-        assert torch.equal(packed(x[1:2, 3:4]), full[1:2, 3:4])
+        assert torch.equal(packed(x[1:2, 3:5]), full[1:2, 3:5])
+        alone = packed(x[1:2, 3:4])
+        if packed.one_token_dense:
+            assert dtype == torch.bfloat16
+            torch.testing.assert_close(alone, full[1:2, 3:4], rtol=2**-7, atol=0)  # one bf16 ulp
+        else:
+            assert torch.equal(alone, full[1:2, 3:4])
         torch.testing.assert_close(full, lin(x), rtol=0, atol=2e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
