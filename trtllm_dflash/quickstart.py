@@ -41,7 +41,7 @@ def demo_prompts() -> list[tuple[str, str]]:
 
 @dataclass
 class Comparison:
-    """One prompt's runs on both servers (greedy: the same text every round)."""
+    """One prompt's greedy runs on both servers, one per round."""
     kind: str
     dflash: list[Completion]
     baseline: list[Completion]
