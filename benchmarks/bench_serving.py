@@ -79,7 +79,7 @@ def main(argv=None):
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--requests", type=int, default=0, help="requests per level (default: max(8, 2 x concurrency); 4 requests at concurrency 1, a few seconds, were more VM noise than signal)")
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (default: max(8, 2 x concurrency))")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every level per build; figures are the median round's")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--math-prompts", type=int, default=16)
@@ -106,6 +106,7 @@ def main(argv=None):
                 runs = {name: {c: [] for c in args.concurrency} for name, _ in builds}
                 for r in range(args.rounds):
                     for c in args.concurrency:
+                        # at least 8: 4 requests at concurrency 1 (a few seconds) were more VM noise than signal
                         jobs = [Job(prompt_list[i % len(prompt_list)], args.max_tokens) for i in range(args.requests or max(8, 2 * c))]
                         for name, _ in builds[:: 1 if r % 2 == 0 else -1]:  # alternate which build goes first
                             lv = summary(*run_load(servers[name].grpc_url, jobs, c))

@@ -72,8 +72,8 @@ def _serve(build: Path) -> TritonServer:
     return TritonServer(ServerConfig(build, grpc_port=0, http_port=0, metrics_port=0))
 
 
-def _warm_up(url: str, prompts: list[tuple[str, str]]) -> None:
-    complete(url, CompletionRequest(prompts[0][1], 8))  # the first request pays one-off setup: not timed
+def _warm_up(url: str, prompt: str) -> None:
+    complete(url, CompletionRequest(prompt, 8))  # the first request pays one-off setup: not timed
 
 
 def run_quickstart(output: Path | None = None, draft: str | None = None, prompt: str = "Explain speculative decoding in two sentences.",
@@ -104,7 +104,7 @@ def run_quickstart(output: Path | None = None, draft: str | None = None, prompt:
         baseline = stack.enter_context(_serve(baseline_build))
         urls = {"dflash": server.grpc_url, "baseline": baseline.grpc_url}
         for url in urls.values():
-            _warm_up(url, prompts)
+            _warm_up(url, prompts[0][1])
         runs = {(kind, build): [] for kind, _ in prompts for build in urls}
         say(f"Timing both on a {', a '.join(k for k, _ in prompts)} prompt, {max_tokens} tokens each, {rounds} rounds "
             "(one server then the other, the order alternating)...")
