@@ -8,11 +8,13 @@ class Row:
 
 
 def feed(policy: BlockPolicy, row, accepted_runs: list[int]) -> None:
-    """Full-block steps in which `row` got these numbers of drafts accepted, each costing what the policy expects."""
-    k = policy.max_block
+    """Full-block steps in which `row` got these numbers of drafts accepted, each costing what the policy expects: a
+    history of the row's acceptance (the realized share, learned from the steps the policy chose, is left alone)."""
+    k, realized = policy.max_block, policy.realized
     for a in accepted_runs:
         policy.observe([row], [k], [a], draft_seconds=policy._estimate(policy.draft_cost, k),
                        verify_seconds=policy._estimate(policy.verify_cost, k))
+    policy.realized = realized
 
 
 def test_a_noise_spike_cannot_make_a_short_forward_dearer_than_a_longer_one():
@@ -132,3 +134,22 @@ def test_sizes_not_chosen_follow_the_measured_ones():
     assert abs(p.verify_cost[8] - 0.100) < 0.002 and abs(p.draft_cost[8] - 0.020) < 0.001
     assert abs(p._estimate(p.verify_cost, 4) - 0.086) < 0.002  # the calibrated ratio 43/50, at today's level
     assert abs(p.step_cost([4]) - (0.086 + 0.020)) < 0.003
+
+
+def test_rows_that_accept_less_than_estimated_teach_the_policy_to_draft_less():
+    """Rows chosen for their high estimates that then accept half of what was expected: the realized share is
+    learned, and a block that paid on the estimate alone no longer does."""
+    p = BlockPolicy(8, adaptive=True)
+    p.verify_cost.update({2: 0.030, 8: 0.034, 16: 0.040})
+    p.draft_cost.update({8: 0.018, 16: 0.020})
+    math, chat = Row(), Row()
+    feed(p, math, [2, 1, 3, 2] * 6)
+    feed(p, chat, [0] * 24)
+    ks = p.choose([math, chat])
+    assert ks[0] > 1 and p._probed is None
+    for _ in range(60):  # the row keeps its counts (observed elsewhere) but this batch's drafts come in at half
+        p.observe([math, chat], ks, [0, 0], draft_seconds=p._estimate(p.draft_cost, 8),
+                  verify_seconds=p._estimate(p.verify_cost, sum(ks)))
+        feed(p, math, [3, 3])  # keeps math's counts where they were (about 2 of its 7 accepted)
+    assert p.realized < 0.6
+    assert p.choose([math, chat]) == [1, 1]

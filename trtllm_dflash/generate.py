@@ -83,7 +83,6 @@ class Request:
         self.start = 0  # position of `token`: committed, not yet fed to the target
         self.token = -1
         self.prefilled = 0  # prompt tokens already in the target cache (chunked prefill)
-        self.features: list[torch.Tensor] = []  # target features of positions not yet in the draft cache, [t, n_sel*H] each
 
     @property
     def remaining(self) -> int:
@@ -144,7 +143,7 @@ class Batch:
                                             logits_to_keep=1, first_slot=slot)
         req.prefilled += len(chunk)
         if feats is not None:
-            req.features.append(feats[0])
+            self.dcache.stage(torch.full((len(chunk),), slot), torch.arange(req.prefilled - len(chunk), req.prefilled), feats[0])
         if not last:
             return []
         row = req.hold_stops(logits[0, -1:], 0)  # [1, V]
@@ -161,7 +160,7 @@ class Batch:
             moved = self.rows[last]
             self.cache.move(last, i, max(moved.start, moved.prefilled))
             if self.dcache is not None:
-                self.dcache.move(last, i)
+                self.dcache.move(last, i, max(moved.start, moved.prefilled))
             self.rows[i] = moved
         self.rows.pop()
 
@@ -201,24 +200,19 @@ class Batch:
         return [r for r in self.rows if r.prefilled == len(r.prompt_ids) and not r.stats.finish_reason]
 
     def _update_draft_context(self, rows: list[Request], which: list[int]) -> None:
-        """Context K/V of the newly committed tokens of rows[i] for i in `which`: one GEMM over all of them, written
-        into each row's slot. A row decoding plainly keeps its features until it drafts again (if it ever does)."""
-        feats, slots, positions = [], [], []
+        """Context K/V of the pending features (positions committed since the row last drafted) of rows[i] for i in
+        `which`: one GEMM over all of them, written into each row's slot."""
+        dc, slots, positions = self.dcache, [], []
         for i in which:
-            r = rows[i]
-            if not r.features:
-                continue
-            f = torch.cat(r.features) if len(r.features) > 1 else r.features[0]
-            length = self.dcache.lengths[i]
-            feats.append(f)
-            slots.append(torch.full((f.shape[0],), i))
-            positions.append(torch.arange(length, length + f.shape[0]))
-            self.dcache.lengths[i] += f.shape[0]
-            r.features = []
-        if feats:
-            positions = torch.cat(positions)
-            k, v = self.draft.context_kv(self.draft.project_context(torch.cat(feats)[None]), positions[None])
-            self.dcache.write(torch.cat(slots), positions, k, v)
+            lo, hi = dc.lengths[i], rows[i].start
+            if hi > lo:
+                slots.append(torch.full((hi - lo,), i))
+                positions.append(torch.arange(lo, hi))
+                dc.lengths[i] = hi
+        if slots:
+            slots, positions = torch.cat(slots), torch.cat(positions)
+            k, v = self.draft.context_kv(self.draft.project_context(dc.features[slots, positions][None]), positions[None])
+            dc.write(slots, positions, k, v)
 
     @torch.inference_mode()
     def step(self) -> dict[Request, list[int]]:
@@ -265,7 +259,7 @@ class Batch:
         for r, lg in zip(rows, row_logits):
             r.hold_stops(lg, r.stats.num_tokens)
         posterior = logits.argmax(-1).split(ks)
-        out, accepted, offset = {}, [], 0
+        out, accepted, offset, kept = {}, [], 0, []  # kept: (slot, position, flat index) of each committed token's features
         for i, r in enumerate(rows):
             k, s = ks[i], r.stats
             if r.sampling.greedy:  # accept the longest prefix of drafts the target agrees with; its next argmax is the bonus
@@ -285,11 +279,13 @@ class Batch:
             for j in range(a):
                 s.accepted_per_position[j] += 1
             out[r] = r.commit(drafts[i][:a] + [bonus])
+            kept += [(i, r.start + j, offset + j) for j in range(a + 1)]  # token + accepted drafts
             r.start += a + 1  # the cache beyond start is stale: the next forward overwrites it
             r.token = bonus
-            if feats is not None:
-                r.features.append(feats[offset : offset + a + 1])  # token + accepted drafts, positions old start..start-1
             offset += k
+        if feats is not None:
+            slot, position, index = torch.tensor(kept).unbind(1)
+            self.dcache.stage(slot, position, feats[index])
         self.policy.observe(rows, ks, accepted, draft_seconds=t1 - t0, verify_seconds=time.perf_counter() - t1)
         self.last_step = (ks, sum(ks) - n, sum(accepted))  # block lengths, drafted, accepted: for metrics
         return out

@@ -32,8 +32,24 @@ class Outcome:
     left: bool = False  # the client disconnected on purpose
     ttft: float = 0.0
     latency: float = 0.0
-    gaps: list[float] = field(default_factory=list)  # seconds between streamed responses
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens so far) per streamed response
     acceptance_length: float = 0.0
+
+    @property
+    def gaps(self) -> list[float]:
+        """Seconds between streamed responses."""
+        return [b[0] - a[0] for a, b in zip(self.arrivals, self.arrivals[1:])]
+
+    def tokens_by(self, t: float) -> int:
+        """Tokens this request had received at time t (perf_counter)."""
+        return max((n for at, n in self.arrivals if at <= t), default=0)
+
+
+@dataclass
+class LoadRun:
+    outcomes: list[Outcome]  # in job order
+    wall: float  # seconds from the first request sent to the last response
+    full: tuple[float, float]  # (perf_counter) from every client's first token until the queue ran dry: all clients busy
 
 
 def _one(url: str, index: int, job: Job, timeout: float) -> Outcome:
@@ -44,7 +60,6 @@ def _one(url: str, index: int, job: Job, timeout: float) -> Outcome:
     except Exception as e:  # noqa: BLE001 - a refused connection is an outcome like any other
         out.error = f"{type(e).__name__}: {e}"
         return out
-    arrivals = []
     try:
         while not stream.finished:
             try:
@@ -53,7 +68,7 @@ def _one(url: str, index: int, job: Job, timeout: float) -> Outcome:
                 out.error = f"no response within {timeout:.0f} s"
                 break
             if piece:
-                arrivals.append(time.perf_counter())
+                out.arrivals.append((time.perf_counter(), stream.done.num_tokens))
             if job.leave_after is not None and len(stream.done.pieces) >= job.leave_after and not stream.finished:
                 out.left = True
                 break
@@ -64,18 +79,18 @@ def _one(url: str, index: int, job: Job, timeout: float) -> Outcome:
     done = stream.done
     out.text, out.tokens, out.acceptance_length = "".join(done.pieces), done.num_tokens, done.acceptance_length
     out.ttft, out.latency = done.time_to_first_token, time.perf_counter() - t0
-    out.gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     return out
 
 
-def run_load(url: str, jobs: list[Job], concurrency: int, timeout: float = 600.0) -> tuple[list[Outcome], float]:
-    """Run every job over `concurrency` clients; returns the outcomes (in job order) and the wall time."""
-    todo, lock, outcomes = list(range(len(jobs))), threading.Lock(), [None] * len(jobs)
+def run_load(url: str, jobs: list[Job], concurrency: int, timeout: float = 600.0) -> LoadRun:
+    """Run every job over `concurrency` clients."""
+    todo, lock, outcomes, dry = list(range(len(jobs))), threading.Lock(), [None] * len(jobs), []
 
     def client():
         while True:
             with lock:
                 if not todo:
+                    dry.append(time.perf_counter())
                     return
                 i = todo.pop(0)
             outcomes[i] = _one(url, i, jobs[i], timeout)
@@ -86,7 +101,9 @@ def run_load(url: str, jobs: list[Job], concurrency: int, timeout: float = 600.0
         t.start()
     for t in threads:
         t.join()
-    return outcomes, time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    first_wave = [o for o in outcomes[:concurrency] if o.arrivals]
+    return LoadRun(outcomes, wall, (max((o.arrivals[0][0] for o in first_wave), default=t0), min(dry)))
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -94,9 +111,16 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))] if xs else 0.0
 
 
-def summary(outcomes: list[Outcome], wall: float) -> dict:
-    """Totals and p50/p99 latencies of the requests that completed (left and failed ones are counted apart)."""
+def summary(run: LoadRun) -> dict:
+    """Totals and p50/p99 latencies of the requests that completed (left and failed ones are counted apart).
+
+    `steady_tokens_per_s` counts only the tokens streamed while every client had a request in flight: the whole
+    run's figure also holds the ramp-up and the drain (the last requests finishing with ever fewer beside them),
+    whose share depends on how many requests a level sends, not on the server.
+    """
+    outcomes, wall, (start, end) = run.outcomes, run.wall, run.full
     done = [o for o in outcomes if not o.error and not o.left]
+    steady = sum(o.tokens_by(end) - o.tokens_by(start) for o in outcomes if not o.error) / (end - start) if end > start else None
     tokens = sum(o.tokens for o in done)
     tpot = [(o.latency - o.ttft) / max(o.tokens - 1, 1) for o in done]
     gaps = [g for o in done for g in o.gaps]
@@ -106,6 +130,7 @@ def summary(outcomes: list[Outcome], wall: float) -> dict:
         "errors": [o.error for o in outcomes if o.error], "wall_s": round(wall, 3), "tokens": tokens,
         "requests_per_s": round(len(done) / wall, 3) if wall else 0.0,
         "total_tokens_per_s": round(tokens / wall, 2) if wall else 0.0,
+        "steady_tokens_per_s": round(steady, 2) if steady is not None else None, "steady_s": round(max(end - start, 0.0), 3),
         "tokens_per_s_per_user": round(statistics.median(o.tokens / o.latency for o in done), 2) if done else 0.0,
         "ttft_p50_s": pct([o.ttft for o in done], 50), "ttft_p99_s": pct([o.ttft for o in done], 99),
         "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
@@ -166,18 +191,17 @@ def soak(server, prompts: list[str], n: int, concurrency: int, lengths: tuple[in
     references = {}
     for p in prompts:
         for m in lengths:
-            (o,), _ = run_load(server.grpc_url, [Job(p, m)], 1)
-            references[(p, m)] = o.text
+            references[(p, m)] = run_load(server.grpc_url, [Job(p, m)], 1).outcomes[0].text
     rss_before = tree_rss_bytes(server.proc.pid)
     jobs = mixed_jobs(prompts, n, lengths)
-    outcomes, wall = run_load(server.grpc_url, jobs, concurrency)
+    run = run_load(server.grpc_url, jobs, concurrency)
     time.sleep(2)  # let the last retirements land
     rss_after = tree_rss_bytes(server.proc.pid)
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    report = summary(outcomes, wall) | {
-        "concurrency": concurrency, "mismatches": mismatches(outcomes, jobs, references),
+    report = summary(run) | {
+        "concurrency": concurrency, "mismatches": mismatches(run.outcomes, jobs, references),
         "healthy_after": bool(client.is_server_live() and client.is_server_ready() and client.is_model_ready("ensemble")),
         "rss_before_mb": round(rss_before / 2**20, 1), "rss_after_mb": round(rss_after / 2**20, 1),
     }
