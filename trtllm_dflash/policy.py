@@ -203,6 +203,7 @@ class BlockPolicy:
             return
         drafting = sum(k > 1 for k in ks)
         chosen = [(r, k, a) for r, k, a in zip(rows, ks, accepted) if k > 1 and r is not self._probed]
+        self._probed = None  # not kept: a retired request would stay alive until the next choice
         expected = sum(self.expected_tokens(r, k) - 1 for r, k, _ in chosen)
         if expected > 0:
             ratio = sum(a for _, _, a in chosen) / expected
