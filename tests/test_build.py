@@ -10,6 +10,8 @@ from click.testing import CliRunner
 from trtllm_dflash.build import core as build_module
 from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.cli import main
+from trtllm_dflash.policy import OPTIMISTIC, BlockPolicy
+from trtllm_dflash.runtime import DFlashEngine
 from trtllm_dflash.resolve import sha256_file
 
 
@@ -146,3 +148,17 @@ def test_serve_refuses_a_port_in_use(random_draft_dir, tmp_path):
         port = busy.getsockname()[1]
         r = CliRunner().invoke(main, ["serve", str(out), "--grpc-port", str(port), "--http-port", "0", "--metrics-port", "0"])
     assert r.exit_code == 2 and f"Cannot use 127.0.0.1:{port}" in r.output and "--grpc-port" in r.output
+
+
+def test_a_drafts_card_travels_into_the_build_and_prices_the_servers_probes(random_draft_dir, tmp_path):
+    """The shipped draft's training.json is staged beside its weights, and the engine the server loads from the build
+    prices a probe with the card's held-out acceptance; a draft without a card gets the generic optimism."""
+    out = tmp_path / "build"
+    run_build(BuildOptions(output=out, max_seq_len=512), progress=lambda m: None)  # the packaged draft
+    card = json.loads((out / "checkpoints/draft/training.json").read_text())
+    engine = DFlashEngine.load(str(out / "checkpoints/target"), str(out / "checkpoints/draft"), progress=lambda m: None)
+    assert engine.policy.ceiling == BlockPolicy.conditional_for_tau(card["final_metrics"]["val_tau"], engine.block_size)
+    assert engine.policy.ceiling < OPTIMISTIC
+    assert not (random_draft_dir / "training.json").exists()
+    plain = DFlashEngine.load(str(out / "checkpoints/target"), str(random_draft_dir), progress=lambda m: None)
+    assert plain.policy.ceiling == OPTIMISTIC

@@ -93,6 +93,26 @@ def test_a_draft_that_misses_decodes_plainly_and_probes_one_row_within_its_budge
     assert p.choose([rows[0], Row()]) == [1, 8]
 
 
+def test_a_new_request_is_probed_only_where_the_draft_at_its_known_best_could_pay():
+    """A probe is priced with the acceptance the draft's card measured held out (3.5 tokens a block here, 0.74 a slot):
+    at 2 rows it pays and a new request is measured at once; at 8 rows only a row far better than the draft has ever
+    been could repay the probe, so the new request decodes plainly (credited 0.9 a slot, it would have been probed)."""
+    def policy(**kw):
+        p = BlockPolicy(8, adaptive=True, **kw)
+        p.verify_cost.update({2: 0.030, 8: 0.040, 16: 0.046})
+        p.draft_cost.update({8: 0.004})
+        return p
+
+    card = BlockPolicy.conditional_for_tau(3.5, 8)
+    assert abs(BlockPolicy._tokens([card] * 7, 8) - 3.5) < 1e-6 and 0.73 < card < 0.75
+    for p, probed_at_8 in ((policy(ceiling=card), False), (policy(), True)):
+        old = [Row() for _ in range(7)]
+        for r in old:  # the traffic so far: the draft never right
+            feed(p, r, [0] * 20)
+        assert p.choose([old[0], Row()]) == [1, 8]
+        assert p.choose(old + [Row()]) == [1] * 7 + [8 if probed_at_8 else 1]
+
+
 def test_drafting_steps_dearer_than_calibrated_are_learned():
     """Calibration times one-row forwards; a step whose rows draft also pays their context update and the per-row
     attention layout. Once drafting steps measure a third dearer than calibrated, a block that paid by a little no

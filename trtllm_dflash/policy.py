@@ -10,7 +10,7 @@ estimates that rows drafting by choice went on to accept), prices each allocatio
 the measured cost of verifying its tokens and drafting its drafting rows, and keeps the best. A row decoding
 plainly is still probed with a full block so its acceptance stays measured: once when it is new, then only as
 often as PROBE_BUDGET of its share of the plain steps covers the probe's extra cost, and only when the block could
-pay were the row as good as its evidence allows. TensorRT-LLM's `DFlashDecodingConfig` switches the whole batch on fixed
+pay were the row as good as its evidence allows and the draft is known to be (its card's held-out acceptance). TensorRT-LLM's `DFlashDecodingConfig` switches the whole batch on fixed
 thresholds (`draft_len_schedule` by batch size, `acceptance_rate_threshold`); here both sides of the trade are
 measured on the machine it runs on, per request.
 """
@@ -24,7 +24,9 @@ from dataclasses import dataclass
 PRIOR = 0.6  # conditional acceptance assumed before anything is measured
 PRIOR_WEIGHT = 4.0  # a row's own counts outweigh the population's after a few steps
 PROBE_BUDGET = 0.03  # share of a row's plain-decoding time a probe's extra cost may take
-OPTIMISTIC = 0.9  # conditional acceptance a row is credited with, against its evidence, when deciding whether to probe
+OPTIMISTIC = 0.9  # conditional acceptance a row is credited with, against its evidence, when deciding whether to probe,
+# for a draft whose card states no held-out acceptance (else that acceptance: a draft that averages 0.74 a slot
+# does not get a 0.9 probe at 8 rows, where the probe costs more than such a row could ever give back)
 PROBE_MARGIN = 1.1  # ... and by how much that best case must beat the step without the probe (a probe's context update
 # and first-block overheads are not in the cost estimates; at 8 rows on a 2-core CPU they are a third of its cost)
 # Timing noise on a CPU only ever adds time (another thread, an interrupt), so a cost estimate falls fast and rises
@@ -48,10 +50,10 @@ class RowCounts:
 
 
 class BlockPolicy:
-    def __init__(self, max_block: int, adaptive: bool = False, ragged: bool = True):
+    def __init__(self, max_block: int, adaptive: bool = False, ragged: bool = True, ceiling: float = OPTIMISTIC):
         """`ragged`: the target verifies rows of different lengths on one flat axis (else every row is padded to the
-        longest, and a step costs n * max(k_i) tokens)."""
-        self.max_block, self.adaptive, self.ragged = max_block, adaptive and max_block > 1, ragged
+        longest, and a step costs n * max(k_i) tokens). `ceiling`: the per-slot acceptance a probe is priced with."""
+        self.max_block, self.adaptive, self.ragged, self.ceiling = max_block, adaptive and max_block > 1, ragged, ceiling
         self.verify_cost: dict[int, float] = {}  # tokens verified -> seconds (FALL/RISE average of measurements)
         self.draft_cost: dict[int, float] = {}  # drafting rows * block size -> seconds
         self.population = self._new_counts()
@@ -68,10 +70,10 @@ class BlockPolicy:
 
     def _conditional(self, counts: RowCounts, optimistic: bool = False) -> list[float]:
         """P(slot j accepted | slots before it were): the row's counts shrunk toward the population's (or, optimistic,
-        toward OPTIMISTIC: what the row could still be, given its evidence)."""
+        toward the ceiling: what the row could still be, given its evidence)."""
         pop, out = self.population, []
         for j in range(self.max_block - 1):
-            prior = OPTIMISTIC if optimistic else (pop.accepted[j] + PRIOR * PRIOR_WEIGHT) / (pop.reached[j] + PRIOR_WEIGHT)
+            prior = self.ceiling if optimistic else (pop.accepted[j] + PRIOR * PRIOR_WEIGHT) / (pop.reached[j] + PRIOR_WEIGHT)
             out.append((counts.accepted[j] + prior * PRIOR_WEIGHT) / (counts.reached[j] + PRIOR_WEIGHT))
         return out
 
@@ -83,6 +85,16 @@ class BlockPolicy:
             run *= p
             total += run
         return total
+
+    @classmethod
+    def conditional_for_tau(cls, tau: float, block: int) -> float:
+        """The per-slot conditional acceptance p with 1 + p + ... + p^(block-1) = tau (a draft card's held-out
+        acceptance length as one number the policy can price a probe with)."""
+        lo, hi = 0.0, 1.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if cls._tokens([mid] * (block - 1), block) < tau else (lo, mid)
+        return (lo + hi) / 2
 
     def expected_tokens(self, req, k: int) -> float:
         return self._tokens(self._conditional(self._counts(req)), k)

@@ -14,10 +14,10 @@ from .config import SPECULATION, SamplingParams
 from .cpu import resolve_dtype
 from .errors import DFlashError
 from .generate import Batch, GenerationStats, Request, speculative_stream
-from .models.checkpoint import load_draft, read_draft_config
+from .models.checkpoint import held_out_tau, load_draft, read_draft_config
 from .models.draft import DFlashDraftModel
 from .models.target import TargetModel
-from .policy import BlockPolicy
+from .policy import OPTIMISTIC, BlockPolicy
 from .resolve import resolve_draft, resolve_target
 from .scheduler import Scheduler
 from .validate import validate_block_size, validate_pair
@@ -103,7 +103,9 @@ class GenerationResult:
 
 
 class DFlashEngine:
-    def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int, speculation: str = "adaptive"):
+    def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int, speculation: str = "adaptive",
+                 draft_tau: float | None = None):
+        """`draft_tau`: the draft card's held-out acceptance length, which bounds what the policy expects of a probe."""
         self.target, self.draft, self.block_size = target, draft, block_size
         self.tokenizer = target.tokenizer
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
@@ -113,7 +115,9 @@ class DFlashEngine:
         self.eos_token_ids = frozenset(i for i in ids if i is not None)
         if speculation not in SPECULATION:
             raise DFlashError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}.")
-        self.policy = BlockPolicy(block_size if draft is not None else 1, adaptive=speculation == "adaptive", ragged=target.ragged)
+        block = block_size if draft is not None else 1
+        ceiling = OPTIMISTIC if draft_tau is None else BlockPolicy.conditional_for_tau(draft_tau, block)
+        self.policy = BlockPolicy(block, adaptive=speculation == "adaptive", ragged=target.ragged, ceiling=ceiling)
         self._calibrated_rows = 0
 
     @property
@@ -137,7 +141,7 @@ class DFlashEngine:
             dm = load_draft(draft_path, DTYPES[dtype])
             dm.pack()
             tm.set_taps(draft_cfg.target_layer_ids)
-        return cls(tm, dm, block, speculation)
+        return cls(tm, dm, block, speculation, held_out_tau(draft_path) if dm is not None else None)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat, self.target.max_positions)

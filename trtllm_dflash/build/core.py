@@ -34,7 +34,7 @@ from typing import Callable
 from ..atomic import locked, recover, replace_dir
 from ..config import DTYPE_CHOICES, SPECULATION, rope_of
 from ..errors import DFlashError
-from ..models.checkpoint import check_draft
+from ..models.checkpoint import CARD_FILE, check_draft
 from ..repository import TEMPLATE_DIR, RepoParams, emit_repository, template_files
 from ..resolve import PRESETS, preset_for, resolve_draft, resolve_target, sha256_file
 from ..untrusted import inside, read_hf_config
@@ -273,11 +273,13 @@ def resolve_sources(opts: BuildOptions, progress: Callable[[str], None]) -> Sour
     draft_cfg, draft_files, draft_params = None, [], 0
     if draft_dir is not None:
         draft_cfg = check_draft(draft_dir)
-        draft_files = [draft_dir / "config.json"] + sorted(draft_dir.glob("*.safetensors")) + (
-            [draft_dir / "model.safetensors.index.json"] if (draft_dir / "model.safetensors.index.json").is_file() else [])
-        if len(draft_files) < 2:
+        draft_weights = sorted(draft_dir.glob("*.safetensors"))
+        if not draft_weights:
             raise DFlashError(f"Draft checkpoint {draft_dir} has no model.safetensors.")
-        draft_params, _ = _safetensors_facts([p for p in draft_files if p.suffix == ".safetensors"])
+        # the card (optional) travels with the draft: its held-out tau guides the server's probes
+        draft_files = [draft_dir / "config.json"] + draft_weights + [draft_dir / n for n in ("model.safetensors.index.json", CARD_FILE)
+                                                              if (draft_dir / n).is_file()]
+        draft_params, _ = _safetensors_facts(draft_weights)
         validate_pair(draft_cfg, hidden_size=hidden, num_layers=n_layers, vocab_rows=vocab_rows, rope_parameters=rope_of(text))
         kv_per_token += 2 * draft_cfg.num_hidden_layers * draft_cfg.num_key_value_heads * draft_cfg.head_dim * b
     if opts.block_size is not None and opts.block_size > 1 and draft_cfg is None:

@@ -81,6 +81,19 @@ def check_draft(path: str | Path) -> DraftConfig:
     return config
 
 
+CARD_FILE = "training.json"  # written beside a draft by train-draft; optional in a checkpoint
+
+
+def held_out_tau(path: str | Path) -> float | None:
+    """The acceptance length the draft's card measured on held-out data, if it has a card that says: a hint for the
+    runtime, so a missing or unreadable card is no error."""
+    try:
+        tau = json.loads((Path(path) / CARD_FILE).read_text())["final_metrics"]["val_tau"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(tau) if isinstance(tau, (int, float)) and 1.0 <= tau else None
+
+
 def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
     path = Path(path)
     config = check_draft(path)

@@ -22,7 +22,7 @@ import torch
 from ..config import DraftConfig
 from ..cpu import machine_info
 from ..errors import DFlashError
-from ..models.checkpoint import load_draft, save_draft
+from ..models.checkpoint import CARD_FILE, load_draft, save_draft
 from ..models.draft import DFlashDraftModel, dflash_attention_mask
 from .data import read_dataset, read_features
 
@@ -248,7 +248,7 @@ class DraftTrainer:
             raise DFlashError(f"--init-from {path} has a different {diff[0]} ({getattr(a, diff[0])} vs {getattr(b, diff[0])}); "
                               "match --num-layers/--block-size/--mask-token-id to it.")
         self.draft.load_state_dict(start.state_dict())
-        card = path / "training.json"
+        card = path / CARD_FILE
         return json.loads(card.read_text()) if card.is_file() else {}
 
     def _clip(self, r: dict) -> dict:
@@ -354,7 +354,7 @@ class DraftTrainer:
         tmp = self.out_dir / f".{STATE_FILE}.tmp"
         torch.save(self.state_dict(), tmp)
         os.replace(tmp, self.out_dir / STATE_FILE)
-        extra = {"training.json": json.dumps(card, indent=2) + "\n"} if card else None
+        extra = {CARD_FILE: json.dumps(card, indent=2) + "\n"} if card else None
         save_draft(self.draft, self.out_dir / DRAFT_SUBDIR, dtype=torch.bfloat16, extra_files=extra)
 
 
