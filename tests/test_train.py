@@ -238,6 +238,22 @@ def test_tiny_training_run_resumes_and_is_lossless(target_dir, tmp_path, monkeyp
     start = tr.DraftTrainer(engine.target, warm, args).draft.state_dict()
     assert all(torch.equal(start[k], v) for k, v in draft.state_dict().items())
 
+    # growing: a 2-layer draft from the 1-layer one reads the same target layers and starts as the same function
+    grown = tr.DraftTrainer(engine.target, warm, tr.TrainArgs(**{**args.__dict__, "num_layers": 2})).draft.eval()
+    assert grown.config.target_layer_ids == draft.config.target_layer_ids and len(grown.layers) == 2
+    s, anchors = 24, torch.tensor([3, 11, 17])
+    feats, ids = torch.randn(s, draft.fc.in_features), torch.randint(0, 1000, (s,))
+    noise, pos, _, _ = build_blocks(ids, torch.ones(s), anchors, 4, SMOL_MASK_ID)
+    with torch.no_grad():
+        before = block_hidden(draft, engine.target.embed_tokens, feats, noise, pos, anchors)
+        after = block_hidden(grown, engine.target.embed_tokens, feats, noise, pos, anchors)
+    assert torch.allclose(before, after, atol=1e-5)
+    card = train_draft(str(target_dir), tmp_path / "grown", init_from=str(out / "draft"), **{**kw, "num_layers": 2, "steps": 2})
+    assert card["hyperparameters"]["num_layers"] == 2
+    assert load_draft(tmp_path / "grown" / "draft").config.target_layer_ids == draft.config.target_layer_ids
+    with pytest.raises(DFlashError, match="grow, not shrink"):
+        tr.DraftTrainer(engine.target, warm, tr.TrainArgs(**{**args.__dict__, "init_from": str(tmp_path / "grown" / "draft")}))
+
 
 def test_shipped_draft_accepts_on_fixed_prompts(one_thread):
     """Smoke check of the packaged artefact (the quality bar is benchmarks/bench_acceptance.py)."""

@@ -248,7 +248,8 @@ def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True, help="Data generation and autocast.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--init-from", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Start from this draft's weights (same architecture), e.g. to continue on more data.")
+              help="Start from this draft's weights, e.g. to continue on more data. Same block size and target layers; "
+                   "with fewer layers than --num-layers it grows (new layers start as the identity).")
 @click.option("--resume", is_flag=True, help="Continue the run in --output from its last checkpoint.")
 @user_errors
 def train_draft(target, output, data, num_samples, data_minutes, gen_max_new_tokens, gen_batch_size, num_layers, block_size, steps,

@@ -22,7 +22,7 @@ import torch
 from ..config import DraftConfig
 from ..cpu import machine_info
 from ..errors import DFlashError
-from ..models.checkpoint import CARD_FILE, load_draft, save_draft
+from ..models.checkpoint import CARD_FILE, load_draft, read_draft_config, save_draft
 from ..models.draft import DFlashDraftModel, dflash_attention_mask
 from .data import read_dataset, read_features
 
@@ -239,15 +239,30 @@ class DraftTrainer:
         self.last_eval: dict = {}
 
     def _warm_start(self, path: Path) -> dict:
-        """Load an earlier draft's weights; returns its training card (or {}) for the new card's provenance."""
+        """Load an earlier draft's weights; returns its training card (or {}) for the new card's provenance.
+
+        A start with fewer layers grows: its layers are copied and each new one starts as the identity (attention and
+        MLP output projections zero), so the grown draft begins exactly where the start draft stands.
+        """
         start = load_draft(path)
         a, b = start.config, self.draft.config
-        keys = ("num_hidden_layers", "block_size", "hidden_size", "target_layer_ids", "mask_token_id", "vocab_size")
+        keys = ("block_size", "hidden_size", "target_layer_ids", "mask_token_id", "vocab_size")
         diff = [k for k in keys if getattr(a, k) != getattr(b, k)]
         if diff:
             raise DFlashError(f"--init-from {path} has a different {diff[0]} ({getattr(a, diff[0])} vs {getattr(b, diff[0])}); "
-                              "match --num-layers/--block-size/--mask-token-id to it.")
-        self.draft.load_state_dict(start.state_dict())
+                              "match --block-size/--mask-token-id to it.")
+        if a.num_hidden_layers > b.num_hidden_layers:
+            raise DFlashError(f"--init-from {path} has {a.num_hidden_layers} layers, more than --num-layers {b.num_hidden_layers}; "
+                              "a draft can grow, not shrink.")
+        missing, unexpected = self.draft.load_state_dict(start.state_dict(), strict=False)
+        new = {f"layers.{i}." for i in range(a.num_hidden_layers, b.num_hidden_layers)}
+        assert not unexpected and all(k[: k.index(".", 7) + 1] in new for k in missing), (missing, unexpected)
+        with torch.no_grad():
+            for layer in self.draft.layers[a.num_hidden_layers:]:
+                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    proj.weight.zero_()
+                    if proj.bias is not None:
+                        proj.bias.zero_()
         card = path / CARD_FILE
         return json.loads(card.read_text()) if card.is_file() else {}
 
@@ -468,6 +483,8 @@ def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gs
     if args.max_seq_len < args.block_size + 2:
         raise DFlashError(f"--max-seq-len must exceed the block size, got {args.max_seq_len}.")
     tm = TargetModel.load(resolve_target(target, log), torch.bfloat16 if args.bf16 else torch.float32)
+    if not args.target_layer_ids and args.init_from:  # a grown draft keeps the layers its start draft reads
+        args.target_layer_ids = list(read_draft_config(Path(args.init_from)).target_layer_ids)
     if not args.target_layer_ids:
         from ..config import build_target_layer_ids
 
