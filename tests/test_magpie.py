@@ -140,3 +140,29 @@ def test_packaged_file_is_gzip_without_timestamp():
 
     raw = (resources.files("trtllm_dflash.data") / "magpie-smollm2" / "chat.jsonl.gz").read_bytes()
     assert raw[4:8] == b"\0\0\0\0" and gzip.decompress(raw)  # mtime 0: an unchanged run packs to the same bytes
+
+
+def test_a_killed_run_keeps_its_batches_and_records_its_session(tmp_path):
+    """SIGTERM (as a session's end sends) stops the run like Ctrl-C: finished batches stay, the session is recorded."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "trtllm_dflash.train.magpie", "--output", str(run), "--batch-size", "2"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (run / "magpie.jsonl").is_file() or not (run / "magpie.jsonl").read_text().strip():
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else "no batch in 300 s"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Stopped" in out, out
+    batches = [json.loads(line) for line in (run / "magpie.jsonl").read_text().splitlines()]
+    session = json.loads((run / "sessions.jsonl").read_text().splitlines()[-1])
+    assert session["batches"] == len(batches) >= 1 and session["seconds"] > 0 and session["machine"]["cores"] >= 1

@@ -23,6 +23,7 @@ import gzip
 import json
 import random
 import re
+import signal
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -278,11 +279,16 @@ def main() -> None:
     log = run_dir / "sessions.jsonl"  # wall-clock time and machine of every generating session of the run
     if not a.pack_only:
         t0 = time.time()
-        stats = generate_magpie(target, run_dir, settings, num_questions=a.questions, deadline=deadline)
-        print(json.dumps(stats), flush=True)
-        with open(log, "a") as f:
-            f.write(json.dumps({"ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(time.time() - t0, 1),
-                                "batches": stats["batches"], "machine": machine_info()}) + "\n")
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill, like Ctrl-C, still records the session
+        try:
+            print(json.dumps(generate_magpie(target, run_dir, settings, num_questions=a.questions, deadline=deadline)), flush=True)
+        except KeyboardInterrupt:
+            print("Stopped; every finished batch is kept, and rerunning the command continues.", flush=True)
+            raise SystemExit(130) from None
+        finally:
+            with open(log, "a") as f:
+                f.write(json.dumps({"ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(time.time() - t0, 1),
+                                    "batches": len(_read_batches(run_dir / "magpie.jsonl")), "machine": machine_info()}) + "\n")
     if a.pack:
         sessions = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
         pack(run_dir, Path(a.pack), target,
