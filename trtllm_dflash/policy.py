@@ -10,9 +10,9 @@ estimates that rows drafting by choice went on to accept), prices each allocatio
 the measured cost of verifying its tokens and drafting its drafting rows, and keeps the best. A row decoding
 plainly is still probed with a full block so its acceptance stays measured: once when it is new, then only as
 often as PROBE_BUDGET of its share of the plain steps covers the probe's extra cost, and only when the block could
-pay were the row as good as its evidence allows and the draft is known to be (its card's held-out acceptance). TensorRT-LLM's `DFlashDecodingConfig` switches the whole batch on fixed
-thresholds (`draft_len_schedule` by batch size, `acceptance_rate_threshold`); here both sides of the trade are
-measured on the machine it runs on, per request.
+pay were the row as good as its evidence allows and as the draft is known to be (its card's held-out acceptance).
+TensorRT-LLM's `DFlashDecodingConfig` switches the whole batch on fixed thresholds (`draft_len_schedule` by batch
+size, `acceptance_rate_threshold`); here both sides of the trade are measured on the machine it runs on, per request.
 """
 
 from __future__ import annotations
