@@ -56,6 +56,22 @@ def test_build_links_weights_writes_manifest_and_skips_valid_work(random_draft_d
     assert "max_batch_size: 2" in (out / "triton_repo/ensemble/config.pbtxt").read_text()
     assert weights.stat().st_ino == (target_dir / "model.safetensors").stat().st_ino
 
+    # another draft of the same shape: only its step runs, and the reused repository keeps the (empty) version
+    # folders Triton needs, or the ensemble fails to load
+    other = tmp_path / "other-draft"
+    shutil.copytree(random_draft_dir, other)
+    (other / "training.json").write_text('{"final_metrics": {"val_tau": 3.0}}\n')
+    msgs.clear()
+    run_build(_opts(out, other, max_batch_size=2), progress=msgs.append)
+    assert [m.split(":")[0] for m in msgs if "reusing" not in m and m.startswith("[")] == ["[3/4] draft_checkpoint"]
+    assert (out / "checkpoints/draft/training.json").is_file()
+    versions = [out / "triton_repo" / m / "1" for m in ("ensemble", "preprocessing", "dflash", "postprocessing")]
+    assert all(v.is_dir() for v in versions)
+    shutil.rmtree(versions[0])  # an output a build before this fix left without one is rebuilt, not reused
+    msgs.clear()
+    run_build(_opts(out, other, max_batch_size=2), progress=msgs.append)
+    assert versions[0].is_dir() and any(m.startswith("[4/4] triton_repo: fill") for m in msgs)
+
 
 def test_a_failed_build_leaves_the_previous_output_untouched(random_draft_dir, tmp_path, monkeypatch):
     out = tmp_path / "build"

@@ -149,6 +149,7 @@ class Step:
     key_inputs: dict
     run: Callable[[Path, Callable[[str], None]], None]
     writes: str | None = None  # a folder whose files are known only after the run (a ModelOpt export)
+    dirs: tuple[str, ...] = ()  # folders it makes that may hold no file (Triton's version folders): kept on reuse
     key: str = field(init=False)
 
     def __post_init__(self):
@@ -313,6 +314,7 @@ def template_step(params: RepoParams) -> Step:
         [PlannedFile(f"triton_repo/{t}", (TEMPLATE_DIR / t).stat().st_size) for t in templates],
         {"values": params.values(), "templates": template_hashes},  # values include the tensor lists of protocol.py
         lambda tmp, progress: emit_repository(tmp / "triton_repo", params),
+        dirs=tuple(f"triton_repo/{m}/1" for m in params.models()),
     )
 
 
@@ -514,7 +516,8 @@ def _reusable(step: Step, old: dict | None, out: Path) -> bool:
     prev = (old or {}).get("steps", {}).get(step.name)
     if not prev or prev.get("key") != step.key:
         return False
-    return all((out / rel).is_file() and (out / rel).stat().st_size == meta["size"] for rel, meta in prev["outputs"].items())
+    return all((out / rel).is_file() and (out / rel).stat().st_size == meta["size"] for rel, meta in prev["outputs"].items()) and all(
+        (out / rel).is_dir() for rel in step.dirs)
 
 
 def run_build(opts: BuildOptions, progress: Callable[[str], None] = print, dry_run: bool = False) -> Path:
@@ -559,6 +562,8 @@ def _build(opts: BuildOptions, out: Path, progress: Callable[[str], None], dry_r
                 progress(f"[{i}/{len(plan.steps)}] {step.name}: unchanged, reusing the previous output")
                 for rel in old["steps"][step.name]["outputs"]:
                     _stage(out / rel, tmp / rel)
+                for rel in step.dirs:
+                    (tmp / rel).mkdir(parents=True, exist_ok=True)
             else:
                 progress(f"[{i}/{len(plan.steps)}] {step.name}: {step.description}...")
                 step.run(tmp, progress)
