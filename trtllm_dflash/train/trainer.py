@@ -255,8 +255,8 @@ class DraftTrainer:
             raise DFlashError(f"--init-from {path} has {a.num_hidden_layers} layers, more than --num-layers {b.num_hidden_layers}; "
                               "a draft can grow, not shrink.")
         missing, unexpected = self.draft.load_state_dict(start.state_dict(), strict=False)
-        new = {f"layers.{i}." for i in range(a.num_hidden_layers, b.num_hidden_layers)}
-        assert not unexpected and all(k[: k.index(".", 7) + 1] in new for k in missing), (missing, unexpected)
+        new = tuple(f"layers.{i}." for i in range(a.num_hidden_layers, b.num_hidden_layers))
+        assert not unexpected and all(k.startswith(new) for k in missing), (missing, unexpected)
         with torch.no_grad():
             for layer in self.draft.layers[a.num_hidden_layers:]:
                 for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
