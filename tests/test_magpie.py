@@ -166,3 +166,18 @@ def test_a_killed_run_keeps_its_batches_and_records_its_session(tmp_path):
     batches = [json.loads(line) for line in (run / "magpie.jsonl").read_text().splitlines()]
     session = json.loads((run / "sessions.jsonl").read_text().splitlines()[-1])
     assert session["batches"] == len(batches) >= 1 and session["seconds"] > 0 and session["machine"]["cores"] >= 1
+
+
+def test_a_run_refused_at_the_start_says_why_and_records_no_session(tiny_run, tmp_path):
+    """Resuming a run with other settings: one sentence, a non-zero exit, and the run's files as they were."""
+    import shutil
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    done = subprocess.run([sys.executable, "-m", "trtllm_dflash.train.magpie", "--output", str(run), "--seed", "99"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "other settings" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # no sessions.jsonl line for a refused run

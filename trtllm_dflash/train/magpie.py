@@ -24,6 +24,7 @@ import json
 import random
 import re
 import signal
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -276,19 +277,27 @@ def main() -> None:
     if a.resume_from:
         unpack(Path(a.resume_from), run_dir)
     target = TargetModel.load(resolve_target(a.target, print), torch.bfloat16 if a.dtype == "bf16" else torch.float32)
-    log = run_dir / "sessions.jsonl"  # wall-clock time and machine of every generating session of the run
+    log = run_dir / "sessions.jsonl"  # wall-clock time and machine of every session that generated batches
+
+    def record_session(t0: float) -> None:
+        with open(log, "a") as f:
+            f.write(json.dumps({"ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(time.time() - t0, 1),
+                                "batches": len(_read_batches(run_dir / "magpie.jsonl")), "machine": machine_info()}) + "\n")
+
     if not a.pack_only:
         t0 = time.time()
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill, like Ctrl-C, still records the session
         try:
-            print(json.dumps(generate_magpie(target, run_dir, settings, num_questions=a.questions, deadline=deadline)), flush=True)
+            stats = generate_magpie(target, run_dir, settings, num_questions=a.questions, deadline=deadline)
         except KeyboardInterrupt:
+            record_session(t0)
             print("Stopped; every finished batch is kept, and rerunning the command continues.", flush=True)
             raise SystemExit(130) from None
-        finally:
-            with open(log, "a") as f:
-                f.write(json.dumps({"ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(time.time() - t0, 1),
-                                    "batches": len(_read_batches(run_dir / "magpie.jsonl")), "machine": machine_info()}) + "\n")
+        except DFlashError as e:  # refused before generating (other settings, no chat template): nothing to record
+            print(f"Error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        record_session(t0)
+        print(json.dumps(stats), flush=True)
     if a.pack:
         sessions = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
         pack(run_dir, Path(a.pack), target,
