@@ -15,6 +15,7 @@ from trtllm_dflash.config import DraftConfig, SamplingParams
 from trtllm_dflash.generate import Batch, GenerationStats, Request, speculative_stream
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.sampling import greedy
 
 V, N_NEW, BLOCK, SAMPLES = 8, 4, 4, 2000  # token 1 from the prefill, tokens 2-3 drafted, token 4 bonus/resample
 PROMPT = [1, 5, 3]
@@ -178,3 +179,13 @@ def test_seed_reproducible(tiny_target):
         stats = GenerationStats()
         runs.append([t for s in speculative_stream(tiny_target, draft, PROMPT, 12, BLOCK, SamplingParams(1.0, seed=42), frozenset(), stats) for t in s])
     assert runs[0] == runs[1]
+
+
+def test_greedy_picks_the_first_maximum_in_every_dtype():
+    """The fp32 detour for half-precision logits keeps argmax's ids, ties (first maximum) included."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (16, 5000), generator=gen).float()  # many exact ties per row
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = logits.to(dtype)
+        assert torch.equal(greedy(x), x.argmax(-1)), dtype
+        assert torch.equal(greedy(x), (x == x.max(-1, keepdim=True).values).int().argmax(-1)), dtype  # first max

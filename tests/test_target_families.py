@@ -46,12 +46,19 @@ def test_family_greedy_lossless(family):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_lean_forward_computes_what_the_hf_forward_does(family):
     """The lean layer loop against the model's own HF forward, in fp32: a prefill, a one-token decode, a block verify
-    and ragged rows on the flat axis give the same logits and tapped features, and write the same K/V."""
+    and ragged rows on the flat axis give the same logits and tapped features, and write the same K/V. Fusing the
+    projections (which the lean loop runs) leaves what the HF forward computes as it was."""
+    import copy
+
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
     config = config_cls(**COMMON, **extra, initializer_range=0.5, attention_bias=family == "qwen2")
-    target = TargetModel(model_cls(config).eval().requires_grad_(False), tokenizer=None, path=None)
-    assert target.lean, family
+    model = model_cls(config).eval().requires_grad_(False)
+    untouched = copy.deepcopy(model)
+    target = TargetModel(model, tokenizer=None, path=None)
+    assert target.lean and hasattr(target.layers[0].self_attn, "qkv_proj"), family
+    ids = torch.tensor([[3, 17, 9, 40, 22, 5, 11, 12, 6, 1]])
+    torch.testing.assert_close(target.model(ids).logits, untouched(ids).logits, rtol=1e-5, atol=1e-5)
     target.set_taps([1, 4])
     prompts = [[3, 17, 9, 40, 22, 5, 11], [8, 2, 33, 7]]
     results = {}

@@ -20,7 +20,7 @@ from .config import SamplingParams
 from .models.draft import DFlashDraftModel, DraftKVCache
 from .models.target import TargetModel
 from .policy import BlockPolicy
-from .sampling import rejection_sample, sample, sampling_probs
+from .sampling import greedy, rejection_sample, sample, sampling_probs
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: a long prompt never holds the running rows for long
 
@@ -147,7 +147,7 @@ class Batch:
         if not last:
             return []
         row = req.hold_stops(logits[0, -1:], 0)  # [1, V]
-        req.token = int(row.argmax(-1)[0] if req.sampling.greedy else sample(sampling_probs(row, req.sampling), req.gen)[0])
+        req.token = int(greedy(row)[0] if req.sampling.greedy else sample(sampling_probs(row, req.sampling), req.gen)[0])
         req.start = n
         req.stats.time_to_first_token = time.perf_counter() - req.t0
         return req.commit([req.token])
@@ -247,7 +247,7 @@ class Batch:
                 r = rows[i]
                 r.hold_stops(logits, r.stats.num_tokens)
                 if r.sampling.greedy:
-                    drafts[i] = logits.argmax(-1).tolist()
+                    drafts[i] = greedy(logits).tolist()
                 else:
                     q[i] = sampling_probs(logits, r.sampling)
                     drafts[i] = sample(q[i], r.gen).tolist()
@@ -258,7 +258,7 @@ class Batch:
         row_logits = logits.split(ks)
         for r, lg in zip(rows, row_logits):
             r.hold_stops(lg, r.stats.num_tokens)
-        posterior = logits.argmax(-1).split(ks)
+        posterior = greedy(logits).split(ks)
         out, accepted, offset, kept = {}, [], 0, []  # kept: (slot, position, flat index) of each committed token's features
         for i, r in enumerate(rows):
             k, s = ks[i], r.stats

@@ -7,6 +7,13 @@ import torch
 from .config import SamplingParams
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> argmax ids [...]. ATen's bf16 argmax on CPU is unvectorized: over SmolLM2's 49,152 logits
+    for a block of 8 it took 0.63 ms against 0.13 ms through fp32 (AMD EPYC, 2026-11-24). The cast is exact, so the
+    ids (first maximum on ties) are the same."""
+    return logits.float().argmax(-1) if logits.dtype in (torch.bfloat16, torch.float16) else logits.argmax(-1)
+
+
 def sampling_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """logits [..., V] -> the distribution the target samples from: temperature, then top-k, then top-p."""
     scores = logits.float() / sp.temperature

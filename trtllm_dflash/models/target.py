@@ -64,6 +64,62 @@ def _rows_attention(inner_name: str):
     return attention
 
 
+class _FusedOutputs:
+    """The output of one GEMM over projections that read the same input (q/k/v, gate/up), split per projection: HF's
+    layers call each projection with the same tensor, so the first call computes them all and the others take their
+    slice. Forgotten once every slice is taken, so no layer's activations outlive its forward."""
+
+    def __init__(self, owner: nn.Module, name: str, sizes: list[int]):
+        self.owner, self.name, self.sizes = owner, name, sizes
+        self.x, self.out, self.untaken = None, (), set()
+
+    def take(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if x is not self.x:  # the same tensor object (inference tensors carry no version counter to check further)
+            self.x, self.out, self.untaken = x, getattr(self.owner, self.name)(x).split(self.sizes, dim=-1), set(range(len(self.sizes)))
+        out = self.out[index]
+        self.untaken.discard(index)
+        if not self.untaken:
+            self.x, self.out = None, ()
+        return out
+
+
+class ProjectionSlice(nn.Module):
+    """Stands in for a projection fused into a wider one (q_proj in qkv_proj): its slice of the fused output."""
+
+    def __init__(self, outputs: _FusedOutputs, index: int):
+        super().__init__()
+        self.outputs, self.index = outputs, index
+        self.out_features = outputs.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outputs.take(x, self.index)
+
+
+FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+
+
+@torch.no_grad()
+def fuse_projections(layers: nn.ModuleList) -> None:
+    """Concatenate each layer's q/k/v and gate/up weights into one linear (`qkv_proj`, `gate_up_proj`): one GEMM
+    instead of three and two. Each output column is its own dot product, so the values are the projections' own
+    (bit-identical in fp32 and bf16 on oneDNN, checked 2026-11-24). The old modules become slices of it."""
+    for layer in layers:
+        for child, fused, names in FUSED:
+            owner = getattr(layer, child)
+            parts = [getattr(owner, n) for n in names]
+            if any(type(p) is not nn.Linear for p in parts) or len({p.bias is None for p in parts}) > 1:
+                continue
+            linear = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
+                               device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+            linear.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+            if linear.bias is not None:
+                linear.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+            setattr(owner, fused, linear)
+            outputs = _FusedOutputs(owner, fused, [p.out_features for p in parts])
+            for i, name in enumerate(names):
+                setattr(owner, name, ProjectionSlice(outputs, i))
+
+
 class TargetModel:
     """Wraps an HF causal LM; `forward` returns logits and the features of the tapped layers.
 
@@ -81,7 +137,6 @@ class TargetModel:
         self.layers = model.get_decoder().layers
         self.num_layers = len(self.layers)
         self.embed_tokens = model.get_input_embeddings()
-        self.lm_head = model.get_output_embeddings()  # untied heads exist (Qwen2.5 GGUFs)
         self.hidden_size = self.embed_tokens.weight.shape[1]
         self.vocab_rows = self.embed_tokens.weight.shape[0]
         self.max_positions = int(getattr(text_cfg, "max_position_embeddings", 0) or 1 << 30)
@@ -92,6 +147,9 @@ class TargetModel:
         self._capture = False
         self.ragged = self._use_ragged_attention()
         self.lean = self._lean_supported()
+        if self.lean:  # the lean loop runs the fused projections (the HF forward their slices)
+            fuse_projections(self.layers)
+            self.lean = all(hasattr(l.self_attn, "qkv_proj") and hasattr(l.mlp, "gate_up_proj") for l in self.layers)
 
     def _use_ragged_attention(self) -> bool:
         """Wrap the model's attention so `forward_rows` can lay rows on one flat axis; True where it could (HF models
@@ -117,8 +175,8 @@ class TargetModel:
         return self.model.config._attn_implementation == name
 
     def _lean_supported(self) -> bool:
-        """Whether `_lean_forward` computes exactly what the HF forward does for this model: a listed family, full
-        attention on every layer, SiLU, SDPA attention (quantized targets keep their own), no hooks of others."""
+        """Whether `_lean_forward` computes what the HF forward does for this model: a listed family, full attention
+        on every layer, SiLU, SDPA attention (quantized targets keep their own)."""
         text = self.text_config
         decoder = self.model.get_decoder()
         return (getattr(text, "model_type", None) in LEAN_FAMILIES and self._mask_rules() == {"": None}
@@ -153,9 +211,14 @@ class TargetModel:
         except (ValueError, OSError) as e:
             raise DFlashError(f"Could not load target {path}: {str(e).splitlines()[0]}") from None
         model.eval().requires_grad_(False)
+        target = cls(model, tokenizer, path)  # fuses projections where the lean forward runs: before packing
         if pack:
             pack_linears(model, keep=(model.get_output_embeddings(),))
-        return cls(model, tokenizer, path)
+        return target
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()  # untied heads exist (Qwen2.5 GGUFs); packing swaps the module
 
     @property
     def rope_parameters(self) -> dict:
@@ -259,14 +322,15 @@ class TargetModel:
         cos, sin = cos[:, None], sin[:, None]  # [b, 1, T, hd]: broadcast over heads
         taps = set(self._taps) if capture else ()
         captured = {}
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
+        for i, layer in enumerate(self.layers):  # submodules' .forward: no per-call hook dispatch (none is registered there)
+            attn, mlp = layer.self_attn, layer.mlp
+            h = layer.input_layernorm.forward(x)
             shape = (*x.shape[:-1], -1, attn.head_dim)
-            q, k = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape)
+            q, k, v = attn.qkv_proj.forward(h).split(attn.q_proj.outputs.sizes, dim=-1)
+            q, k, v = q.view(shape), k.view(shape), v.view(shape)
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), attn.v_proj(h).view(shape).transpose(1, 2)  # [b, heads, T, hd]
+                q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, T, hd]
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
             keys, values = cache.update(k, v, i)  # this forward's rows' K/V [b | n, nkv, K, hd]
             if slot_rows is None:
@@ -276,8 +340,10 @@ class TargetModel:
                 pad_index, flat_row, flat_col = slot_rows
                 rows_q = q[0][:, pad_index].transpose(0, 1)  # [n, H, kmax, hd]
                 out = _rows_sdpa(rows_q, keys, values, masks, attn.scaling)[flat_row, flat_col][None]
-            x = x + attn.o_proj(out.reshape(*x.shape[:-1], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + attn.o_proj.forward(out.reshape(*x.shape[:-1], -1))
+            h = layer.post_attention_layernorm.forward(x)
+            gate, up = mlp.gate_up_proj.forward(h).split(mlp.gate_proj.outputs.sizes, dim=-1)
+            x = x + mlp.down_proj.forward(mlp.act_fn(gate) * up)
             if i in taps:
                 captured[i] = x
         h = decoder.norm(x[:, -logits_to_keep:] if logits_to_keep else x)

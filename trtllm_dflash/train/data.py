@@ -22,6 +22,7 @@ import torch
 
 from ..data import CODE_COMPLETE_TEMPLATE, gsm8k_records, magpie_card, magpie_records
 from ..errors import DFlashError
+from ..sampling import greedy
 
 
 def gsm8k_prompts() -> list[tuple[str, str]]:
@@ -252,7 +253,7 @@ def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_
         per_row = [[feats[i, width - len(x):]] for i, x in enumerate(prompts)]
         answers: list[list[int]] = [[] for _ in range(n)]
         rows = torch.arange(n)  # batch row -> prompt index
-        pick = pick or (lambda logits: logits.argmax(-1))
+        pick = pick or greedy
         nxt = pick(target.lm_head(h[:, -1]))
         pos = pos[:, -1]
         for step in range(max_new_tokens):
