@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--draft-vocab", action=argparse.BooleanOptionalAction, default=True,
+                    help="Use the draft's vocabulary file where it has one (as the runtime does).")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -75,11 +77,12 @@ def main() -> None:
     from trtllm_dflash.cpu import machine_info
 
     engine = DFlashEngine.load(a.target, a.draft, dtype=a.dtype, block_size=a.block_size, speculation="fixed",  # tau of the full block
-                               progress=lambda m: None)
+                               draft_vocab=a.draft_vocab, progress=lambda m: None)
     if engine.draft is None:
         raise SystemExit(f"Target {a.target} has no draft to measure; pass --draft.")
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(), "target": a.target,
               "draft": str(a.draft or "packaged default"), "block_size": engine.block_size, "dtype": a.dtype,
+              "draft_vocab": None if engine.draft.vocab_token_ids is None else len(engine.draft.vocab_token_ids),
               "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "sets": {}}
     for name, prompts in prompt_sets(a.math, a.code, a.chat).items():
         if not prompts:

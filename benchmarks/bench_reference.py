@@ -1,7 +1,7 @@
 """Our runtime against z-lab's reference DFlash implementation (`dflash_generate` from PyPI `dflash==0.1.0`), side by side.
 
 Same target checkpoint, same packaged draft, same prompt token ids (held-out GSM8K questions through our chat template),
-greedy, same dtype, same block size, same thread count. Our side is `DFlashEngine` (packed linears, fixed block length);
+greedy, same dtype, same block size, same thread count. Our side is `DFlashEngine` (packed linears, the draft's vocabulary file, fixed block length);
 the reference side gets its own stock Hugging Face target and loads the draft into its own `DFlashDraftModel`, both
 exactly as z-lab's `dflash.benchmark.load_transformers_models` does, on the CPU. Per prompt, ours runs first and then
 the reference (interleaved, so drift hits both); each side is warmed up once before timing and model loading is never

@@ -189,3 +189,14 @@ def test_greedy_picks_the_first_maximum_in_every_dtype():
         x = logits.to(dtype)
         assert torch.equal(greedy(x), x.argmax(-1)), dtype
         assert torch.equal(greedy(x), (x == x.max(-1, keepdim=True).values).int().argmax(-1)), dtype  # first max
+
+
+def test_a_draft_vocabulary_keeps_the_distribution_exact(tiny_target):
+    """A draft that may guess only 3 of the 8 tokens (models/draft_vocab.py): q is zero elsewhere, the output
+    distribution must not move."""
+    sp = SamplingParams(1.0)
+    draft = make_draft(tiny_target, scale=0.3, seed=1)
+    draft.use_vocab(torch.tensor([0, 2, 5]), tiny_target.lm_head)
+    logits = draft.compute_logits(torch.randn(1, 2, 32), tiny_target.lm_head)
+    assert torch.isinf(logits[..., [1, 3, 4, 6, 7]]).all() and torch.isfinite(logits[..., [0, 2, 5]]).all()
+    assert_matches(samples(tiny_target, draft, sp), exact_joint(tiny_target, sp))

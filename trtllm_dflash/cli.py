@@ -83,9 +83,12 @@ def sampling_options(fn):
 @click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable).")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
 @speculation_option
+@click.option("--draft-vocab/--no-draft-vocab", default=True, show_default=True,
+              help="Guess only among the draft's vocabulary (its draft_vocab.json) where it has one; output is the same either way.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @user_errors
-def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, temperature, top_p, top_k, seed, stop_strings, dtype, speculation, as_json):
+def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, temperature, top_p, top_k, seed, stop_strings, dtype, speculation,
+             draft_vocab, as_json):
     """Generate text from a prompt with DFlash speculative decoding on the embedded PyTorch backend."""
     from .config import SamplingParams
     from .generate import GenerationStats
@@ -93,7 +96,7 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
 
     sampling = SamplingParams(temperature, top_p, top_k, seed)
     engine = DFlashEngine.load(target, draft, no_draft=no_draft, dtype=dtype, block_size=block_size, speculation=speculation,
-                               progress=lambda m: click.echo(m, err=True))
+                               draft_vocab=draft_vocab, progress=lambda m: click.echo(m, err=True))
     stats = GenerationStats()
     ids, text = [], []
     for new_ids, delta in engine.stream(engine.encode(prompt, chat), max_new_tokens=max_new_tokens, sampling=sampling,
@@ -261,6 +264,27 @@ def train_draft(target, output, data, num_samples, data_minutes, gen_max_new_tok
         gen_batch_size=gen_batch_size, mask_token_id=mask_token_id, resume=resume, command="trtdflash " + " ".join(sys.argv[1:]),
         log=lambda m: click.echo(m, err=True), num_layers=num_layers, block_size=block_size, steps=steps, epochs=epochs, lr=lr,
         max_seq_len=max_seq_len, anchors_per_seq=anchors_per_seq, seqs_per_step=seqs_per_step, eval_every=eval_every, bf16=dtype == "bf16", seed=seed, init_from=init_from)
+
+
+@main.command("draft-vocab")
+@click.option("--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory.")
+@click.option("--output", required=True, type=click.Path(path_type=str), help="The draft's directory (writes draft_vocab.json there) or a file path.")
+@click.option("--size", type=click.IntRange(min=1), default=16384, show_default=True, help="Tokens the draft may guess.")
+@click.option("--data", "data", multiple=True, default=("gsm8k", "code", "magpie"), show_default=True,
+              help="Prompt sources whose greedy answers are counted (repeatable; as train-draft's --data).")
+@click.option("--prompts", "per_source", type=click.IntRange(min=1), default=256, show_default=True, help="Prompts per source.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True)
+@user_errors
+def draft_vocab(target, output, size, data, per_source, max_new_tokens, batch_size, dtype):
+    """Write a draft vocabulary: the draft then guesses only among the SIZE tokens the target writes most (a smaller
+    draft LM head; verification still sees every token, so output is unchanged)."""
+    from .models.draft_vocab import build_draft_vocab
+
+    stats = build_draft_vocab(target, output, sources=tuple(data), size=size, per_source=per_source, max_new_tokens=max_new_tokens,
+                              batch_size=batch_size, dtype=dtype, progress=lambda m: click.echo(m, err=True))
+    click.echo(f"wrote {stats['path']}: {stats['size']} tokens, covering {stats['coverage']:.2%} of {stats['answer_tokens']} answer tokens")
 
 
 @main.command()

@@ -16,6 +16,7 @@ from .errors import DFlashError
 from .generate import Batch, GenerationStats, Request, speculative_stream
 from .models.checkpoint import held_out_tau, load_draft, read_draft_config
 from .models.draft import DFlashDraftModel
+from .models.draft_vocab import read_draft_vocab
 from .models.target import TargetModel
 from .policy import OPTIMISTIC, BlockPolicy
 from .resolve import resolve_draft, resolve_target
@@ -126,7 +127,9 @@ class DFlashEngine:
 
     @classmethod
     def load(cls, target: str, draft: str | None = None, *, no_draft: bool = False, dtype: str = "auto",
-             block_size: int | None = None, speculation: str = "adaptive", progress=print) -> "DFlashEngine":
+             block_size: int | None = None, speculation: str = "adaptive", draft_vocab: bool = True,
+             progress=print) -> "DFlashEngine":
+        """`draft_vocab`: use the draft's vocabulary file (models/draft_vocab.py) where it has one."""
         dtype = resolve_dtype(dtype)
         target_path = resolve_target(target, progress)
         draft_path = None if no_draft else resolve_draft(draft, target)
@@ -140,6 +143,8 @@ class DFlashEngine:
             validate_pair(draft_cfg, hidden_size=tm.hidden_size, num_layers=tm.num_layers, vocab_rows=tm.vocab_rows, rope_parameters=tm.rope_parameters)
             dm = load_draft(draft_path, DTYPES[dtype])
             dm.pack()
+            if draft_vocab:
+                dm.use_vocab(read_draft_vocab(draft_path, tm.lm_head.out_features), tm.lm_head)
             tm.set_taps(draft_cfg.target_layer_ids)
         return cls(tm, dm, block, speculation, held_out_tau(draft_path) if dm is not None else None)
 

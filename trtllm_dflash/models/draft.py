@@ -205,6 +205,7 @@ class DFlashDraftModel(nn.Module):
         self.output_multiplier = float(dflash.get("output_multiplier", 1.0))
         self.final_logit_softcapping = float(dflash.get("final_logit_softcapping") or 0.0)
         self._stacked = None  # inference-time stacked K/V weights of all layers
+        self._vocab = None  # inference-time draft vocabulary (models/draft_vocab.py): (token ids [N], head over their rows)
 
     def pack(self) -> None:
         """For inference only: prepack the linears for oneDNN (models/packed.py). The k/v projections keep their dense
@@ -275,13 +276,38 @@ class DFlashDraftModel(nn.Module):
         x = F.embedding(block_ids, embed_tokens.weight)
         return x * self.input_embedding_scale if self.input_embedding_scale != 1.0 else x
 
+    def use_vocab(self, token_ids: torch.Tensor | None, lm_head: nn.Module) -> None:
+        """For inference only: guess among `token_ids` alone (a draft vocabulary, models/draft_vocab.py), through a
+        head over just their rows of the target's LM head; None guesses over the whole vocabulary again."""
+        if token_ids is None:
+            self._vocab = None
+            return
+        head = nn.Linear(lm_head.in_features, len(token_ids), bias=lm_head.bias is not None, dtype=lm_head.weight.dtype)
+        head.weight = nn.Parameter(lm_head.weight.detach()[token_ids].clone(), requires_grad=False)
+        if lm_head.bias is not None:
+            head.bias = nn.Parameter(lm_head.bias.detach()[token_ids].clone(), requires_grad=False)
+        holder = nn.Sequential(head)
+        pack_linears(holder)
+        self._vocab = (token_ids, holder[0], lm_head.out_features)
+
+    @property
+    def vocab_token_ids(self) -> torch.Tensor | None:
+        """The draft vocabulary in use (`use_vocab`), or None for the whole vocabulary."""
+        return None if self._vocab is None else self._vocab[0]
+
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Draft logits through the target's LM head, with the config's multiplier and soft-capping."""
-        logits = lm_head(hidden)
+        """Draft logits through the target's LM head, with the config's multiplier and soft-capping. With a draft
+        vocabulary, tokens outside it get -inf (probability 0, never the argmax)."""
+        logits = lm_head(hidden) if self._vocab is None else self._vocab[1](hidden)
         if self.output_multiplier != 1.0:
             logits = logits * self.output_multiplier
         if self.final_logit_softcapping > 0:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        if self._vocab is not None:
+            ids, _, vocab = self._vocab
+            full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
+            full[..., ids] = logits
+            return full
         return logits
 
     def forward(self, noise_embedding, positions, ctx_k, ctx_v, masks=None):

@@ -383,3 +383,27 @@ def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: 
     meta["response_tokens"] = sum(sum(r["loss_mask"]) for r in records)
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def answer_tokens(target, sources: tuple[str, ...], *, per_source: int, max_new_tokens: int, batch_size: int, seed: int = 0,
+                  progress=None) -> list[list[int]]:
+    """The target's greedy answers to `per_source` prompts of each source (the packaged chat answers where the target
+    wrote them), formatted as the deployment formats prompts: what a draft vocabulary counts."""
+    from ..runtime import DFlashEngine
+
+    engine = DFlashEngine(target, None, 1)
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    known = known_answers(target, sources)
+    out = []
+    for source in sources:
+        prompts = load_prompts((source,), seed)[:per_source]
+        todo = [p for key, p in prompts if key not in known]
+        out += [known[key][:max_new_tokens] for key, _ in prompts if key in known]
+        for i in range(0, len(todo), batch_size):
+            ids = [engine.encode(p) for p in todo[i : i + batch_size]]
+            answers, _ = greedy_batch(target, ids, layer_ids=[0], max_new_tokens=max_new_tokens, eos=engine.eos_token_ids, pad=pad)
+            out += answers
+            if progress:
+                progress(f"{source}: answered {min(i + batch_size, len(todo))}/{len(todo)} prompts")
+    return out
