@@ -333,9 +333,11 @@ class TargetModel:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, T, hd]
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
             keys, values = cache.update(k, v, i)  # this forward's rows' K/V [b | n, nkv, K, hd]
-            if slot_rows is None:
+            if slot_rows is None and q.shape[0] == 1:
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, scale=attn.scaling,
                                                      enable_gqa=q.shape[1] != keys.shape[1]).transpose(1, 2)
+            elif slot_rows is None:  # rows of one length: SDPA's CPU kernel under a per-row mask cost 1.2x the step
+                out = _rows_sdpa(q, keys, values, masks, attn.scaling)
             else:
                 pad_index, flat_row, flat_col = slot_rows
                 rows_q = q[0][:, pad_index].transpose(0, 1)  # [n, H, kmax, hd]
