@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import DraftConfig
 from ..kernels import block_attention
-from .packed import pack_linears
+from .packed import PackedLinear, can_pack, pack_linears
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -286,9 +286,7 @@ class DFlashDraftModel(nn.Module):
         head.weight = nn.Parameter(lm_head.weight.detach()[token_ids].clone(), requires_grad=False)
         if lm_head.bias is not None:
             head.bias = nn.Parameter(lm_head.bias.detach()[token_ids].clone(), requires_grad=False)
-        holder = nn.Sequential(head)
-        pack_linears(holder)
-        self._vocab = (token_ids, holder[0], lm_head.out_features)
+        self._vocab = (token_ids, PackedLinear(head) if can_pack(head.weight.dtype) else head, lm_head.out_features)
 
     @property
     def vocab_token_ids(self) -> torch.Tensor | None:
