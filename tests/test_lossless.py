@@ -59,7 +59,12 @@ class OracleDraft(torch.nn.Module):
         self.calls += 1
         return self.inner.draft_block(noise, positions, ctx_k, ctx_v, ctx_lens)
 
-    def compute_logits(self, hidden, lm_head):  # hidden [1, k-1, H]: one request (the block drafted may be longer)
+    vocab_token_ids = None  # its logits cover the whole vocabulary
+
+    def to_full_vocab(self, logits):
+        return logits
+
+    def compute_logits(self, hidden, lm_head, full=True):  # hidden [1, k-1, H]: one request (the block drafted may be longer)
         logits = torch.zeros(*hidden.shape[:2], lm_head.weight.shape[0])
         for j, pos in enumerate(self.positions[: hidden.shape[1]]):
             tok = self.sequence[pos] if pos < len(self.sequence) else 0

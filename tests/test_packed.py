@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.packed import PackedLinear, pack_linears
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime import DFlashEngine
@@ -73,3 +74,29 @@ def test_verify_of_a_block_costs_little_more_than_a_decode_step(target, stock, o
     packed_ratio = cost(target, 8) / cost(target, 1)
     stock_ratio = cost(stock, 8) / cost(stock, 1)
     assert packed_ratio < stock_ratio, (packed_ratio, stock_ratio)
+
+
+def test_a_packed_draft_computes_what_the_draft_does():
+    """Packing fuses each draft layer's q/k/v and gate/up into one GEMM and stacks the context K/V projection: the
+    real draft's context K/V and ragged block hidden states stay the unpacked draft's (fp32, oneDNN rounding only),
+    and a packed draft refuses to train."""
+    from trtllm_dflash.models.checkpoint import load_draft
+    from trtllm_dflash.resolve import resolve_draft
+
+    path = resolve_draft(None, "smollm2-135m")
+    plain, packed = load_draft(path), load_draft(path)
+    packed.pack()
+    assert all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None for layer in packed.layers)
+    c, g = plain.config, torch.Generator().manual_seed(0)
+    feats = torch.randn(3, 40, plain.fc.in_features, generator=g)
+    lens = torch.tensor([40, 13, 0])
+    x = torch.randn(3, c.block_size, c.hidden_size, generator=g)
+    with torch.inference_mode():
+        out = []
+        for model in (plain, packed):
+            k, v = model.context_kv(model.project_context(feats), torch.arange(40).expand(3, -1))
+            out.append((k, v, model.draft_block(x, lens[:, None] + torch.arange(c.block_size), k, v, lens)))
+    for want, got in zip(*out):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(DFlashError, match="inference only"):
+        packed.train()

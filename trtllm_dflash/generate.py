@@ -185,7 +185,7 @@ class Batch:
                     x = self.draft.embed_block(self.target.embed_tokens, torch.zeros(rows, self.block_size, dtype=torch.long))
                     c = self.dcache.k[:, :1, :, :0].expand(-1, rows, -1, -1, -1)
                     hidden = self.draft.draft_block(x, torch.arange(self.block_size).expand(rows, -1), c, c, torch.zeros(rows, dtype=torch.long))
-                    self.draft.compute_logits(hidden[:, 1:].reshape(1, -1, hidden.shape[-1]), self.target.lm_head)
+                    self.draft.compute_logits(hidden[:, 1:].reshape(1, -1, hidden.shape[-1]), self.target.lm_head, full=False)
                 verify.append(t1 - t0)
                 draft.append(time.perf_counter() - t1)
             self.policy.record_cost(n, min(draft) if self.draft is not None and n >= self.block_size else None, min(verify),
@@ -242,14 +242,15 @@ class Batch:
                 ck, cv = ck[:, idx], cv[:, idx]
             hidden = draft.draft_block(draft.embed_block(target.embed_tokens, block), starts[:, None] + torch.arange(self.block_size), ck, cv, starts)
             guesses = torch.cat([hidden[d, 1 : ks[i]] for d, i in enumerate(drafting)])  # [sum(k_i - 1), H]
-            draft_logits = draft.compute_logits(guesses[None], target.lm_head)[0].split([ks[i] - 1 for i in drafting])
+            vocab = draft.vocab_token_ids  # the draft guesses among these tokens (None: all)
+            draft_logits = draft.compute_logits(guesses[None], target.lm_head, full=False)[0].split([ks[i] - 1 for i in drafting])
             for i, logits in zip(drafting, draft_logits):
                 r = rows[i]
-                r.hold_stops(logits, r.stats.num_tokens)
-                if r.sampling.greedy:
-                    drafts[i] = greedy(logits).tolist()
+                if r.sampling.greedy:  # argmax over the vocabulary's columns (a stop token held back is rejected in verify)
+                    guess = greedy(logits)
+                    drafts[i] = (guess if vocab is None else vocab[guess]).tolist()
                 else:
-                    q[i] = sampling_probs(logits, r.sampling)
+                    q[i] = sampling_probs(r.hold_stops(draft.to_full_vocab(logits), r.stats.num_tokens), r.sampling)
                     drafts[i] = sample(q[i], r.gen).tolist()
         t1 = time.perf_counter()
         # Verify [token, d_1..d_{k_i-1}] of every row at positions start..start+k_i-1, all rows in one target forward.

@@ -50,7 +50,8 @@ def block_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ctx_k, ctx_v [b, nkv, C, hd] the context caches, rows >= ctx_lens[i] ignored; ctx_lens [b] int.
     Returns [b, nh, Q, hd].
     """
-    mask = block_visibility(ctx_lens, q.shape[2], ctx_k.shape[2], causal, window)
+    full = not causal and window is None and bool((ctx_lens == ctx_k.shape[2]).all())  # every key visible to every query
+    mask = None if full else block_visibility(ctx_lens, q.shape[2], ctx_k.shape[2], causal, window)
     keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 

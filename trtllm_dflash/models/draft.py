@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DraftConfig
+from ..errors import DFlashError
 from ..kernels import block_attention
 from .packed import PackedLinear, can_pack, pack_linears
 
@@ -64,13 +65,23 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = float(scaling)
+        self._table = None  # cos and sin of positions 0..n-1 [2, n, hd], fp32
+
+    def _apply(self, fn, recurse=True):
+        self._table = None  # .to() may change inv_freq's dtype or device: the table follows it
+        return super()._apply(fn, recurse)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [b, T] -> cos, sin [b, 1, T, hd] (the 1 broadcasts over heads)."""
-        freqs = positions[..., None].float() * self.inv_freq  # [b, T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None]
-        sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
+        """positions [b, T] -> cos, sin [b, 1, T, hd] (the 1 broadcasts over heads), looked up in a table of
+        positions 0..n-1 (grown by doubling): a draft step asks for them twice, and computing them cost more than
+        the lookup."""
+        table = self._table
+        if table is None or table.device != positions.device or table.shape[1] <= int(positions.max()):
+            n = max(int(positions.max()) + 1, 2 * (0 if table is None else table.shape[1]), 256)
+            freqs = torch.arange(n, device=positions.device)[:, None].float() * self.inv_freq  # [n, hd/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = self._table = torch.stack([emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling])
+        cos, sin = table[:, positions].to(dtype).unsqueeze(2)  # [2, b, 1, T, hd]
         return cos, sin
 
 
@@ -85,10 +96,27 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(nh * hd, h, bias=config.attention_bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.num_heads, self.eps = nh, config.rms_norm_eps
+        self.qkv_proj = None  # inference: q/k/v in one GEMM, and q_norm/k_norm stacked per head [nh+nkv, hd] (`fuse`)
+        self.qk_norm_weight = None
+
+    def fuse(self) -> None:
+        """For inference only: one GEMM for q/k/v and one norm and RoPE pass over q and k together; the separate
+        projections are dropped. The outputs are the separate ones' (every output row is the same dot product)."""
+        nkv = self.k_proj.out_features // self.head_dim
+        self.qkv_proj = fused_linear(self.q_proj, self.k_proj, self.v_proj)
+        self.qk_norm_weight = torch.cat([self.q_norm.weight.detach()[None].expand(self.num_heads, -1),
+                                         self.k_norm.weight.detach()[None].expand(nkv, -1)])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def project(self, x, cos, sin):
         """x [b, Q, H] block states -> q [b, nh, Q, hd], k, v [b, nkv, Q, hd] (normed, roped)."""
         b, q_len, _ = x.shape
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(b, q_len, -1, self.head_dim)  # [b, Q, nh+2*nkv, hd]
+            nqk = self.qk_norm_weight.shape[0]
+            qk = apply_rope(rms_norm(qkv[:, :, :nqk], self.qk_norm_weight, self.eps).transpose(1, 2), cos, sin)
+            return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, :, nqk:].transpose(1, 2)
         q = self.q_norm(self.q_proj(x).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
@@ -107,9 +135,27 @@ class DFlashMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = None  # inference: gate and up in one GEMM (`fuse`)
+
+    def fuse(self) -> None:
+        self.gate_up_proj = fused_linear(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x):
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def fused_linear(*linears: nn.Linear) -> nn.Linear:
+    """One linear computing `linears` side by side (outputs concatenated in order)."""
+    bias = linears[0].bias is not None
+    out = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears), bias=bias, dtype=linears[0].weight.dtype)
+    out.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
+    if bias:
+        out.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
+    return out
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -204,13 +250,23 @@ class DFlashDraftModel(nn.Module):
         self.input_embedding_scale = float(dflash.get("input_embedding_scale", 1.0))  # Gemma-style targets
         self.output_multiplier = float(dflash.get("output_multiplier", 1.0))
         self.final_logit_softcapping = float(dflash.get("final_logit_softcapping") or 0.0)
-        self._stacked = None  # inference-time stacked K/V weights of all layers
+        self._stacked = None  # stacked context K/V projection of all layers: (linear callable, k_norm weights [L, hd])
         self._vocab = None  # inference-time draft vocabulary (models/draft_vocab.py): (token ids [N], head over their rows)
+        self.packed = False
 
     def pack(self) -> None:
-        """For inference only: prepack the linears for oneDNN (models/packed.py). The k/v projections keep their dense
-        weights, which the context K/V GEMM stacks."""
-        pack_linears(self, keep=tuple(m for layer in self.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)))
+        """For inference only (no training or export after it): the context K/V projection of all layers stacked into
+        one linear, each layer's q/k/v and gate/up fused into one GEMM each, then every linear prepacked for oneDNN
+        (models/packed.py)."""
+        attns = [layer.self_attn for layer in self.layers]
+        self.ctx_kv_proj = fused_linear(*(p for a in attns for p in (a.k_proj, a.v_proj)))
+        k_norm = torch.stack([a.k_norm.weight.detach() for a in attns])
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        pack_linears(self)
+        self._stacked = (self.ctx_kv_proj, k_norm)
+        self.packed = True
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         for name, p in self.named_parameters():
@@ -223,17 +279,22 @@ class DFlashDraftModel(nn.Module):
         self._stacked = None
 
     def train(self, mode: bool = True):
+        if self.packed:
+            if mode:
+                raise DFlashError("A packed draft is for inference only; load it again to train it.")
+            return super().train(False)
         self._stacked = None  # weights may change; rebuild the stacked projection when back in eval
         return super().train(mode)
 
-    def _kv_weights(self):
+    def _context_projection(self):
+        """The k/v projections of all layers stacked: (callable ctx [b, T, H] -> [b, T, L*2*nkv*hd], k_norm weights
+        [L, hd]), built once outside training."""
         if self._stacked is not None and not self.training:
             return self._stacked
         attns = [layer.self_attn for layer in self.layers]
-        weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])  # [L*2*nkv*hd, H]
+        weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
         bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]) if self.config.attention_bias else None
-        k_norm = torch.stack([a.k_norm.weight for a in attns])  # [L, hd]
-        stacked = (weight, bias, k_norm)
+        stacked = (lambda x: F.linear(x, weight, bias)), torch.stack([a.k_norm.weight for a in attns])
         if not self.training:
             self._stacked = stacked
         return stacked
@@ -246,8 +307,8 @@ class DFlashDraftModel(nn.Module):
         """Context K/V of all layers in one GEMM (no draft prefill): ctx [b, T, H] -> k, v [L, b, nkv, T, hd]."""
         c = self.config
         b, t, _ = ctx.shape
-        weight, bias, k_norm = self._kv_weights()
-        kv = F.linear(ctx, weight, bias).view(b, t, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
+        project, k_norm = self._context_projection()
+        kv = project(ctx).view(b, t, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
         kv = kv.permute(2, 3, 0, 4, 1, 5)  # [L, 2, b, nkv, T, hd]
         k = rms_norm(kv[:, 0], k_norm[:, None, None, None, :], c.rms_norm_eps)
         cos, sin = self.rotary_emb(positions, ctx.dtype)  # [b, 1, T, hd]
@@ -293,20 +354,25 @@ class DFlashDraftModel(nn.Module):
         """The draft vocabulary in use (`use_vocab`), or None for the whole vocabulary."""
         return None if self._vocab is None else self._vocab[0]
 
-    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module, full: bool = True) -> torch.Tensor:
         """Draft logits through the target's LM head, with the config's multiplier and soft-capping. With a draft
-        vocabulary, tokens outside it get -inf (probability 0, never the argmax)."""
+        vocabulary, tokens outside it get -inf (probability 0, never the argmax); `full=False` keeps only the
+        vocabulary's columns, in `vocab_token_ids` order: all a greedy guess needs (`to_full_vocab` restores the rest)."""
         logits = lm_head(hidden) if self._vocab is None else self._vocab[1](hidden)
         if self.output_multiplier != 1.0:
             logits = logits * self.output_multiplier
         if self.final_logit_softcapping > 0:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
-        if self._vocab is not None:
-            ids, _, vocab = self._vocab
-            full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
-            full[..., ids] = logits
-            return full
-        return logits
+        return self.to_full_vocab(logits) if full else logits
+
+    def to_full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary's columns [..., N] -> over the whole vocabulary, -inf outside it."""
+        if self._vocab is None:
+            return logits
+        ids, _, vocab = self._vocab
+        full = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
+        full[..., ids] = logits
+        return full
 
     def forward(self, noise_embedding, positions, ctx_k, ctx_v, masks=None):
         """Run the block queries.

@@ -39,6 +39,7 @@ from torch import nn
 from ..convert.formats import E2M1_MAX, FORMATS, FP8_E4M3_MAX, KV_CACHE_QUANT_ALGO
 from ..errors import DFlashError
 from .draft import DFlashDraftModel, apply_rope, rms_norm
+from .packed import pack_linears
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 QUANT_ALGOS = {f.quant_algo: f for f in FORMATS.values()}
@@ -347,6 +348,11 @@ def load_quantized_draft(config, state: dict, spec: QuantSpec, dtype: torch.dtyp
 class QuantizedDFlashDraft(DFlashDraftModel):
     """Context K/V through each layer's own quantized k/v projection, as TensorRT-LLM runs them (each with its
     own input scale), instead of the unquantized draft's one stacked GEMM over all layers."""
+
+    def pack(self) -> None:
+        """Quantized linears keep their own forward (nothing fused); plain ones, such as `fc`, are prepacked."""
+        pack_linears(self)
+        self.packed = True
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
