@@ -21,16 +21,19 @@ from trtllm_dflash.cli import main
 from trtllm_dflash.errors import DFlashError
 
 # A real build in a child process that signals itself when a step starts: `at` "[2/" = the first step has written its files.
+# SIGINT gets Python's handler back: a job a shell starts in the background (`cmd &`, as CI may be) inherits it ignored.
 CHILD = """
-import os, sys, time
+import os, signal, sys, time
 from pathlib import Path
 from trtllm_dflash.build import BuildOptions, run_build
+signal.signal(signal.SIGINT, signal.default_int_handler)
 out, draft, sig, at, batch, gate = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
 def progress(m):
     print(m, flush=True)
     if m.startswith(at):
         if sig:
             os.kill(os.getpid(), sig)
+            raise SystemExit(f"signal {sig} did not stop the build")
         Path(gate + ".started").touch()
         while not Path(gate).exists():  # hold the build (and its lock) until the test opens the gate
             time.sleep(0.05)
@@ -38,7 +41,7 @@ run_build(BuildOptions(output=Path(out), draft=draft, max_seq_len=512, max_batch
 """
 
 
-def child(out, draft, sig=0, at="[2/", batch=4, gate="/nonexistent"):
+def child(out, draft, sig=0, at="[2/", batch=4, gate=""):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-c", CHILD, str(out), str(draft), str(int(sig)), at, str(batch), str(gate)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
