@@ -120,6 +120,39 @@ def test_chunked_ce_matches_autograd_reference():
     assert correct.tolist() == (head(h2).argmax(-1) == y).tolist()
 
 
+def test_dpace_weights_are_the_acceptance_a_slot_can_still_add():
+    q = torch.tensor([0.9, 0.8, 0.2, 0.6, 0.3, 0.5, 1.0, 0.4])  # one block of 4 and one of 4 (slot 0: the anchor)
+    valid = torch.tensor([False, True, True, True, False, True, True, False])
+    w = tr.dpace_weights(q, valid, block_size=4, alpha=0.5).tolist()
+    t = [0.5 * x + 0.5 for x in q.tolist()]
+    # block 1: w_j = sum_{m>=j} prod_{1<=i<=m} q~_i
+    p1, p2, p3 = t[1], t[1] * t[2], t[1] * t[2] * t[3]
+    assert w[:4] == pytest.approx([0.0, p1 + p2 + p3, p2 + p3, p3])
+    # block 2: slot 3 invalid ends the chain (weight 0, nothing after it counts)
+    assert w[4:] == pytest.approx([0.0, t[5] + t[5] * t[6], t[5] * t[6], 0.0])
+
+
+def test_chunked_ce_with_dpace_is_ce_under_detached_dynamic_weights():
+    torch.manual_seed(0)
+    d, head = _tiny_draft(), nn.Linear(32, 50, bias=False).requires_grad_(False)
+    h = torch.randn(16, 32, requires_grad=True)
+    y = torch.randint(0, 50, (16,))
+    w = tr.loss_weights(4, 4.0).repeat(4) * (torch.rand(16) > 0.2)
+    loss, _ = chunked_lm_head_ce(d, head, h, y, w, chunk=8, dpace_block=4)
+    loss.backward()
+    h2 = h.detach().clone().requires_grad_()
+    ce = F.cross_entropy(head(h2), y, reduction="none")
+    ref_w = []
+    for cw, cq in zip(w.split(8), torch.exp(-ce.detach()).split(8)):  # per chunk: D-PACE, scaled to the chunk's total
+        dyn = tr.dpace_weights(cq, cw > 0, 4)
+        ref_w.append(dyn * cw.sum() / dyn.sum())
+    ref = (ce * torch.cat(ref_w)).sum()
+    ref.backward()
+    assert torch.allclose(loss, ref, atol=1e-5) and torch.allclose(h.grad, h2.grad, atol=1e-5)
+    with pytest.raises(ValueError, match="whole blocks"):
+        chunked_lm_head_ce(d, head, h, y, w, chunk=6, dpace_block=4)
+
+
 def test_code_prompts_keep_stdlib_keys_first_and_add_installed_libraries():
     prompts = code_prompts()
     keys = [k for k, _ in prompts]

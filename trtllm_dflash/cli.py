@@ -243,6 +243,9 @@ def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
 @click.option("--steps", type=int, default=None, help="Optimiser steps (overrides --epochs).")
 @click.option("--epochs", type=float, default=1.0, show_default=True)
 @click.option("--lr", type=float, default=6e-4, show_default=True)
+@click.option("--loss", type=click.Choice(["decay", "dpace"]), default="decay", show_default=True,
+              help="Slot weights of the CE: a fixed exp(-(k-1)/gamma) decay, or D-PACE's dynamic weights from the draft's own "
+                   "confidence (a slot after an uncertain one counts less).")
 @click.option("--max-seq-len", type=int, default=1024, show_default=True)
 @click.option("--anchors-per-seq", type=int, default=64, show_default=True)
 @click.option("--seqs-per-step", type=int, default=4, show_default=True)
@@ -256,13 +259,13 @@ def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
 @click.option("--resume", is_flag=True, help="Continue the run in --output from its last checkpoint.")
 @user_errors
 def train_draft(target, output, data, num_samples, data_minutes, gen_max_new_tokens, gen_batch_size, num_layers, block_size, steps,
-                epochs, lr, max_seq_len, anchors_per_seq, seqs_per_step, eval_every, mask_token_id, dtype, seed, init_from, resume):
+                epochs, lr, loss, max_seq_len, anchors_per_seq, seqs_per_step, eval_every, mask_token_id, dtype, seed, init_from, resume):
     """Train a DFlash draft for a target on its own greedy answers (CPU is fine for small targets)."""
     from .train.trainer import train_draft as run
 
     run(target, output, data=data, num_samples=num_samples, data_minutes=data_minutes, gen_max_new_tokens=gen_max_new_tokens,
         gen_batch_size=gen_batch_size, mask_token_id=mask_token_id, resume=resume, command="trtdflash " + " ".join(sys.argv[1:]),
-        log=lambda m: click.echo(m, err=True), num_layers=num_layers, block_size=block_size, steps=steps, epochs=epochs, lr=lr,
+        log=lambda m: click.echo(m, err=True), num_layers=num_layers, block_size=block_size, steps=steps, epochs=epochs, lr=lr, loss=loss,
         max_seq_len=max_seq_len, anchors_per_seq=anchors_per_seq, seqs_per_step=seqs_per_step, eval_every=eval_every, bf16=dtype == "bf16", seed=seed, init_from=init_from)
 
 

@@ -2,7 +2,8 @@
 
 Per sequence: random anchors inside the response, blocks [token at anchor, MASK x (B-1)], all blocks
 in one draft forward under the inference mask rule (context strictly before the anchor, own block
-only), same-position labels for slots 1..B-1, CE through the frozen LM head weighted exp(-(k-1)/gamma).
+only), same-position labels for slots 1..B-1, CE through the frozen LM head weighted exp(-(k-1)/gamma), or
+(`loss="dpace"`) by D-PACE's dynamic weights (method notes, section 4.2 variants).
 Target features come from the data phase (captured while the target generated the responses).
 """
 
@@ -27,6 +28,8 @@ from ..models.draft import DFlashDraftModel, dflash_attention_mask
 from .data import read_dataset, read_features
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # paper / ModelOpt loss decay per block size
+LOSSES = ("decay", "dpace")
+DPACE_ALPHA = 0.5  # D-PACE's smoothing of the draft's confidence (arXiv 2605.18810; SpecForge PR #578)
 STATE_FILE = "state.pt"
 DRAFT_SUBDIR = "draft"
 RUN_FILES = {"data.json", "data.jsonl", "data.features.bin", STATE_FILE, DRAFT_SUBDIR, "train_log.jsonl"}
@@ -45,6 +48,7 @@ class TrainArgs:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float | None = None  # None: GAMMA[block_size], else block_size / 2
+    loss: str = "decay"  # slot weights: fixed exp(-(k-1)/gamma), or "dpace" (dynamic, from the draft's own confidence)
     max_seq_len: int = 1024
     anchors_per_seq: int = 64
     seqs_per_step: int = 4
@@ -68,6 +72,21 @@ def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
     return w
+
+
+def dpace_weights(q: torch.Tensor, valid: torch.Tensor, block_size: int, alpha: float = DPACE_ALPHA) -> torch.Tensor:
+    """D-PACE slot weights [N*B] from q [N*B], the draft's probability of each slot's label (detached).
+
+    Slot j weighs w_j = sum_{m>=j} prod_{i<=m} q~_i with q~ = (1-alpha) q + alpha: the acceptance length a slot can
+    still add, so a slot after one the draft is unsure of counts for less (a fixed decay weighs it the same in every
+    block). The anchor slot and invalid slots weigh 0, and an invalid slot ends its block's chain."""
+    on = valid.view(-1, block_size).to(q.dtype)
+    qt = ((1 - alpha) * q + alpha).view(-1, block_size) * on
+    qt[:, 0] = 1.0
+    reach = qt.cumprod(1)  # [N, B]: prod_{i<=m} q~_i
+    w = reach.flip(1).cumsum(1).flip(1) * on
+    w[:, 0] = 0.0
+    return w.flatten()
 
 
 def valid_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -127,11 +146,12 @@ def block_hidden(draft: DFlashDraftModel, embed_tokens, feats: torch.Tensor, noi
 class _ChunkedLMHeadCE(torch.autograd.Function):
     """Weighted CE through the frozen LM head, chunk by chunk: each chunk's logits are made, turned into the
     loss and the input gradient (softmax - onehot, by hand: fewer passes over [chunk, V] than autograd), and
-    dropped, so N*B*V logits never exist at once and nothing is recomputed in backward.
+    dropped, so N*B*V logits never exist at once and nothing is recomputed in backward. With `dpace_block`,
+    each chunk's weights become D-PACE's (scaled to the chunk's given total; a chunk holds whole blocks).
     """
 
     @staticmethod
-    def forward(ctx, hidden, labels, weights, draft, lm_head, chunk, need_grad):
+    def forward(ctx, hidden, labels, weights, draft, lm_head, chunk, need_grad, dpace_block):
         total = hidden.new_zeros((), dtype=torch.float32)
         grads, correct = [], []
         for h, y, w in zip(hidden.split(chunk), labels.split(chunk), weights.split(chunk)):
@@ -142,7 +162,11 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
                 z = logits.detach()
                 correct.append(z.argmax(-1) == y)
                 p = torch.softmax(z, -1, dtype=torch.float32)  # one fused pass over [chunk, V], fp32 out
-                total += (-p.gather(1, y[:, None])[:, 0].clamp_min(1e-30).log() * w).sum()
+                q = p.gather(1, y[:, None])[:, 0]
+                if dpace_block:
+                    dyn = dpace_weights(q, w > 0, dpace_block)
+                    w = dyn * (w.sum() / dyn.sum().clamp_min(1e-12))
+                total += (-q.clamp_min(1e-30).log() * w).sum()
                 if need_grad:
                     p[torch.arange(len(y)), y] -= 1
                     g = p.mul_(w[:, None]).to(logits.dtype)
@@ -156,7 +180,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_correct):
         (g,) = ctx.saved_tensors
-        return g * grad_total, None, None, None, None, None, None
+        return g * grad_total, None, None, None, None, None, None, None
 
 
 def frozen_head(weight: torch.Tensor, dtype: torch.dtype) -> torch.nn.Linear:
@@ -184,9 +208,12 @@ def sampled_lm_head(lm_head, data_vocab: torch.Tensor, negatives: int, generator
     return head, row
 
 
-def chunked_lm_head_ce(draft, lm_head, hidden, labels, weights, chunk: int):
-    """hidden [M, H], labels/weights [M] -> (sum_m weights*CE, correct [M] bool)."""
-    return _ChunkedLMHeadCE.apply(hidden, labels, weights, draft, lm_head, chunk, hidden.requires_grad)
+def chunked_lm_head_ce(draft, lm_head, hidden, labels, weights, chunk: int, dpace_block: int | None = None):
+    """hidden [M, H], labels/weights [M] -> (sum_m weights*CE, correct [M] bool); `dpace_block`: D-PACE weights
+    instead of `weights` (whose per-chunk totals they keep), over blocks of that size."""
+    if dpace_block and chunk % dpace_block:
+        raise ValueError(f"D-PACE needs whole blocks per chunk: chunk {chunk} is not a multiple of block size {dpace_block}")
+    return _ChunkedLMHeadCE.apply(hidden, labels, weights, draft, lm_head, chunk, hidden.requires_grad, dpace_block)
 
 
 def acceptance_stats(correct: torch.Tensor, valid: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,7 +338,8 @@ class DraftTrainer:
             with self._autocast():
                 hidden = block_hidden(self.draft, self.target.embed_tokens, feats, noise, pos, anchors)
                 labels = labels if row is None else row[labels]
-                loss, correct = chunked_lm_head_ce(self.draft, head, hidden, labels, w / total_w, self.args.logits_chunk)
+                loss, correct = chunked_lm_head_ce(self.draft, head, hidden, labels, w / total_w, self.args.logits_chunk,
+                                                   self.args.block_size if self.args.loss == "dpace" else None)
             loss.backward()
             loss_sum += loss.item()
             accepted.append(acceptance_stats(correct, valid, self.args.block_size)[0])
@@ -478,6 +506,10 @@ def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gs
         raise DFlashError("--steps must be at least 1 and --epochs positive.")
     if args.eval_every < 1:
         raise DFlashError(f"--eval-every must be at least 1, got {args.eval_every}.")
+    if args.loss not in LOSSES:
+        raise DFlashError(f"--loss must be one of {', '.join(LOSSES)}, got {args.loss!r}.")
+    if args.loss == "dpace" and args.logits_chunk % args.block_size:
+        raise DFlashError(f"--loss dpace needs --block-size to divide {args.logits_chunk} (the LM-head chunk), got {args.block_size}.")
     if args.lr <= 0 or not math.isfinite(args.lr):
         raise DFlashError(f"--lr must be a positive number, got {args.lr}.")
     if args.max_seq_len < args.block_size + 2:
