@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from .config import DTYPE_CHOICES
+from .config import DRAFT_LOSSES, DTYPE_CHOICES
 from .errors import DFlashError
 from .threads import configure_threads
 
@@ -243,7 +243,7 @@ def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
 @click.option("--steps", type=int, default=None, help="Optimiser steps (overrides --epochs).")
 @click.option("--epochs", type=float, default=1.0, show_default=True)
 @click.option("--lr", type=float, default=6e-4, show_default=True)
-@click.option("--loss", type=click.Choice(["decay", "dpace"]), default="decay", show_default=True,
+@click.option("--loss", type=click.Choice(DRAFT_LOSSES), default="decay", show_default=True,
               help="Slot weights of the CE: a fixed exp(-(k-1)/gamma) decay, or D-PACE's dynamic weights from the draft's own "
                    "confidence (a slot after an uncertain one counts less).")
 @click.option("--max-seq-len", type=int, default=1024, show_default=True)

@@ -9,6 +9,7 @@ from typing import Any
 from .errors import DFlashError
 
 DTYPE_CHOICES = ("auto", "fp32", "bf16")  # embedded backend; auto: the faster on this CPU (cpu.fastest_dtype)
+DRAFT_LOSSES = ("decay", "dpace")  # train-draft slot weights: a fixed exp(-(k-1)/gamma), or D-PACE's dynamic ones
 SPECULATION = ("adaptive", "fixed")  # block length per step from measured costs and acceptance, or always the full block
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"

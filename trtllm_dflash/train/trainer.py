@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DraftConfig
+from ..config import DRAFT_LOSSES, DraftConfig
 from ..cpu import machine_info
 from ..errors import DFlashError
 from ..models.checkpoint import CARD_FILE, load_draft, read_draft_config, save_draft
@@ -28,7 +28,6 @@ from ..models.draft import DFlashDraftModel, dflash_attention_mask
 from .data import read_dataset, read_features
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # paper / ModelOpt loss decay per block size
-LOSSES = ("decay", "dpace")
 DPACE_ALPHA = 0.5  # D-PACE's smoothing of the draft's confidence (arXiv 2605.18810; SpecForge PR #578)
 STATE_FILE = "state.pt"
 DRAFT_SUBDIR = "draft"
@@ -506,8 +505,8 @@ def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gs
         raise DFlashError("--steps must be at least 1 and --epochs positive.")
     if args.eval_every < 1:
         raise DFlashError(f"--eval-every must be at least 1, got {args.eval_every}.")
-    if args.loss not in LOSSES:
-        raise DFlashError(f"--loss must be one of {', '.join(LOSSES)}, got {args.loss!r}.")
+    if args.loss not in DRAFT_LOSSES:
+        raise DFlashError(f"--loss must be one of {', '.join(DRAFT_LOSSES)}, got {args.loss!r}.")
     if args.loss == "dpace" and args.logits_chunk % args.block_size:
         raise DFlashError(f"--loss dpace needs --block-size to divide {args.logits_chunk} (the LM-head chunk), got {args.block_size}.")
     if args.lr <= 0 or not math.isfinite(args.lr):
