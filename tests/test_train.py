@@ -328,3 +328,26 @@ def test_greedy_batch_equals_generate_and_captures_aligned_features(target, one_
     stop = answers[0][2]  # row 0 ends after 3 tokens; any row meeting it ends there too, the rest run on
     cut, _ = greedy_batch(target, prompts, layer_ids=layers, max_new_tokens=12, eos={stop}, pad=pad)
     assert cut == [a[: a.index(stop) + 1] if stop in a else a for a in answers] and len(cut[0]) == 3
+
+
+def test_a_finished_data_phase_grows_when_asked_for_more(target, tmp_path, one_thread):
+    """Rerunning with a larger sample cap or a new source continues the phase (records and feature rows stay aligned);
+    the same request answers nothing new; once training has begun on the records they may not grow."""
+    from trtllm_dflash.train.data import prepare_data, read_dataset, read_features
+
+    kw = dict(layer_ids=[1, 14, 27], minutes=None, max_new_tokens=4, batch_size=4)
+    meta = prepare_data(target, ("gsm8k",), tmp_path, num_samples=2, **kw)
+    assert meta["records"] == {"gsm8k": 2} and meta["done"]
+    first = (tmp_path / "data.jsonl").read_text()
+    assert prepare_data(target, ("gsm8k",), tmp_path, num_samples=2, **kw)["records"] == {"gsm8k": 2}
+    assert (tmp_path / "data.jsonl").read_text() == first  # nothing answered again
+    assert prepare_data(target, ("gsm8k",), tmp_path, num_samples=3, **kw)["records"] == {"gsm8k": 3}
+    meta = prepare_data(target, ("gsm8k", "code"), tmp_path, num_samples=4, **kw)
+    assert meta["records"] == {"code": 2, "gsm8k": 3} and meta["sources"] == ["gsm8k", "code"]
+    records = read_dataset(tmp_path / "data.jsonl")
+    assert (tmp_path / "data.jsonl").read_text().startswith(first) and len({r["key"] for r in records}) == 5
+    width = 3 * target.hidden_size
+    assert len(read_features(tmp_path / "data.jsonl", width)) == records[-1]["feat_offset"] + len(records[-1]["input_ids"])
+    with pytest.raises(DFlashError, match="new --output"):
+        prepare_data(target, ("gsm8k", "code", "docstring"), tmp_path, num_samples=6, frozen=True, **kw)
+    assert read_dataset(tmp_path / "data.jsonl") == records

@@ -350,18 +350,40 @@ def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, laye
     return {"records": n_rec, "response_tokens": n_tok, "seconds": time.perf_counter() - t0}
 
 
+def _asks_for_more(before: dict, sources: tuple[str, ...], minutes: float | None, num_samples: int | None) -> bool:
+    """Whether a request for the data phase goes beyond the one a finished phase met: a new source, a larger time
+    budget or sample cap (None = unlimited)."""
+    more = lambda new, old: old is not None and (new is None or new > old)  # noqa: E731
+    return bool(set(sources) - set(before["sources"])) or more(minutes, before["minutes"]) or more(num_samples, before["num_samples"])
+
+
 def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: list[int], num_samples: int | None,
-                 minutes: float | None, max_new_tokens: int, batch_size: int, seed: int = 0, progress=None) -> dict:
+                 minutes: float | None, max_new_tokens: int, batch_size: int, seed: int = 0, progress=None,
+                 frozen: bool = False) -> dict:
     """The data phase of train-draft: answer prompts into out_dir/data.jsonl, then mark it done in data.json.
 
-    Resumable: a rerun continues an unfinished phase (answered prompts are skipped) and skips a finished one.
+    Resumable: a rerun continues an unfinished phase (answered prompts are skipped) and skips a finished one, unless
+    it asks for more (a new source, more minutes or samples): then the phase continues where it stopped, so a later
+    stage grows its data with the same command. `frozen` (training has begun on these records) refuses to grow them.
     """
     meta_path, data_path = out_dir / "data.json", out_dir / "data.jsonl"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {
         "sources": list(sources), "target_layer_ids": list(layer_ids), "seconds": 0.0, "done": False}
     if meta["target_layer_ids"] != list(layer_ids):
         raise DFlashError(f"{out_dir} holds data captured at target layers {meta['target_layer_ids']}, not {list(layer_ids)}; use another --output.")
+    request = {"sources": sorted(set(meta["sources"]) | set(sources)), "minutes": minutes, "num_samples": num_samples}
+    if meta["done"] and _asks_for_more(meta.get("request", request), sources, minutes, num_samples):
+        if frozen:
+            raise DFlashError(f"{out_dir} holds a training run over its {len(read_dataset(data_path))} records, which more data would "
+                              "reorder; to train on more data, copy data.json, data.jsonl and data.features.bin into a new --output "
+                              f"and pass --init-from {out_dir / 'draft'}.")
+        meta["done"] = False
+        if progress:
+            progress(f"The data phase continues: asked for {', '.join(sources)}, {minutes or 'unlimited'} minutes, "
+                     f"{num_samples or 'all'} samples ({meta['seconds'] / 60:.1f} minutes spent so far).")
     meta["sources"] += [s for s in sources if s not in meta["sources"]]  # a later stage may add sources
+    if not meta["done"] or "request" not in meta:
+        meta["request"] = request  # what a finished phase met; a rerun asking for more continues it
     if not meta["done"]:
         prompts = load_prompts(sources, seed)[:num_samples]
         budget = None if minutes is None else max(0.0, minutes * 60 - meta["seconds"])

@@ -529,7 +529,7 @@ def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gs
     log(f"Data phase: {', '.join(data)} answered by the target into {out_dir / 'data.jsonl'}")
     meta = prepare_data(tm, tuple(data), out_dir, layer_ids=args.target_layer_ids, num_samples=num_samples, minutes=data_minutes,
                         max_new_tokens=gen_max_new_tokens, batch_size=gen_batch_size, seed=args.seed,
-                        progress=log if progress_bar else None)
+                        progress=log if progress_bar else None, frozen=(out_dir / STATE_FILE).is_file())
     log(f"Training on {sum(meta['records'].values())} records ({meta['response_tokens']} response tokens)")
     card = run_training(tm, out_dir, args, meta, resume, progress_bar=progress_bar, command=command, target_name=target)
     log(f"Draft written to {out_dir / DRAFT_SUBDIR} (val tau {card['final_metrics'].get('val_tau', float('nan')):.2f})")
