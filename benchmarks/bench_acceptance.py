@@ -97,8 +97,7 @@ def main() -> None:
         taus = [x["tau"] for x in rows]
         decoded, steps = sum(x["tokens"] - 1 for x in rows), sum(x["steps"] for x in rows)  # as GenerationStats: prefill token excluded
         # P(draft slot j accepted) over all verify steps: tau_pooled = 1 + sum of these
-        per_position = [round(sum(x["accepted_per_position"][j] for x in rows if j < len(x["accepted_per_position"])) / max(steps, 1), 4)
-                        for j in range(engine.block_size - 1)]
+        per_position = [round(sum(x["accepted_per_position"][j] for x in rows) / max(steps, 1), 4) for j in range(engine.block_size - 1)]
         report["sets"][name] = {"prompts": len(rows), "tau_mean": round(statistics.mean(taus), 3), "tau_median": round(statistics.median(taus), 3),
                                 "tau_pooled": round(decoded / max(steps, 1), 3), "acceptance_per_position": per_position,
                                 "tok_per_s_mean": round(statistics.mean(x["tok_per_s"] for x in rows), 2),
