@@ -371,8 +371,8 @@ def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: 
         "sources": list(sources), "target_layer_ids": list(layer_ids), "seconds": 0.0, "done": False}
     if meta["target_layer_ids"] != list(layer_ids):
         raise DFlashError(f"{out_dir} holds data captured at target layers {meta['target_layer_ids']}, not {list(layer_ids)}; use another --output.")
-    request = {"sources": sorted(set(meta["sources"]) | set(sources)), "minutes": minutes, "num_samples": num_samples}
-    if meta["done"] and _asks_for_more(meta.get("request", request), sources, minutes, num_samples):
+    before = meta.get("request")  # None in a data.json written before requests were recorded: such data never grows
+    if meta["done"] and before is not None and _asks_for_more(before, sources, minutes, num_samples):
         if frozen:
             raise DFlashError(f"{out_dir} holds a training run over its {len(read_dataset(data_path))} records, which more data would "
                               "reorder; to train on more data, copy data.json, data.jsonl and data.features.bin into a new --output "
@@ -382,8 +382,8 @@ def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: 
             progress(f"The data phase continues: asked for {', '.join(sources)}, {minutes or 'unlimited'} minutes, "
                      f"{num_samples or 'all'} samples ({meta['seconds'] / 60:.1f} minutes spent so far).")
     meta["sources"] += [s for s in sources if s not in meta["sources"]]  # a later stage may add sources
-    if not meta["done"] or "request" not in meta:
-        meta["request"] = request  # what a finished phase met; a rerun asking for more continues it
+    if not meta["done"] or before is None:  # what a finished phase met; a rerun asking for more continues it
+        meta["request"] = {"sources": list(meta["sources"]), "minutes": minutes, "num_samples": num_samples}
     if not meta["done"]:
         prompts = load_prompts(sources, seed)[:num_samples]
         budget = None if minutes is None else max(0.0, minutes * 60 - meta["seconds"])
