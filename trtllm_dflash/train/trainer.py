@@ -88,6 +88,12 @@ def dpace_weights(q: torch.Tensor, valid: torch.Tensor, block_size: int, alpha: 
     return w.flatten()
 
 
+def held_out(key: str, fraction: float) -> bool:
+    """Whether the record `key` is in the validation share: by a hash of the key, so a record stays on its side as the
+    data grows (and bench_acceptance can pose the held-out chat questions)."""
+    return zlib.crc32(key.encode()) % 1000 < fraction * 1000
+
+
 def valid_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
     """Positions i where token i and token i+1 are both response tokens: a block there has something to predict."""
     m = loss_mask.bool()
@@ -239,7 +245,7 @@ class DraftTrainer:
         h = target.hidden_size
         whole = cols == list(range(len(self.feat_layer_ids)))  # the usual case: a slice, not a gather
         self.feat_cols = slice(None) if whole else torch.cat([torch.arange(c * h, (c + 1) * h) for c in cols])
-        is_val = [zlib.crc32(r["key"].encode()) % 1000 < args.val_fraction * 1000 for r in self.records]
+        is_val = [held_out(r["key"], args.val_fraction) for r in self.records]
         self.val = [r for r, v in zip(self.records, is_val) if v]
         self.train = [r for r, v in zip(self.records, is_val) if not v and len(valid_anchors(torch.tensor(r["loss_mask"])))]
         if not self.train:
