@@ -108,13 +108,28 @@ class CyclingPolicy(BlockPolicy):
         return ks
 
 
-@pytest.mark.parametrize("ragged", [True, False], ids=["flat-token-axis", "padded"])
-def test_rows_with_different_block_lengths_in_one_forward_keep_their_output(engine, references, ragged):
-    """Four requests at once, each row its own block length every step, on the flat token axis and on the padded
-    layout a target without our attention takes: every output is the target's own greedy continuation."""
+class OneLongRowPolicy(CyclingPolicy):
+    """One row at a time speculates (cycling through rows and PATTERN's lengths), the others decode plainly: the flat
+    layout's per-row attention for few long rows (FlatRows.long)."""
+
+    def choose(self, rows):
+        self.step += 1
+        ks = [1] * len(rows)
+        i = self.step % len(rows)
+        ks[i] = min(self.PATTERN[self.step // len(rows) % len(self.PATTERN)], max(rows[i].remaining, 1))
+        self.mixed_steps += len(set(ks)) > 1
+        return ks
+
+
+@pytest.mark.parametrize("ragged,policy_cls", [(True, CyclingPolicy), (True, OneLongRowPolicy), (False, CyclingPolicy)],
+                         ids=["flat-token-axis", "flat-one-long-row", "padded"])
+def test_rows_with_different_block_lengths_in_one_forward_keep_their_output(engine, references, ragged, policy_cls):
+    """Four requests at once, each row its own block length every step, on the flat token axis (rows padded to the
+    longest inside attention, or one long row attended on its own) and on the padded layout a target without our
+    attention takes: every output is the target's own greedy continuation."""
     previous, engine.target.ragged = engine.target.ragged, ragged
     try:
-        policy = CyclingPolicy(engine.block_size)
+        policy = policy_cls(engine.block_size)
         batch = Batch(engine.target, engine.draft, engine.block_size, slots=4, policy=policy)
         reqs = [request(engine, ids, PROMPTS[i][2]) for i, (ids, _) in enumerate(references[:4])]
         out = {r: [] for r in reqs}
@@ -198,3 +213,32 @@ def test_long_prompt_prefills_in_chunks_between_steps(engine, references):
         for r in [r for r in batch.rows if r.stats.finish_reason]:
             batch.remove(r)
     assert out[short] == ref and out[long] == long_ref
+
+
+def test_bf16_rows_reading_whole_slots_see_only_their_own_positions(target_dir):
+    """bf16 rows of one query attend over their slots' whole capacity while it is at most 4x their keys
+    (SlotKVCache.begin). Slot 0 first held a longer request whose K/V stays past the new row's end: every layout of a
+    step (one row, rows of one token, one long row, rows padded) gives bit for bit the logits it gives over a clean
+    cache, and, with several rows (the same kernels either way), those of a cache too large for the whole read
+    (capacity 2048: attention reads only the keys before each step's last position)."""
+    from trtllm_dflash.models.target import TargetModel
+
+    bf16 = TargetModel.load(target_dir, torch.bfloat16)
+    text = "The history of the bicycle begins in the early nineteenth century, when inventors in Europe tried many designs. "
+    prompts = [bf16.tokenizer(text * 4 + tail)["input_ids"] for tail in ("Cats", "Dogs and", "The first", "Why")]
+    assert all(64 < len(p) < 128 for p in prompts)
+
+    def logits(rows, capacity: int, stale: bool):
+        cache = bf16.new_cache(4, capacity)
+        if stale:
+            bf16.forward(torch.tensor([bf16.tokenizer(text * 9)["input_ids"]]), 0, cache, capture=False, first_slot=0)
+        for i, p in enumerate(prompts):
+            bf16.forward(torch.tensor([p]), 0, cache, capture=False, first_slot=i)
+        return bf16.forward_rows(rows, [len(p) for p in prompts[: len(rows)]], cache, capture=False)[0]
+
+    for lengths in ([1], [1, 1, 1, 1], [1, 5, 1, 1], [3, 1, 4, 2]):
+        rows = [[11 + j for j in range(k)] for k in lengths]
+        whole = logits(rows, 256, stale=True)
+        assert torch.equal(whole, logits(rows, 256, stale=False)), lengths
+        if len(rows) > 1:
+            assert torch.equal(whole, logits(rows, 2048, stale=False)), lengths
