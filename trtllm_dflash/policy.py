@@ -131,16 +131,19 @@ class BlockPolicy:
     def verified_tokens(self, ks: list[int]) -> int:
         return sum(ks) if self.ragged else len(ks) * max(ks)
 
-    def _curve_cost(self, ks: list[int], levels=None) -> float:
+    def _curve(self, tokens: int, drafting: int, levels=None) -> float:
+        """Seconds of a step verifying `tokens` tokens, `drafting` rows of it drafting a whole block, from the
+        one-row measurements; `levels` saves re-sorting them when many allocations are priced at once."""
         verify, draft = levels or (self._levels(self.verify_cost), self._levels(self.draft_cost))
-        drafting = sum(k > 1 for k in ks)
-        cost = self._interpolate(verify, self.verified_tokens(ks))
+        cost = self._interpolate(verify, tokens)
         return cost + (self._interpolate(draft, drafting * self.max_block) if drafting else 0.0)
 
+    def _cost(self, tokens: int, drafting: int, levels=None) -> float:
+        return self._curve(tokens, drafting, levels) * self.factor[drafting > 0]
+
     def step_cost(self, ks: list[int], levels=None) -> float:
-        """Seconds of a step whose rows verify ks[i] tokens each (those with k > 1 drafting a whole block); `levels`
-        saves re-sorting the measurements when many allocations are priced at once."""
-        return self._curve_cost(ks, levels) * self.factor[max(ks) > 1]
+        """Seconds of a step whose rows verify ks[i] tokens each (those with k > 1 drafting a whole block)."""
+        return self._cost(self.verified_tokens(ks), sum(k > 1 for k in ks), levels)
 
     def choose(self, rows: list) -> list[int]:
         """Block length per row (1 = plain decoding), never beyond what the row may still generate."""
@@ -149,20 +152,21 @@ class BlockPolicy:
             return caps
         levels = (self._levels(self.verify_cost), self._levels(self.draft_cost))
         conditional = [self._conditional(self._counts(r)) for r in rows]
-        ks, gain, y = [1] * len(rows), float(len(rows)), self.realized
+        n, y = len(rows), self.realized
+        ks, gain, tokens, drafting, kmax = [1] * n, float(n), n, 0, 1  # tokens, drafting rows, longest block: of ks
         most = gain + y * sum(self._tokens(c, cap) - 1 for c, cap in zip(conditional, caps))  # every row at its longest block
-        nxt = [y * c[0] for c in conditional]  # expected tokens row i's next slot adds: prod of its conditionals so far
-        best, best_gain, best_rate = list(ks), gain, gain / self.step_cost(ks, levels)
+        nxt = [y * c[0] if cap > 1 else -1.0 for c, cap in zip(conditional, caps)]  # expected tokens row i's next slot
+        # adds (the product of its conditionals so far); -1: the row is at its cap
+        best, best_gain, best_rate = list(ks), gain, gain / self._cost(n, 0, levels)
         while True:
-            open_rows = [i for i in range(len(rows)) if ks[i] < caps[i]]
-            if not open_rows:
+            i = max(range(n), key=nxt.__getitem__)
+            if nxt[i] < 0:
                 break
-            i = max(open_rows, key=lambda i: nxt[i])
             gain += nxt[i]
             ks[i] += 1
-            if ks[i] < self.max_block:
-                nxt[i] *= conditional[i][ks[i] - 1]
-            cost = self.step_cost(ks, levels)
+            tokens, drafting, kmax = tokens + 1, drafting + (ks[i] == 2), max(kmax, ks[i])
+            nxt[i] = -1.0 if ks[i] == caps[i] else nxt[i] * conditional[i][ks[i] - 1]
+            cost = self._cost(tokens if self.ragged else n * kmax, drafting, levels)
             if gain / cost > best_rate * MARGIN:
                 best, best_gain, best_rate = list(ks), gain, gain / cost
             elif most / cost <= best_rate * MARGIN:
@@ -180,15 +184,19 @@ class BlockPolicy:
         counts = {i: self._counts(rows[i]) for i, k in enumerate(ks) if k == 1 and caps[i] > 1}
         if not counts:
             return None
-        base = self.step_cost(ks, levels)
+        n, tokens, drafting, kmax = len(ks), self.verified_tokens(ks), sum(k > 1 for k in ks), max(ks)
+        base = self._cost(tokens, drafting, levels)
+        pays: dict[tuple, bool] = {}  # rows never measured all have the same evidence: priced once per cap
         for i in sorted(counts, key=lambda i: (counts[i].reached[0] > 0, -counts[i].plain_seconds)):
-            with_block = list(ks)
-            with_block[i] = caps[i]
-            cost = self.step_cost(with_block, levels)
-            if counts[i].reached[0] > 0 and counts[i].plain_seconds * PROBE_BUDGET < cost - base:
+            c, cap = counts[i], caps[i]
+            cost = self._cost(tokens + cap - 1 if self.ragged else n * max(kmax, cap), drafting + 1, levels)
+            if c.reached[0] > 0 and c.plain_seconds * PROBE_BUDGET < cost - base:
                 return None  # the rows after it have less plain time behind them
-            could = gain - 1 + self._tokens(self._conditional(counts[i], optimistic=True), caps[i])
-            if could / cost > PROBE_MARGIN * gain / base:
+            key = (cap, *c.reached, *c.accepted)
+            if key not in pays:
+                could = gain - 1 + self._tokens(self._conditional(c, optimistic=True), cap)
+                pays[key] = could / cost > PROBE_MARGIN * gain / base
+            if pays[key]:
                 return i
         return None
 
@@ -222,7 +230,7 @@ class BlockPolicy:
             self.realized = min(1.5, max(0.5, self.realized + YIELD_RATE * (ratio - self.realized)))
         if self.verify_cost and (self.draft_cost or not drafting):
             f = self.factor[drafting > 0]
-            ratio = (draft_seconds + verify_seconds) / max(self._curve_cost(ks), 1e-9)
+            ratio = (draft_seconds + verify_seconds) / max(self._curve(self.verified_tokens(ks), drafting), 1e-9)
             self.factor[drafting > 0] = min(3.0, max(0.5, f + FACTOR_RATE * (ratio - f)))
         self.record_cost(self.verified_tokens(ks), draft_seconds if drafting else None, verify_seconds,
                          draft_tokens=drafting * self.max_block)
