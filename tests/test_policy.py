@@ -133,6 +133,22 @@ def test_drafting_steps_dearer_than_calibrated_are_learned():
     assert p.choose([math, chat]) == [1, 1]
 
 
+def test_drafting_is_priced_like_plain_steps_until_a_drafting_step_is_measured():
+    """Eight rows cost more than the one-row calibration forwards whether they draft or not: until a drafting step has
+    been measured, one is priced with what plain steps taught (a factor left at 1.0 made a busy server's first
+    steps draft every row), and from then on with its own."""
+    p = BlockPolicy(8, adaptive=True)
+    p.verify_cost.update({8: 0.020, 16: 0.024, 64: 0.048})
+    p.draft_cost.update({8: 0.004, 64: 0.016})
+    rows = [Row() for _ in range(8)]
+    plain_steps(p, rows, 20, 0.040)  # 8 rows of one token: twice what one row of 8 tokens took
+    assert p.factor[False] > 1.3
+    drafting = [8] * 8
+    assert p.step_cost(drafting) == p._curve(64, 8) * p.factor[False]
+    p.observe(rows, drafting, [0] * 8, draft_seconds=0.016, verify_seconds=p._estimate(p.verify_cost, 64))
+    assert p.factor[True] is not None and p.step_cost(drafting) == p._curve(64, 8) * p.factor[True]
+
+
 def test_no_probe_where_even_a_good_draft_could_not_pay():
     p = BlockPolicy(8, adaptive=True)
     p.verify_cost.update({t: 0.002 * t for t in (16, 32, 64, 128)})  # 16 rows, compute-bound: every token costs

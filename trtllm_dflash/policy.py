@@ -57,7 +57,10 @@ class BlockPolicy:
         self.verify_cost: dict[int, float] = {}  # tokens verified -> seconds (FALL/RISE average of measurements)
         self.draft_cost: dict[int, float] = {}  # drafting rows * block size -> seconds
         self.population = self._new_counts()
-        self.factor = {False: 1.0, True: 1.0}  # drafting step? -> measured / estimated cost (moving average)
+        # drafting step? -> measured / estimated cost (moving average). Drafting steps take the plain steps' factor until
+        # one is measured: many rows cost more than the one-row calibration forwards either way, and a drafting factor
+        # left at 1.0 beside a learned plain 1.3 made the first steps of a busy server draft every row (8 rows, fp32).
+        self.factor: dict[bool, float | None] = {False: 1.0, True: None}
         self.realized = 1.0  # accepted / expected extra tokens of chosen drafting rows (moving average)
         self._probed = None  # the row the last choice probed
         self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> RowCounts
@@ -138,8 +141,12 @@ class BlockPolicy:
         cost = self._interpolate(verify, tokens)
         return cost + (self._interpolate(draft, drafting * self.max_block) if drafting else 0.0)
 
+    def _factor(self, drafting: bool) -> float:
+        f = self.factor[drafting]
+        return self.factor[False] if f is None else f
+
     def _cost(self, tokens: int, drafting: int, levels=None) -> float:
-        return self._curve(tokens, drafting, levels) * self.factor[drafting > 0]
+        return self._curve(tokens, drafting, levels) * self._factor(drafting > 0)
 
     def step_cost(self, ks: list[int], levels=None) -> float:
         """Seconds of a step whose rows verify ks[i] tokens each (those with k > 1 drafting a whole block)."""
@@ -229,7 +236,7 @@ class BlockPolicy:
             ratio = sum(a for _, _, a in chosen) / expected
             self.realized = min(1.5, max(0.5, self.realized + YIELD_RATE * (ratio - self.realized)))
         if self.verify_cost and (self.draft_cost or not drafting):
-            f = self.factor[drafting > 0]
+            f = self._factor(drafting > 0)
             ratio = (draft_seconds + verify_seconds) / max(self._curve(self.verified_tokens(ks), drafting), 1e-9)
             self.factor[drafting > 0] = min(3.0, max(0.5, f + FACTOR_RATE * (ratio - f)))
         self.record_cost(self.verified_tokens(ks), draft_seconds if drafting else None, verify_seconds,
