@@ -41,15 +41,14 @@ class FlatRows:
     Attention gathers each row's queries into [n, kmax] (a short row's pads repeat its last token), unless few rows
     are long (a step where one or two requests draft beside plainly decoding ones): then every row's first token
     attends in one batch and each long row's other tokens on their own, as TensorRT-LLM runs generation and context
-    requests apart. At 8 rows with one of 8 tokens that is 2.5x cheaper than the padded [8, 8] (bf16, AMD EPYC,
-    2026-11-25)."""
+    requests apart. At 8 rows with one of 8 tokens the forward took 36 against 39 ms in bf16 and 58 against 68 ms in
+    fp32 (one thread, AMD EPYC, 2026-11-25); with more long rows than a quarter, padding was as cheap or cheaper."""
 
     def __init__(self, lengths: list[int]):
         n, lens = len(lengths), torch.tensor(lengths)
         self.kmax, offsets = max(lengths), torch.cumsum(lens, 0) - lens
-        col = torch.minimum(torch.arange(self.kmax)[None], lens[:, None] - 1)  # [n, kmax]
-        self.col = col
-        self.pad_index = offsets[:, None] + col  # [n, kmax] -> flat token index
+        self.col = torch.minimum(torch.arange(self.kmax)[None], lens[:, None] - 1)  # [n, kmax]
+        self.pad_index = offsets[:, None] + self.col  # [n, kmax] -> flat token index
         self.flat_row = torch.repeat_interleave(torch.arange(n), lens)  # [T]
         self.flat_col = torch.arange(int(lens.sum())) - offsets[self.flat_row]
         self.first = offsets  # [n] flat index of each row's first token
