@@ -363,8 +363,14 @@ class TargetModel:
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
             keys, values = cache.update(k, v, i)  # this forward's rows' K/V [b | n, nkv, K, hd]
             if slot_rows is None and q.shape[0] == 1 and (q.shape[2] > 1 or masks is None):  # not one query over a whole slot
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, scale=attn.scaling,
-                                                     enable_gqa=q.shape[1] != keys.shape[1]).transpose(1, 2)
+                if q.shape[2] == 1 and q.dtype == torch.bfloat16:  # decoding one row: the K/V slice taken to fp32 and
+                    # SDPA's fp32 kernel cost 25 us a layer against 65-90 for any bf16 attention (context 200, 2 threads,
+                    # AMD EPYC, 2026-11-25); with 8 queries, or several rows, the bf16 kernels are as fast or faster
+                    out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), scale=attn.scaling,
+                                                         enable_gqa=q.shape[1] != keys.shape[1]).to(q.dtype).transpose(1, 2)
+                else:
+                    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, scale=attn.scaling,
+                                                         enable_gqa=q.shape[1] != keys.shape[1]).transpose(1, 2)
             elif slot_rows is None:  # rows of one length: SDPA's CPU kernel under a per-row mask cost 1.2x the step
                 out = _rows_sdpa(q, keys, values, masks, attn.scaling)
             else:
@@ -432,12 +438,13 @@ class SlotKVCache(Cache):
         self._positions, self._flat = positions, flat
         self._same_start = bool((positions[:, 0] == positions[0, 0]).all() and (positions[:, -1] - positions[:, 0] == t - 1).all())
         kv_len = int(positions[:, -1].max()) + 1
-        # Rows of one bf16 query each (decoding, or the batched part of a FlatRows with few long rows) read their slots'
-        # whole capacity under the mask while that is at most 4x the keys they need: a batched bf16 matmul first
-        # copies a K/V slice that does not tile its batch (the K slice transposed), and SDPA's kernel for one query
-        # costs more than the two matmuls. 5-7 % of a decoding step at 1, 8 and 16 rows, 1 thread (oneDNN, AMD EPYC,
+        # Several rows of one bf16 query each (decoding, or the batched part of a FlatRows with few long rows) read
+        # their slots' whole capacity under the mask while that is at most 4x the keys they need: a batched bf16 matmul
+        # first copies a K/V slice that does not tile its batch (the K slice transposed), and SDPA's kernel for one
+        # query costs more than the two matmuls. 5-7 % of a decoding step at 8 and 16 rows, 1 thread (oneDNN, AMD EPYC,
         # 2026-11-25); with more queries per row the extra keys cost what the copy saved, and fp32 reads in place.
-        one_query = t == 1 or (flat is not None and flat.long is not None)
+        # One row of one query attends in fp32 over its slice (`_lean_forward`).
+        one_query = (t == 1 and b > 1) or (flat is not None and flat.long is not None)
         whole = dtype != torch.float32 and one_query and self.capacity <= 4 * kv_len
         self._width = self.capacity if whole else kv_len
         if b == 1 and t == 1 and not whole and all(w is None for w in rules.values()):
