@@ -37,15 +37,14 @@ def measure(target: str, dtype: str, tokens: list[int], reps: int, context: int,
     cache = tm.new_cache(1, context + max(tokens) + 1)
     ids = torch.randint(100, 1000, (1, context + max(tokens)), generator=torch.Generator().manual_seed(0))
     tm.forward(ids[:, :context], 0, cache, capture=False, logits_to_keep=1)
-    out = {}
-    for t in tokens:
-        times = []
-        for i in range(reps + 2):  # two warm-ups per shape
+    times = {t: [] for t in tokens}
+    for i in range(reps + 2):  # two warm-up rounds; sizes take turns, so a machine warming up or drifting slows all alike
+        for t in tokens:
             t0 = time.perf_counter()
             tm.forward(ids[:, context : context + t], context, cache, capture=False)  # the same positions each time
             if i >= 2:
-                times.append(time.perf_counter() - t0)
-        out[str(t)] = round(statistics.median(times) * 1000, 3)
+                times[t].append(time.perf_counter() - t0)
+    out = {str(t): round(statistics.median(v) * 1000, 3) for t, v in times.items()}
     return {"ms": out, "ratio_to_decode": {t: round(ms / out["1"], 3) for t, ms in out.items()},
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
 
