@@ -443,7 +443,7 @@ class SlotKVCache(Cache):
         # first copies a K/V slice that does not tile its batch (the K slice transposed), and SDPA's kernel for one
         # query costs more than the two matmuls. 5-7 % of a decoding step at 8 and 16 rows, 1 thread (oneDNN, AMD EPYC,
         # 2026-11-25); with more queries per row the extra keys cost what the copy saved, and fp32 reads in place.
-        # One row of one query attends in fp32 over its slice (`_lean_forward`).
+        # One row of one query reads its slice: the lean loop attends over it in fp32 (`_lean_forward`).
         one_query = (t == 1 and b > 1) or (flat is not None and flat.long is not None)
         whole = dtype != torch.float32 and one_query and self.capacity <= 4 * kv_len
         self._width = self.capacity if whole else kv_len
