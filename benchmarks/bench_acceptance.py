@@ -74,6 +74,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--draft-vocab", action=argparse.BooleanOptionalAction, default=True,
                     help="Use the draft's vocabulary file where it has one (as the runtime does).")
+    ap.add_argument("--lookup", action="store_true",
+                    help="Also verify prompt-lookup guesses where the text repeats (lookup.py), as the runtime does by default; "
+                         "without it tau is the draft's alone.")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -81,13 +84,13 @@ def main() -> None:
     from trtllm_dflash.cpu import machine_info
 
     engine = DFlashEngine.load(a.target, a.draft, dtype=a.dtype, block_size=a.block_size, speculation="fixed",  # tau of the full block
-                               draft_vocab=a.draft_vocab, progress=lambda m: None)
+                               draft_vocab=a.draft_vocab, lookup=a.lookup, progress=lambda m: None)
     if engine.draft is None:
         raise SystemExit(f"Target {a.target} has no draft to measure; pass --draft.")
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(), "target": a.target,
               "draft": str(a.draft or "packaged default"), "block_size": engine.block_size, "dtype": a.dtype,
               "draft_vocab": None if engine.draft.vocab_token_ids is None else len(engine.draft.vocab_token_ids),
-              "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "sets": {}}
+              "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "lookup": a.lookup, "sets": {}}
     for name, prompts in prompt_sets(a.math, a.code, a.chat, a.magpie_held_out).items():
         if not prompts:
             continue
@@ -96,6 +99,7 @@ def main() -> None:
             r = engine.generate(prompt, max_new_tokens=a.max_new_tokens)
             s = r.stats
             rows.append({"id": key, "tau": round(s.acceptance_length, 3), "tokens": s.num_tokens, "steps": s.steps,
+                         "lookup_steps": s.lookup_steps, "lookup_accepted": s.lookup_accepted,
                          "accepted_per_position": list(s.accepted_per_position), "tok_per_s": round(s.tokens_per_second, 2)})
             print(f"{name} {key}: tau {s.acceptance_length:.2f} ({s.num_tokens} tokens, {s.steps} steps, {s.tokens_per_second:.1f} tok/s)", flush=True)
         taus = [x["tau"] for x in rows]
@@ -103,12 +107,13 @@ def main() -> None:
         # P(draft slot j accepted) over all verify steps: tau_pooled = 1 + sum of these
         per_position = [round(sum(x["accepted_per_position"][j] for x in rows) / max(steps, 1), 4) for j in range(engine.block_size - 1)]
         report["sets"][name] = {"prompts": len(rows), "tau_mean": round(statistics.mean(taus), 3), "tau_median": round(statistics.median(taus), 3),
+                                "lookup_step_share": round(sum(x["lookup_steps"] for x in rows) / max(steps, 1), 4),
                                 "tau_pooled": round(decoded / max(steps, 1), 3), "acceptance_per_position": per_position,
                                 "tok_per_s_mean": round(statistics.mean(x["tok_per_s"] for x in rows), 2),
                                 "rows": rows}
         print(f"== {name}: mean tau {report['sets'][name]['tau_mean']:.2f}, median {report['sets'][name]['tau_median']:.2f}, "
               f"per draft slot {' '.join(f'{p:.2f}' for p in per_position)}", flush=True)
-    sets = "-".join(report["sets"])
+    sets = "-".join(report["sets"]) + ("-lookup" if a.lookup else "")
     out = Path(a.out or Path(__file__).parent / "results" / f"acceptance-{a.target}-{sets}-{time.strftime('%Y%m%d-%H%M')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

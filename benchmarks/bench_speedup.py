@@ -4,8 +4,8 @@ The figure a user on a given CPU gets: the best dtype of DFlash over the best dt
 (bf16 decodes fastest almost everywhere; which dtype DFlash verifies fastest in depends on the CPU), on held-out
 GSM8K questions and on unseen chat (MT-Bench first turns), timed two ways in one run:
 
-- warm: one engine per dtype in this process (the engine a server runs), the first request excluded, DFlash and
-  plain decoding alternating per prompt;
+- warm: one engine per dtype in this process (the engine a server runs), the first request excluded, DFlash, DFlash
+  without prompt lookup (`draft-only`: the draft's guesses alone, lookup.py) and plain decoding taking turns per prompt;
 - cli: one `trtdflash generate --json` process per prompt and configuration, as a user types it; its own tokens/s
   (prefill and the first request's one-off setup included; loading the models and calibrating the policy not: the
   whole command's seconds are recorded beside it).
@@ -58,14 +58,16 @@ def measure_warm(args, sets) -> list[dict]:
         engine = DFlashEngine.load(args.target, dtype=dtype, progress=lambda m: None)
         engine.generate(next(iter(sets.values()))[0], max_new_tokens=8)  # one-off setup, not timed
         for name, prompts in sets.items():
-            runs = {"dflash": [], "ar": []}
+            runs = {"dflash": [], "draft-only": [], "ar": []}
             for i, prompt in enumerate(prompts):
                 ids = engine.encode(prompt)
-                for mode in (("dflash", "ar") if i % 2 == 0 else ("ar", "dflash")):
+                for mode in list(runs)[i % 3:] + list(runs)[: i % 3]:  # each mode first in turn
                     stats = GenerationStats()
+                    engine.lookup = mode != "draft-only"
                     for _ in engine.stream(ids, max_new_tokens=args.max_new_tokens, block_size=1 if mode == "ar" else None, stats=stats):
                         pass
                     runs[mode].append(stats.to_dict())
+            engine.lookup = True
             rows += [_row("warm", name, dtype, mode, r) for mode, r in runs.items()]
     return rows
 
@@ -95,16 +97,21 @@ def _row(timing: str, prompts: str, dtype: str, mode: str, runs: list[dict]) -> 
 
 
 def speedups(rows: list[dict]) -> list[dict]:
-    """Per (timing, prompt set): the fastest DFlash dtype over the fastest plain-decoding dtype."""
+    """Per (timing, prompt set): the fastest DFlash dtype over the fastest plain-decoding dtype (and the same for
+    DFlash without lookup, where it was timed)."""
     out = []
     for key in sorted({(r["timing"], r["prompts"]) for r in rows}):
         group = [r for r in rows if (r["timing"], r["prompts"]) == key]
-        best = {m: max((r for r in group if r["mode"] == m), key=lambda r: r["median_tokens_per_second"]) for m in ("dflash", "ar")}
+        best = {m: max((r for r in group if r["mode"] == m), key=lambda r: r["median_tokens_per_second"])
+                for m in ("dflash", "draft-only", "ar") if any(r["mode"] == m for r in group)}
         out.append({"timing": key[0], "prompts": key[1], "dflash_dtype": best["dflash"]["dtype"], "ar_dtype": best["ar"]["dtype"],
                     "dflash_tokens_per_second": best["dflash"]["median_tokens_per_second"],
                     "ar_tokens_per_second": best["ar"]["median_tokens_per_second"],
                     "acceptance_length": best["dflash"]["median_acceptance_length"],
-                    "speedup": best["dflash"]["median_tokens_per_second"] / best["ar"]["median_tokens_per_second"]})
+                    "speedup": best["dflash"]["median_tokens_per_second"] / best["ar"]["median_tokens_per_second"]}
+                   | ({"draft_only_dtype": best["draft-only"]["dtype"],
+                       "draft_only_speedup": best["draft-only"]["median_tokens_per_second"] / best["ar"]["median_tokens_per_second"],
+                       "draft_only_acceptance_length": best["draft-only"]["median_acceptance_length"]} if "draft-only" in best else {}))
     return out
 
 
@@ -148,13 +155,14 @@ def main(argv=None):
         report["isa"][isa] = json.loads(done.stdout.splitlines()[-1])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print("\n| CPU path | timing | prompts | DFlash (dtype) tok/s | plain (dtype) tok/s | speed-up | tau |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| CPU path | timing | prompts | DFlash (dtype) tok/s | plain (dtype) tok/s | speed-up | tau | without lookup: speed-up, tau |")
+    print("|---|---|---|---|---|---|---|---|")
     for isa, res in report["isa"].items():
         for s in res["speedups"]:
             print(f"| {isa} ({res['torch_cpu_capability']}) | {s['timing']} | {s['prompts']} | {s['dflash_tokens_per_second']:.1f} "
                   f"({s['dflash_dtype']}) | {s['ar_tokens_per_second']:.1f} ({s['ar_dtype']}) | {s['speedup']:.2f}x | "
-                  f"{s['acceptance_length']:.2f} |")
+                  f"{s['acceptance_length']:.2f} | "
+                  + (f"{s['draft_only_speedup']:.2f}x, {s['draft_only_acceptance_length']:.2f} |" if "draft_only_speedup" in s else "|"))
     m = next(iter(report["isa"].values()))["machine"]
     print(f"\n{m['cpu']} ({', '.join(m['isa'])}), {m['cores']} cores, torch {m['torch']}; {report['date']}; written to {args.out}")
     return 0

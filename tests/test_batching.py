@@ -99,26 +99,30 @@ class CyclingPolicy(BlockPolicy):
 
     def __init__(self, max_block):
         super().__init__(max_block)
-        self.mixed_steps, self.step = 0, 0
+        self.mixed_steps, self.looked_steps, self.step = 0, 0, 0
 
-    def choose(self, rows):
+    def choose(self, rows, lookup=None):
+        """Every other step a row with lookup guesses verifies them, so drafted, looked-up and plain rows share forwards."""
         self.step += 1
         ks = [min(self.PATTERN[(self.step + 3 * i) % len(self.PATTERN)], max(r.remaining, 1)) for i, r in enumerate(rows)]
+        looked = [bool(lookup and lookup[i]) and k > 1 and (self.step + i) % 2 == 0 for i, k in enumerate(ks)]
+        ks = [min(k, 1 + lookup[i]) if lk else k for i, (k, lk) in enumerate(zip(ks, looked))]
         self.mixed_steps += len(set(ks)) > 1
-        return ks
+        self.looked_steps += any(looked)
+        return ks, looked
 
 
 class OneLongRowPolicy(CyclingPolicy):
     """One row at a time speculates (cycling through rows and PATTERN's lengths), the others decode plainly: the flat
     layout's per-row attention for few long rows (FlatRows.long)."""
 
-    def choose(self, rows):
+    def choose(self, rows, lookup=None):
         self.step += 1
         ks = [1] * len(rows)
         i = self.step % len(rows)
         ks[i] = min(self.PATTERN[self.step // len(rows) % len(self.PATTERN)], max(rows[i].remaining, 1))
         self.mixed_steps += len(set(ks)) > 1
-        return ks
+        return ks, [False] * len(rows)
 
 
 @pytest.mark.parametrize("ragged,policy_cls", [(True, CyclingPolicy), (True, OneLongRowPolicy), (False, CyclingPolicy)],

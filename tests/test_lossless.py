@@ -155,3 +155,18 @@ def test_stop_strings_end_text(target):
     stopped = engine.generate(PROMPTS[0][0], max_new_tokens=MAX_NEW, stop_strings=(cut,))
     assert stopped.text == full.text[: full.text.index(cut)]
     assert stopped.stats.finish_reason == "stop"
+
+
+def test_lookup_guesses_are_lossless_where_the_text_loops(target, draft):
+    """SmolLM2 answers this question by looping on a sentence, so for many steps the verified guesses are lookup's
+    (lookup.py), beside the draft's elsewhere: the output is still the target's own, and lookup really ran."""
+    prompt, n = "What are three simple habits that help people sleep better?", 96
+    ids = DFlashEngine(target, None, 1).encode(prompt, True)
+    ref = target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=[2],
+                                pad_token_id=target.tokenizer.pad_token_id)[0, len(ids):].tolist()
+    for lookup in (True, False):
+        stats = GenerationStats()
+        out = [t for s in speculative_stream(target, draft, ids, n, 8, SamplingParams(), frozenset({2}), stats, lookup=lookup)
+               for t in s]
+        assert out == ref
+        assert (stats.lookup_steps >= 3 and stats.lookup_accepted >= 10) if lookup else stats.lookup_steps == 0

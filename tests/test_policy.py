@@ -43,10 +43,10 @@ def test_flat_costs_and_good_acceptance_draft_the_full_block():
     p.draft_cost.update({8: 0.010})
     row = Row()
     feed(p, row, [7, 4, 7, 2, 6, 7] * 4)
-    assert p.choose([row]) == [8]
+    assert p.choose([row])[0] == [8]
     stuck = Row()  # a row whose sixth guess is always wrong: verifying beyond it costs and never pays
     feed(p, stuck, [5] * 24)
-    assert p.choose([stuck]) == [6]
+    assert p.choose([stuck])[0] == [6]
 
 
 def test_each_row_gets_its_own_block_length():
@@ -58,7 +58,7 @@ def test_each_row_gets_its_own_block_length():
     math, chat = Row(), Row()
     feed(p, math, [7, 6, 7, 5, 7, 6] * 4)
     feed(p, chat, [0] * 24)
-    ks = p.choose([math, chat])
+    ks = p.choose([math, chat])[0]
     assert ks[0] >= 6 and ks[1] == 1
     padded = BlockPolicy(8, adaptive=True, ragged=False)  # a target that pads rows: the plain row would cost a block too
     padded.verify_cost.update({2: 0.030, 8: 0.034, 16: 0.060})
@@ -78,19 +78,19 @@ def test_a_draft_that_misses_decodes_plainly_and_probes_one_row_within_its_budge
     rows = [Row(), Row()]
     for r in rows:
         feed(p, r, [0] * 10)
-    assert p.choose(rows) == [1, 1]
+    assert p.choose(rows)[0] == [1, 1]
     # Probing one row verifies 9 tokens and drafts one block: 0.041 s against a 0.030 s plain step. 3 % of each
     # row's share of the plain steps (15 ms) pays for the difference after 25 of them.
     plain_steps(p, rows, 24, 0.030)
-    assert p.choose(rows) == [1, 1]
+    assert p.choose(rows)[0] == [1, 1]
     plain_steps(p, rows, 1, 0.030)
-    assert p.choose(rows) == [8, 1]
+    assert p.choose(rows)[0] == [8, 1]
     for r in rows:  # rows that have shown for long they never accept are not probed again
         feed(p, r, [0] * 200)
     plain_steps(p, rows, 1000, 0.030)
-    assert p.choose(rows) == [1, 1]
+    assert p.choose(rows)[0] == [1, 1]
     # A new request is measured at once, whatever the population says: it may be one the draft serves.
-    assert p.choose([rows[0], Row()]) == [1, 8]
+    assert p.choose([rows[0], Row()])[0] == [1, 8]
 
 
 def test_a_new_request_is_probed_only_where_the_draft_at_its_known_best_could_pay():
@@ -109,8 +109,8 @@ def test_a_new_request_is_probed_only_where_the_draft_at_its_known_best_could_pa
         old = [Row() for _ in range(7)]
         for r in old:  # the traffic so far: the draft never right
             feed(p, r, [0] * 20)
-        assert p.choose([old[0], Row()]) == [1, 8]
-        assert p.choose(old + [Row()]) == [1] * 7 + [8 if probed_at_8 else 1]
+        assert p.choose([old[0], Row()])[0] == [1, 8]
+        assert p.choose(old + [Row()])[0] == [1] * 7 + [8 if probed_at_8 else 1]
 
 
 def test_drafting_steps_dearer_than_calibrated_are_learned():
@@ -123,14 +123,14 @@ def test_drafting_steps_dearer_than_calibrated_are_learned():
     math, chat = Row(), Row()
     feed(p, math, [2, 1, 3, 2] * 6)  # modest acceptance: a block pays (by about a sixth), but not by much
     feed(p, chat, [0] * 24)
-    ks = p.choose([math, chat])
+    ks = p.choose([math, chat])[0]
     assert ks[0] > 1
     draft_s, verify_s = 1.35 * p._estimate(p.draft_cost, 8), 1.35 * p._estimate(p.verify_cost, sum(ks))
     for _ in range(40):
         p.observe([math, chat], ks, [2, 0], draft_seconds=draft_s, verify_seconds=verify_s)
         plain_steps(p, [math, chat], 1, 0.030)
     assert p.factor[True] > 1.15 and abs(p.factor[False] - 1.0) < 0.05
-    assert p.choose([math, chat]) == [1, 1]
+    assert p.choose([math, chat])[0] == [1, 1]
 
 
 def test_drafting_is_priced_like_plain_steps_until_a_drafting_step_is_measured():
@@ -154,9 +154,9 @@ def test_no_probe_where_even_a_good_draft_could_not_pay():
     p.verify_cost.update({t: 0.002 * t for t in (16, 32, 64, 128)})  # 16 rows, compute-bound: every token costs
     p.draft_cost.update({t: 0.001 * t for t in (32, 64, 128)})
     rows = [Row() for _ in range(16)]  # new rows, nothing measured: credited 0.9 per slot, 5.7 tokens a block
-    assert p.choose(rows) == [1] * 16
+    assert p.choose(rows)[0] == [1] * 16
     plain_steps(p, rows, 1000, 0.032)
-    assert p.choose(rows) == [1] * 16
+    assert p.choose(rows)[0] == [1] * 16
 
 
 def test_sizes_not_chosen_follow_the_measured_ones():
@@ -181,11 +181,37 @@ def test_rows_that_accept_less_than_estimated_teach_the_policy_to_draft_less():
     math, chat = Row(), Row()
     feed(p, math, [2, 1, 3, 2] * 6)
     feed(p, chat, [0] * 24)
-    ks = p.choose([math, chat])
+    ks = p.choose([math, chat])[0]
     assert ks[0] > 1 and p._probed is None
     for _ in range(60):  # the row keeps its counts (observed elsewhere) but this batch's drafts come in at half
         p.observe([math, chat], ks, [0, 0], draft_seconds=p._estimate(p.draft_cost, 8),
                   verify_seconds=p._estimate(p.verify_cost, sum(ks)))
         feed(p, math, [3, 3])  # keeps math's counts where they were (about 2 of its 7 accepted)
     assert p.realized < 0.6
-    assert p.choose([math, chat]) == [1, 1]
+    assert p.choose([math, chat])[0] == [1, 1]
+
+
+def test_lookup_guesses_cost_no_draft_and_keep_their_own_record():
+    """A row with lookup guesses verifies them without drafting (the step is priced as plain), its block is capped at
+    its guesses, and what they yield is kept apart from the draft's record: lookups that fail do not teach the policy
+    that the draft fails, and drafts that fail do not stop lookups that pay."""
+    p = BlockPolicy(8, adaptive=True)
+    p.verify_cost.update({1: 0.030, 2: 0.031, 4: 0.032, 8: 0.034})
+    p.draft_cost.update({8: 0.030})  # drafting would double the step: only a row that accepts a lot drafts
+    row = Row()
+    feed(p, row, [0] * 24)  # the draft never serves this row
+    assert p.choose([row])[0] == [1]
+    ks, looked = p.choose([row], [5])
+    assert 1 < ks[0] <= 6 and looked == [True]  # at most its 5 guesses, priced with the prior until lookups are measured
+    assert p.step_cost([6]) > p._cost(6, 0)  # as a drafting step it would be dearer: a lookup row is priced without the draft
+    for _ in range(24):  # its lookups pay
+        p.observe([row], [6], [5], draft_seconds=0.0, verify_seconds=0.032, looked=[True])
+    assert p.choose([row], [5]) == ([6], [True])
+    assert p._counts(row).accepted == [0.0] * 7  # the draft's record is untouched
+    busy = BlockPolicy(8, adaptive=True)  # where every verified token costs compute (a large batch on a CPU)
+    busy.verify_cost.update({1: 0.030, 2: 0.060, 4: 0.120, 8: 0.240})
+    busy.draft_cost.update({8: 0.030})
+    other = Row()
+    for _ in range(24):  # this row's lookups never pay: a block of them is not worth its verify
+        busy.observe([other], [6], [0], draft_seconds=0.0, verify_seconds=0.180, looked=[True])
+    assert busy.choose([other], [5]) == ([1], [False])

@@ -62,12 +62,12 @@ def reference_probs(logits, sp):
     return q
 
 
-def exact_joint(target, sp):
+def exact_joint(target, sp, prompt=PROMPT):
     """P(x1..x4 | prompt) for all 8^4 sequences, from one batched forward over every 3-token prefix."""
     prefixes = list(itertools.product(range(V), repeat=N_NEW - 1))
     with torch.no_grad():
-        logits = target.model(torch.tensor([PROMPT + list(x) for x in prefixes])).logits
-    n = len(PROMPT)
+        logits = target.model(torch.tensor([prompt + list(x) for x in prefixes])).logits
+    n = len(prompt)
     joint = {}
     for row, x in enumerate(prefixes):
         p = [reference_probs(logits[row, n - 1 + i], sp) for i in range(N_NEW)]
@@ -76,12 +76,14 @@ def exact_joint(target, sp):
     return joint
 
 
-def samples(target, draft, sp):
+def samples(target, draft, sp, prompt=PROMPT, stats=None):
     out = []
     for seed in range(SAMPLES):
         sampling = SamplingParams(sp.temperature, sp.top_p, sp.top_k, seed)
-        steps = speculative_stream(target, draft, PROMPT, N_NEW, BLOCK, sampling, frozenset(), GenerationStats())
-        out.append(tuple(t for s in steps for t in s))
+        steps = speculative_stream(target, draft, prompt, N_NEW, BLOCK, sampling, frozenset(), s := GenerationStats())
+        out.append(tuple(t for step in steps for t in step))
+        if stats is not None:
+            stats.append(s)
     return out
 
 
@@ -155,6 +157,19 @@ def test_distribution_matches_target_under_batching(tiny_target):
     sp = SamplingParams(1.0, top_k=3)
     draft = make_draft(tiny_target, scale=0.3, seed=1)
     assert_matches(batched_samples(tiny_target, draft, sp), exact_joint(tiny_target, sp))
+
+
+def test_lookup_guesses_keep_sampling_exact(tiny_target, monkeypatch):
+    """Lookup guesses (lookup.py) are drafts with all their mass on one token: accepted with the target's probability
+    of it, resampled without it. Matching single tokens against a prompt that holds every token makes them come at
+    most steps."""
+    import trtllm_dflash.lookup as lookup
+
+    monkeypatch.setattr(lookup, "MIN_NGRAM", 1)
+    prompt, sp, stats = [1, 5, 3, 2, 6, 4, 0, 7, 1, 5], SamplingParams(1.0), []
+    draft = make_draft(tiny_target, scale=0.3, seed=1)
+    assert_matches(samples(tiny_target, draft, sp, prompt, stats), exact_joint(tiny_target, sp, prompt))
+    assert sum(s.lookup_steps for s in stats) > SAMPLES and sum(s.lookup_accepted for s in stats) > SAMPLES // 4
 
 
 def test_bad_draft_is_still_exact(tiny_target):

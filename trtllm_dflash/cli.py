@@ -58,6 +58,10 @@ def main():
 speculation_option = click.option(
     "--speculation", type=click.Choice(["adaptive", "fixed"]), default="adaptive", show_default=True,
     help="adaptive: block length per step (down to 1, plain decoding) from measured costs and acceptance; fixed: always the full block.")
+lookup_option = click.option(
+    "--lookup/--no-lookup", default=True, show_default=True,
+    help="Where a request's last tokens occurred before (prompt or answer), verify the tokens that followed them instead of "
+         "the draft's guesses (prompt lookup, vLLM's ngram); output is the same either way.")
 
 
 def sampling_options(fn):
@@ -83,12 +87,13 @@ def sampling_options(fn):
 @click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable).")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
 @speculation_option
+@lookup_option
 @click.option("--draft-vocab/--no-draft-vocab", default=True, show_default=True,
               help="Guess only among the draft's vocabulary (its draft_vocab.json) where it has one; output is the same either way.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @user_errors
 def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, temperature, top_p, top_k, seed, stop_strings, dtype, speculation,
-             draft_vocab, as_json):
+             lookup, draft_vocab, as_json):
     """Generate text from a prompt with DFlash speculative decoding on the embedded PyTorch backend."""
     from .config import SamplingParams
     from .generate import GenerationStats
@@ -96,7 +101,7 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
 
     sampling = SamplingParams(temperature, top_p, top_k, seed)
     engine = DFlashEngine.load(target, draft, no_draft=no_draft, dtype=dtype, block_size=block_size, speculation=speculation,
-                               draft_vocab=draft_vocab, progress=lambda m: click.echo(m, err=True))
+                               draft_vocab=draft_vocab, lookup=lookup, progress=lambda m: click.echo(m, err=True))
     stats = GenerationStats()
     ids, text = [], []
     for new_ids, delta in engine.stream(engine.encode(prompt, chat), max_new_tokens=max_new_tokens, sampling=sampling,
@@ -134,13 +139,14 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
 @click.option("--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's); the trtllm max_draft_len is this minus 1.")
 @click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP.replace("auto:", "auto, fp32 or bf16 (torch backend); auto:", 1))
 @speculation_option
+@lookup_option
 @click.option("--force", is_flag=True, help="Write a TensorRT-LLM plan even if its memory plan does not fit the GPUs.")
 @click.option("--draft-engine", is_flag=True, help="Also write the ONNX drafter (block attention as one TensorRT plugin node) and, "
               "on a GPU host with TensorRT, build its engine.")
 @click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
 @user_errors
-def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, speculation, force, draft_engine, output, dry_run):
+def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, speculation, lookup, force, draft_engine, output, dry_run):
     """Build a Triton model repository (plus checkpoints or GPU launch files, manifest.json) from a target and a DFlash draft."""
     from pathlib import Path
 
@@ -148,7 +154,7 @@ def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batc
 
     opts = BuildOptions(output=Path(output), target=target, draft=draft, no_draft=no_draft, backend=backend, gpu=gpu, recipe=recipe,
                         tp=tp, ep=ep, quant=quant, max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_size=block_size,
-                        dtype=dtype, speculation=speculation, force=force, draft_engine=draft_engine)
+                        dtype=dtype, speculation=speculation, lookup=lookup, force=force, draft_engine=draft_engine)
     run_build(opts, progress=lambda m: click.echo(m, err=True), dry_run=dry_run)
 
 

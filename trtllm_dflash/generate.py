@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 
 from .config import SamplingParams
+from .lookup import NgramIndex
 from .models.draft import DFlashDraftModel, DraftKVCache
 from .models.target import TargetModel
 from .policy import BlockPolicy
@@ -33,6 +34,8 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps whose draft j+1 was accepted
+    lookup_steps: int = 0  # steps that verified lookup guesses instead of the draft's (lookup.py)
+    lookup_accepted: int = 0  # ... and the guesses of theirs accepted
     block_lengths: dict[int, int] = field(default_factory=dict)  # block length the policy chose -> steps
     time_to_first_token: float = 0.0
     wall_time: float = 0.0
@@ -57,6 +60,8 @@ class GenerationStats:
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "accepted_per_position": list(self.accepted_per_position),
+            "lookup_steps": self.lookup_steps,
+            "lookup_accepted": self.lookup_accepted,
             "block_lengths": {str(k): v for k, v in sorted(self.block_lengths.items())},
             "time_to_first_token": round(self.time_to_first_token, 4),
             "wall_time": round(self.wall_time, 4),
@@ -83,6 +88,7 @@ class Request:
         self.start = 0  # position of `token`: committed, not yet fed to the target
         self.token = -1
         self.prefilled = 0  # prompt tokens already in the target cache (chunked prefill)
+        self.history: NgramIndex | None = None  # prompt and committed tokens, where the batch looks guesses up
 
     @property
     def remaining(self) -> int:
@@ -105,6 +111,8 @@ class Request:
                 stats.finish_reason = "stop"
                 break
         stats.num_tokens += len(out)
+        if self.history is not None:
+            self.history.extend(out)
         if not stats.finish_reason and stats.num_tokens >= self.max_new_tokens:
             stats.finish_reason = "length"
         stats.wall_time = time.perf_counter() - self.t0
@@ -115,15 +123,17 @@ class Batch:
     """The running requests of one engine and their caches; `add`, `step` and `remove` between steps."""
 
     def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int, slots: int = 1,
-                 policy: BlockPolicy | None = None):
+                 policy: BlockPolicy | None = None, lookup: bool = True):
+        """`lookup`: rows whose recent tokens occurred before may verify what followed them instead of drafting."""
         self.target, self.draft = target, (draft if block_size > 1 else None)
         self.block_size = block_size if self.draft is not None else 1
+        self.lookup = lookup and self.draft is not None
         self.policy = policy or BlockPolicy(self.block_size)
         self.rows: list[Request] = []  # row i is slot i
         self.cache = target.new_cache(slots)
         self.dcache = DraftKVCache(draft.config, slots, 256, target.dtype) if self.draft is not None else None
         self.slots = slots
-        self.last_step: tuple[list[int], int, int] = ([], 0, 0)
+        self.last_step: tuple[list[int], int, int, int, int] = ([], 0, 0, 0, 0)
 
     @torch.inference_mode()
     def add(self, req: Request) -> list[int]:
@@ -134,6 +144,8 @@ class Batch:
             req.stats.prompt_tokens = len(req.prompt_ids)
             req.stats.accepted_per_position = [0] * (self.block_size - 1)
             self.rows.append(req)
+            if self.lookup:
+                req.history = NgramIndex(req.prompt_ids)
             if self.dcache is not None:
                 self.dcache.lengths[len(self.rows) - 1] = 0
         slot, n = self.rows.index(req), len(req.prompt_ids)
@@ -223,9 +235,16 @@ class Batch:
         rows = self.ready
         assert rows == self.rows[: len(rows)], "ready rows must lead the slots"
         n, draft, target = len(rows), self.draft, self.target
-        ks = self.policy.choose(rows)  # block length per row, within its budget
-        drafting = [i for i, k in enumerate(ks) if k > 1]
+        # Lookup guesses: what followed the last few tokens where they occurred before (none without a draft).
+        found = [r.history.propose(self.block_size - 1) if r.history is not None else [] for r in rows]
+        ks, looked = self.policy.choose(rows, [len(f) for f in found])  # block length per row, within its budget
+        drafting = [i for i, k in enumerate(ks) if k > 1 and not looked[i]]
         drafts, q = [[] for _ in rows], [None] * n  # row i's guesses for positions start+1..start+k_i-1 (and their probs)
+        for i in (i for i, lk in enumerate(looked) if lk):
+            drafts[i] = found[i][: ks[i] - 1]
+            if not rows[i].sampling.greedy:  # a fixed guess is a draft distribution with all its mass on it
+                q[i] = torch.zeros(len(drafts[i]), target.lm_head.out_features)
+                q[i][torch.arange(len(drafts[i])), drafts[i]] = 1.0
         t0 = time.perf_counter()
         if drafting:
             # Draft: context K/V of newly committed tokens, then one block forward for the drafting rows. The whole block
@@ -277,6 +296,9 @@ class Batch:
             s.drafted_tokens += k - 1
             s.accepted_tokens += a
             s.block_lengths[k] = s.block_lengths.get(k, 0) + 1
+            if looked[i]:
+                s.lookup_steps += 1
+                s.lookup_accepted += a
             for j in range(a):
                 s.accepted_per_position[j] += 1
             out[r] = r.commit(drafts[i][:a] + [bonus])
@@ -287,8 +309,9 @@ class Batch:
         if feats is not None:
             slot, position, index = torch.tensor(kept).unbind(1)
             self.dcache.stage(slot, position, feats[index])
-        self.policy.observe(rows, ks, accepted, draft_seconds=t1 - t0, verify_seconds=time.perf_counter() - t1)
-        self.last_step = (ks, sum(ks) - n, sum(accepted))  # block lengths, drafted, accepted: for metrics
+        self.policy.observe(rows, ks, accepted, draft_seconds=t1 - t0, verify_seconds=time.perf_counter() - t1, looked=looked)
+        # for metrics: block lengths, guesses verified and accepted, rows that verified lookup guesses and theirs accepted
+        self.last_step = (ks, sum(ks) - n, sum(accepted), sum(looked), sum(a for a, lk in zip(accepted, looked) if lk))
         return out
 
 
@@ -304,12 +327,13 @@ def speculative_stream(
     stats: GenerationStats,
     min_tokens: int = 0,
     policy: BlockPolicy | None = None,
+    lookup: bool = True,
 ) -> Iterator[list[int]]:
     """One request alone: yield committed tokens as they are decided. block_size 1 (or no draft) is plain decoding.
 
     The block length is `block_size` every step unless a `policy` is given.
     """
-    batch = Batch(target, draft, block_size, slots=1, policy=policy)
+    batch = Batch(target, draft, block_size, slots=1, policy=policy, lookup=lookup)
     req = Request(prompt_ids, max_new_tokens, sampling, stop_token_ids, min_tokens, stats)
     first = batch.add(req)
     while not first and req.prefilled < len(prompt_ids):

@@ -11,6 +11,9 @@ the measured cost of verifying its tokens and drafting its drafting rows, and ke
 plainly is still probed with a full block so its acceptance stays measured: once when it is new, then only as
 often as PROBE_BUDGET of its share of the plain steps covers the probe's extra cost, and only when the block could
 pay were the row as good as its evidence allows and as the draft is known to be (its card's held-out acceptance).
+A row whose recent tokens occurred before (lookup.py) may verify the tokens that followed them instead of drafting:
+such a row costs only its verify tokens, and its block length is priced with its own and all rows' record of lookup
+guesses, kept apart from the draft's.
 TensorRT-LLM's `DFlashDecodingConfig` switches the whole batch on fixed thresholds (`draft_len_schedule` by batch
 size, `acceptance_rate_threshold`); here both sides of the trade are measured on the machine it runs on, per request.
 """
@@ -57,6 +60,7 @@ class BlockPolicy:
         self.verify_cost: dict[int, float] = {}  # tokens verified -> seconds (FALL/RISE average of measurements)
         self.draft_cost: dict[int, float] = {}  # drafting rows * block size -> seconds
         self.population = self._new_counts()
+        self.lookup_population = self._new_counts()  # the same counts for lookup guesses (lookup.py)
         # drafting step? -> measured / estimated cost (moving average). Drafting steps take the plain steps' factor until
         # one is measured: many rows cost more than the one-row calibration forwards either way, and a drafting factor
         # left at 1.0 beside a learned plain 1.3 made the first steps of a busy server draft every row (8 rows, fp32).
@@ -64,6 +68,7 @@ class BlockPolicy:
         self.realized = 1.0  # accepted / expected extra tokens of chosen drafting rows (moving average)
         self._probed = None  # the row the last choice probed
         self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> RowCounts
+        self._lookup_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> RowCounts of its lookups
 
     def _new_counts(self) -> RowCounts:
         return RowCounts([0.0] * (self.max_block - 1), [0.0] * (self.max_block - 1))
@@ -71,10 +76,10 @@ class BlockPolicy:
     def _counts(self, req) -> RowCounts:
         return self._rows.get(req) or self._new_counts()
 
-    def _conditional(self, counts: RowCounts, optimistic: bool = False) -> list[float]:
+    def _conditional(self, counts: RowCounts, optimistic: bool = False, pop: RowCounts | None = None) -> list[float]:
         """P(slot j accepted | slots before it were): the row's counts shrunk toward the population's (or, optimistic,
         toward the ceiling: what the row could still be, given its evidence)."""
-        pop, out = self.population, []
+        pop, out = pop or self.population, []
         for j in range(self.max_block - 1):
             prior = self.ceiling if optimistic else (pop.accepted[j] + PRIOR * PRIOR_WEIGHT) / (pop.reached[j] + PRIOR_WEIGHT)
             out.append((counts.accepted[j] + prior * PRIOR_WEIGHT) / (counts.reached[j] + PRIOR_WEIGHT))
@@ -152,18 +157,26 @@ class BlockPolicy:
         """Seconds of a step whose rows verify ks[i] tokens each (those with k > 1 drafting a whole block)."""
         return self._cost(self.verified_tokens(ks), sum(k > 1 for k in ks), levels)
 
-    def choose(self, rows: list) -> list[int]:
-        """Block length per row (1 = plain decoding), never beyond what the row may still generate."""
+    def choose(self, rows: list, lookup: list[int] | None = None) -> tuple[list[int], list[bool]]:
+        """Block length per row (1 = plain decoding), never beyond what the row may still generate, and whether the
+        row verifies lookup guesses rather than drafting. `lookup[i]`: how many lookup guesses row i has this step
+        (0: none); a row that has them uses them, which measured better than the draft on every set (lookup.py)."""
         caps = [min(self.max_block, max(r.remaining, 1)) for r in rows]
+        looked = [bool(lookup and lookup[i] and cap > 1) for i, cap in enumerate(caps)]
+        caps = [min(cap, 1 + lookup[i]) if looked[i] else cap for i, cap in enumerate(caps)]
         if not self.adaptive or not self.verify_cost or not self.draft_cost:
-            return caps
+            return caps, looked
         levels = (self._levels(self.verify_cost), self._levels(self.draft_cost))
-        conditional = [self._conditional(self._counts(r)) for r in rows]
+        conditional = [self._conditional(self._lookup_rows.get(r) or self._new_counts(), pop=self.lookup_population)
+                       if looked[i] else self._conditional(self._counts(r)) for i, r in enumerate(rows)]
         n, y = len(rows), self.realized
         ks, gain, tokens, drafting, kmax = [1] * n, float(n), n, 0, 1  # tokens, drafting rows, longest block: of ks
-        most = gain + y * sum(self._tokens(c, cap) - 1 for c, cap in zip(conditional, caps))  # every row at its longest block
-        nxt = [y * c[0] if cap > 1 else -1.0 for c, cap in zip(conditional, caps)]  # expected tokens row i's next slot
-        # adds (the product of its conditionals so far); -1: the row is at its cap
+        # y (drafting rows accept less than estimated) is learned from drafting rows; a lookup row is not chosen for a
+        # lucky estimate of the draft, so its own counts stand
+        yields = [1.0 if lk else y for lk in looked]
+        most = gain + sum(w * (self._tokens(c, cap) - 1) for w, c, cap in zip(yields, conditional, caps))  # every row at its longest block
+        nxt = [w * c[0] if cap > 1 else -1.0 for w, c, cap in zip(yields, conditional, caps)]  # expected tokens row i's
+        # next slot adds (the product of its conditionals so far); -1: the row is at its cap
         best, best_gain, best_rate = list(ks), gain, gain / self._cost(n, 0, levels)
         while True:
             i = max(range(n), key=nxt.__getitem__)
@@ -171,27 +184,28 @@ class BlockPolicy:
                 break
             gain += nxt[i]
             ks[i] += 1
-            tokens, drafting, kmax = tokens + 1, drafting + (ks[i] == 2), max(kmax, ks[i])
+            tokens, drafting, kmax = tokens + 1, drafting + (ks[i] == 2 and not looked[i]), max(kmax, ks[i])
             nxt[i] = -1.0 if ks[i] == caps[i] else nxt[i] * conditional[i][ks[i] - 1]
             cost = self._cost(tokens if self.ragged else n * kmax, drafting, levels)
             if gain / cost > best_rate * MARGIN:
                 best, best_gain, best_rate = list(ks), gain, gain / cost
             elif most / cost <= best_rate * MARGIN:
                 break  # costs only grow from here: not even every slot accepted could beat the best
-        probe = self._probe(rows, best, best_gain, caps, levels)
+        probe = self._probe(rows, best, best_gain, caps, levels, looked)
         self._probed = rows[probe] if probe is not None else None
         if probe is not None:
             best[probe] = caps[probe]
-        return best
+        return best, [lk and k > 1 for lk, k in zip(looked, best)]
 
-    def _probe(self, rows: list, ks: list[int], gain: float, caps: list[int], levels) -> int | None:
+    def _probe(self, rows: list, ks: list[int], gain: float, caps: list[int], levels, looked: list[bool]) -> int | None:
         """The plain row that is due a full block, if any: a row never measured (one block in its life tells the
         policy what the population's average cannot: whether this request is one the draft serves), else the one
         longest plain whose share of the plain steps' time covers the probe within PROBE_BUDGET."""
-        counts = {i: self._counts(rows[i]) for i, k in enumerate(ks) if k == 1 and caps[i] > 1}
+        counts = {i: self._counts(rows[i]) for i, k in enumerate(ks) if k == 1 and caps[i] > 1 and not looked[i]}
         if not counts:
             return None
-        n, tokens, drafting, kmax = len(ks), self.verified_tokens(ks), sum(k > 1 for k in ks), max(ks)
+        n, tokens, kmax = len(ks), self.verified_tokens(ks), max(ks)
+        drafting = sum(k > 1 and not lk for k, lk in zip(ks, looked))
         base = self._cost(tokens, drafting, levels)
         pays: dict[tuple, bool] = {}  # rows never measured all have the same evidence: priced once per cap
         for i in sorted(counts, key=lambda i: (counts[i].reached[0] > 0, -counts[i].plain_seconds)):
@@ -224,12 +238,15 @@ class BlockPolicy:
             for t in costs:
                 costs[t] *= scale
 
-    def observe(self, rows: list, ks: list[int], accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
-        """Learn from a finished step: its measured costs and each row's accepted run."""
+    def observe(self, rows: list, ks: list[int], accepted: list[int], draft_seconds: float, verify_seconds: float,
+                looked: list[bool] | None = None) -> None:
+        """Learn from a finished step: its measured costs and each row's accepted run (`looked[i]`: row i verified
+        lookup guesses)."""
         if not self.adaptive:
             return
-        drafting = sum(k > 1 for k in ks)
-        chosen = [(r, k, a) for r, k, a in zip(rows, ks, accepted) if k > 1 and r is not self._probed]
+        looked = looked or [False] * len(rows)
+        drafting = sum(k > 1 and not lk for k, lk in zip(ks, looked))
+        chosen = [(r, k, a) for r, k, a, lk in zip(rows, ks, accepted, looked) if k > 1 and not lk and r is not self._probed]
         self._probed = None  # not kept: a retired request would stay alive until the next choice
         expected = sum(self.expected_tokens(r, k) - 1 for r, k, _ in chosen)
         if expected > 0:
@@ -242,12 +259,15 @@ class BlockPolicy:
         self.record_cost(self.verified_tokens(ks), draft_seconds if drafting else None, verify_seconds,
                          draft_tokens=drafting * self.max_block)
         share = (draft_seconds + verify_seconds) / len(rows)
-        pop = self.population
-        for r, b, a in zip(rows, ks, accepted):
-            counts = self._rows.get(r)
+        for r, b, a, lk in zip(rows, ks, accepted, looked):
+            table, pop = (self._lookup_rows, self.lookup_population) if lk else (self._rows, self.population)
+            counts = table.get(r)
             if counts is None:
-                counts = self._rows[r] = self._new_counts()
-            counts.plain_seconds = counts.plain_seconds + share if b == 1 else 0.0
+                counts = table[r] = self._new_counts()
+            if not lk:  # time since the row last drafted: lookup steps are not drafting
+                counts.plain_seconds = counts.plain_seconds + share if b == 1 else 0.0
+            elif r in self._rows:
+                self._rows[r].plain_seconds += share
             for j in range(min(a + 1, b - 1)):
                 counts.reached[j] += 1
                 pop.reached[j] += 1

@@ -34,6 +34,7 @@ class RepoParams:
     apply_chat_template: bool
     engine_model: str = "dflash"  # the ensemble's engine step; a `tensorrt_llm` model has the same I/O
     speculation: str = "adaptive"  # block length per step: adaptive (measured costs) or fixed (always the full block)
+    lookup: bool = True  # prompt-lookup guesses where a request's text repeats (lookup.py)
 
     def models(self) -> tuple[str, ...]:
         return ("preprocessing", self.engine_model, "postprocessing", USER_MODEL)

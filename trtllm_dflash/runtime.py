@@ -105,9 +105,10 @@ class GenerationResult:
 
 class DFlashEngine:
     def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int, speculation: str = "adaptive",
-                 draft_tau: float | None = None):
-        """`draft_tau`: the draft card's held-out acceptance length, which bounds what the policy expects of a probe."""
-        self.target, self.draft, self.block_size = target, draft, block_size
+                 draft_tau: float | None = None, lookup: bool = True):
+        """`draft_tau`: the draft card's held-out acceptance length, which bounds what the policy expects of a probe.
+        `lookup`: where a row's last tokens occurred before, verify what followed them instead of drafting (lookup.py)."""
+        self.target, self.draft, self.block_size, self.lookup = target, draft, block_size, lookup
         self.tokenizer = target.tokenizer
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         gen_cfg = getattr(target.model, "generation_config", None)
@@ -128,7 +129,7 @@ class DFlashEngine:
     @classmethod
     def load(cls, target: str, draft: str | None = None, *, no_draft: bool = False, dtype: str = "auto",
              block_size: int | None = None, speculation: str = "adaptive", draft_vocab: bool = True,
-             progress=print) -> "DFlashEngine":
+             lookup: bool = True, progress=print) -> "DFlashEngine":
         """`draft_vocab`: use the draft's vocabulary file (models/draft_vocab.py) where it has one."""
         dtype = resolve_dtype(dtype)
         target_path = resolve_target(target, progress)
@@ -146,7 +147,7 @@ class DFlashEngine:
             if draft_vocab:
                 dm.use_vocab(read_draft_vocab(draft_path, tm.lm_head.out_features), tm.lm_head)
             tm.set_taps(draft_cfg.target_layer_ids)
-        return cls(tm, dm, block, speculation, held_out_tau(draft_path) if dm is not None else None)
+        return cls(tm, dm, block, speculation, held_out_tau(draft_path) if dm is not None else None, lookup)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat, self.target.max_positions)
@@ -160,7 +161,7 @@ class DFlashEngine:
     def scheduler(self, max_batch_size: int, slot_tokens: int, on_step=None, log=print) -> Scheduler:
         """The in-flight batching loop over this engine (one per server)."""
         self.calibrate(max_batch_size)
-        batch = Batch(self.target, self.draft, self.block_size, slots=max_batch_size, policy=self.policy)
+        batch = Batch(self.target, self.draft, self.block_size, slots=max_batch_size, policy=self.policy, lookup=self.lookup)
         return Scheduler(batch, slot_tokens, on_step, log)
 
     def stream(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
@@ -187,7 +188,7 @@ class DFlashEngine:
                 self.calibrate()
             policy = self.policy if block == self.block_size else None
             steps = speculative_stream(self.target, self.draft if block > 1 else None, prompt_ids, max_new_tokens, block, sampling, stops,
-                                       stats, min_tokens, policy)
+                                       stats, min_tokens, policy, self.lookup)
         try:
             for ids in steps:
                 delta = detok.push(ids, final=bool(stats.finish_reason))

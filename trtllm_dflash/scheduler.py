@@ -33,6 +33,8 @@ class EngineMetrics:
     generated_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    lookup_steps: int = 0  # row-steps that verified prompt-lookup guesses instead of the draft's (lookup.py)
+    lookup_accepted_tokens: int = 0
     requests_finished: int = 0
     requests_failed: int = 0
     row_steps: int = 0  # sum over steps of the rows in them
@@ -166,7 +168,7 @@ class Scheduler:
                 for req in rows:
                     self._finish(self.running[req], error)
                 continue
-            m, (ks, drafted, accepted) = self.metrics, batch.last_step
+            m, (ks, drafted, accepted, looked, looked_accepted) = self.metrics, batch.last_step
             m.steps += 1
             m.row_steps += len(rows)
             m.batch_size, m.block_length = len(rows), sum(ks) / len(ks)
@@ -174,6 +176,8 @@ class Scheduler:
                 m.block_lengths[k] = m.block_lengths.get(k, 0) + 1
             m.drafted_tokens += drafted
             m.accepted_tokens += accepted
+            m.lookup_steps += looked
+            m.lookup_accepted_tokens += looked_accepted
             m.tokens_last_step = sum(len(t) for t in out.values())
             m.generated_tokens += m.tokens_last_step
             for req, tokens in out.items():

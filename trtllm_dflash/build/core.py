@@ -74,6 +74,7 @@ class BuildOptions:
     block_size: int | None = None
     dtype: str = "auto"  # resolved to fp32 or bf16 for this CPU when the build starts
     speculation: str = "adaptive"  # torch backend: block length per step from measured costs, or fixed
+    lookup: bool = True  # torch backend: verify prompt-lookup guesses where the text repeats (lookup.py)
     chat_template: bool = True
     force: bool = False  # write a TensorRT-LLM plan that does not fit the GPUs
     draft_engine: bool = False  # also the ONNX drafter (attention = TensorRT plugin node) and, with TensorRT, its engine
@@ -358,6 +359,7 @@ def _torch_steps(opts: BuildOptions, src: Sources, hashes: dict[str, str]) -> li
         max_batch_size=opts.max_batch_size or TORCH_MAX_BATCH, max_seq_len=src.max_seq_len, block_size=src.block_size, dtype=opts.dtype,
         target_dir="../../checkpoints/target", draft_dir="../../checkpoints/draft" if src.draft_dir else "",
         tokenizer_dir="../../tokenizer", apply_chat_template=opts.chat_template, speculation=opts.speculation,
+        lookup=opts.lookup,
     )))
     return steps
 

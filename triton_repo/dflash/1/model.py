@@ -33,6 +33,8 @@ COUNTERS = {
     "generated_tokens": "Tokens generated",
     "drafted_tokens": "Draft tokens proposed for verification",
     "accepted_tokens": "Draft tokens accepted",
+    "lookup_steps": "Request-steps that verified prompt-lookup guesses instead of the draft's",
+    "lookup_accepted_tokens": "Prompt-lookup guesses accepted (also counted in accepted_tokens)",
     "requests_finished": "Requests completed",
     "requests_failed": "Requests that ended in an error",
 }
@@ -46,7 +48,8 @@ class TritonPythonModel(EngineModel):
         draft = param("draft_dir")
         self.engine = DFlashEngine.load(
             str(here / param("target_dir")), str(here / draft) if draft else None, no_draft=not draft,
-            dtype=param("dtype"), block_size=int(param("block_size")), speculation=param("speculation"), progress=pb_utils.Logger.log_info,
+            dtype=param("dtype"), block_size=int(param("block_size")), speculation=param("speculation"),
+            lookup=param("lookup") == "true", progress=pb_utils.Logger.log_info,
         )
         max_batch, max_seq_len = int(config["max_batch_size"]), int(param("max_seq_len"))
         self._metrics_lock, self._published, self._last_publish = threading.Lock(), {}, 0.0
@@ -63,7 +66,8 @@ class TritonPythonModel(EngineModel):
         self.start(name="dflash", tokenizer=self.engine.tokenizer, max_seq_len=max_seq_len,
                    vocab_rows=self.engine.target.vocab_rows, max_batch_size=MAX_STREAMS)
         pb_utils.Logger.log_info(f"dflash ready: block size {self.engine.block_size}, draft {'yes' if self.engine.draft else 'no'}, "
-                                 f"in-flight batching up to {max_batch} requests, {param('speculation')} speculation")
+                                 f"in-flight batching up to {max_batch} requests, {param('speculation')} speculation"
+                                 f"{', prompt lookup' if self.engine.lookup else ''}")
 
     def _publish(self, m, force=False):
         """Engine metrics -> Triton custom metrics (counters advance by what happened since the last publish)."""

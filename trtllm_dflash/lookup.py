@@ -1,0 +1,43 @@
+"""Prompt lookup: guesses copied from the request's own tokens, for rows where the text repeats itself.
+
+When the last few committed tokens occurred earlier (in the prompt or the answer so far), the tokens that followed
+them then are a free guess for what follows now: no forward pass makes it. Small targets loop and lists repeat
+their scaffolding, which is where the DFlash draft, seeing the context only through the target's features, is
+weakest. The guesses are verified like the draft's, so output is unchanged. This is vLLM's `ngram` method
+(`prompt_lookup_min`/`prompt_lookup_max`) and Hugging Face's `prompt_lookup_num_tokens`; here it runs beside the
+draft, and the block policy chooses per row and step which of the two to verify.
+"""
+
+from __future__ import annotations
+
+# Suffix lengths matched, longest first. Replayed on the greedy outputs of SmolLM2-135M with the shipped draft (fp32, 128
+# tokens; lookup where it matches, the draft elsewhere), 3-6 beat 2-4 on GSM8K (3.23 against 3.12 tokens per step) and
+# HumanEval (3.33 against 3.06) for a little on MT-Bench (2.57 against 2.64); the draft alone: 3.05, 2.76, 1.78.
+MIN_NGRAM, MAX_NGRAM = 3, 6
+
+
+class NgramIndex:
+    """The tokens of one request, and for every n-gram (MIN_NGRAM..MAX_NGRAM tokens) the position right after its
+    latest occurrence whose following token is known."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens: list[int] = []
+        self._next: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        seq, nxt = self.tokens, self._next
+        for t in tokens:
+            end = len(seq)  # t lands here: every n-gram ending just before it now has a known successor
+            for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
+                nxt[tuple(seq[end - n : end])] = end
+            seq.append(t)
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the longest suffix of the sequence seen before (latest occurrence)."""
+        seq = self.tokens
+        for n in range(min(MAX_NGRAM, len(seq)), MIN_NGRAM - 1, -1):
+            at = self._next.get(tuple(seq[-n:]))
+            if at is not None:
+                return seq[at : at + limit]
+        return []
