@@ -108,7 +108,8 @@ class DFlashEngine:
                  draft_tau: float | None = None, lookup: bool = True):
         """`draft_tau`: the draft card's held-out acceptance length, which bounds what the policy expects of a probe.
         `lookup`: where a row's last tokens occurred before, verify what followed them instead of drafting (lookup.py)."""
-        self.target, self.draft, self.block_size, self.lookup = target, draft, block_size, lookup
+        self.target, self.draft, self.block_size = target, draft, block_size
+        self.lookup = lookup and draft is not None  # a build without a draft decodes plainly: nothing to look up for
         self.tokenizer = target.tokenizer
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         gen_cfg = getattr(target.model, "generation_config", None)
