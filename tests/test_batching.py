@@ -219,6 +219,36 @@ def test_long_prompt_prefills_in_chunks_between_steps(engine, references):
     assert out[short] == ref and out[long] == long_ref
 
 
+def test_running_row_leaving_between_a_long_prompts_chunks(engine, references):
+    """A 1,100-token prompt goes in over three chunks while two requests run; one of them leaves after the first chunk.
+    The prompt must not take the leaver's slot among the running rows (it used to, and the next step failed every
+    row); all three outputs stay their batch-1 outputs."""
+    from trtllm_dflash.generate import PREFILL_CHUNK
+
+    long_ids = engine.encode("Repeat after me. " + "The quick brown fox jumps over the lazy dog. " * 110, chat=False)[:1100]
+    assert len(long_ids) > 2 * PREFILL_CHUNK
+    long_ref = engine.target.model.generate(torch.tensor([long_ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                            pad_token_id=engine.tokenizer.pad_token_id)[0, len(long_ids):].tolist()
+    batch = Batch(engine.target, engine.draft, engine.block_size, slots=3, policy=BlockPolicy(engine.block_size))
+    leaver, stayer, long = request(engine, references[1][0], 24), request(engine, references[0][0], 40), Request(long_ids, 12)
+    out = {leaver: batch.add(leaver), stayer: batch.add(stayer), long: []}
+    assert batch.add(long) == []  # chunk 1 of 3
+    for r, tokens in batch.step().items():
+        out[r] += tokens
+    batch.remove(leaver)  # its client went away
+    assert batch.rows[0] is stayer and batch.rows[1] is long
+    assert batch.add(long) == []  # chunk 2 of 3
+    out[stayer] += batch.step()[stayer]
+    out[long] += batch.add(long)  # chunk 3: the first token
+    while batch.ready:
+        for r, tokens in batch.step().items():
+            out[r] += tokens
+        for r in [r for r in batch.rows if r.stats.finish_reason]:
+            batch.remove(r)
+    assert out[stayer] == references[0][1] and out[long] == long_ref
+    assert 0 < len(out[leaver]) < len(references[1][1]) and out[leaver] == references[1][1][: len(out[leaver])]
+
+
 def test_bf16_rows_reading_whole_slots_see_only_their_own_positions(target_dir):
     """bf16 rows of one query attend over their slots' whole capacity while it is at most 4x their keys
     (SlotKVCache.begin). Slot 0 first held a longer request whose K/V stays past the new row's end: every layout of a

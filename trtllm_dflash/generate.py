@@ -166,15 +166,23 @@ class Batch:
 
     @torch.inference_mode()
     def remove(self, req: Request) -> None:
-        """Free req's slot; the last row moves into it so running rows stay slots 0..n-1."""
+        """Free req's slot; the last row moves into it so running rows stay slots 0..n-1. If that row's prompt is still
+        going in (a prompt of three chunks or more, between them), the last running row moves instead and the prompt
+        follows it: moved into a running row's place, it would stand between running rows."""
         i, last = self.rows.index(req), len(self.rows) - 1
-        if i != last:
-            moved = self.rows[last]
-            self.cache.move(last, i, max(moved.start, moved.prefilled))
-            if self.dcache is not None:
-                self.dcache.move(last, i, max(moved.start, moved.prefilled))
-            self.rows[i] = moved
+        if i < last - 1 and self.rows[last].prefilled < len(self.rows[last].prompt_ids):
+            self._move(last - 1, i)
+            self._move(last, last - 1)
+        elif i != last:
+            self._move(last, i)
         self.rows.pop()
+
+    def _move(self, src: int, dst: int) -> None:
+        moved = self.rows[src]
+        self.cache.move(src, dst, max(moved.start, moved.prefilled))
+        if self.dcache is not None:
+            self.dcache.move(src, dst, max(moved.start, moved.prefilled))
+        self.rows[dst] = moved
 
     @torch.inference_mode()
     def calibrate(self, max_rows: int) -> None:
