@@ -7,7 +7,8 @@ exactly as z-lab's `dflash.benchmark.load_transformers_models` does, on the CPU.
 the reference (interleaved, so drift hits both); each side is warmed up once before timing and model loading is never
 timed. tokens/s is generated tokens over the wall time of the whole call (prefill included) on both sides; acceptance
 length is ours `GenerationStats.acceptance_length` and, for the reference, z-lab's own: the mean of the per-step
-`acceptance_lengths` that `dflash_generate(..., return_stats=True)` returns. Greedy token ids of the two are compared;
+`acceptance_lengths` that `dflash_generate(..., return_stats=True)` returns. Our prompt lookup (lookup.py) is off, as
+the reference has none: both sides verify the same draft's guesses. Greedy token ids of the two are compared;
 the first differing position is recorded. Near the max-new-tokens budget the two cut the last blocks differently (ours
 drafts the full block and verifies only what the budget allows, the reference drafts min(block, tokens allowed + 1)
 slots), so the draft sees a different number of mask slots there and tau can differ slightly even when every token
@@ -143,7 +144,9 @@ def run(args, date: datetime.datetime, out_path: Path) -> int:
 
     runs = []
     for dtype in args.dtypes:
-        engine = DFlashEngine.load(args.target, dtype=dtype, block_size=args.block_size, speculation="fixed", progress=lambda m: None)
+        # lookup off: the reference has no prompt lookup, so both sides verify the same draft's guesses (equal tau)
+        engine = DFlashEngine.load(args.target, dtype=dtype, block_size=args.block_size, speculation="fixed", lookup=False,
+                                   progress=lambda m: None)
         r_target, r_draft, r_tok = load_reference(ref, target_path, draft_path, DTYPES[dtype])
         if list(r_draft.target_layer_ids) != list(engine.draft.config.target_layer_ids):
             raise DFlashError(f"The two drafts tap different target layers: {r_draft.target_layer_ids} vs {engine.draft.config.target_layer_ids}.")
@@ -183,7 +186,7 @@ def run(args, date: datetime.datetime, out_path: Path) -> int:
     report = {"benchmark": "bench_reference", "date": date.isoformat(timespec="seconds"),
               "machine": machine_info(), "reference": {"package": "dflash", "version": importlib.metadata.version("dflash"),
                                                                                     "function": "dflash.model.dflash_generate"},
-              "target": args.target, "draft": str(draft_path.name), "block_size": args.block_size, "prompts": len(questions),
+              "target": args.target, "draft": str(draft_path.name), "block_size": args.block_size, "lookup": False, "prompts": len(questions),
               "prompt_source": "gsm8k held-out (last N), chat template", "max_new_tokens": args.max_new_tokens, "greedy": True,
               "timing": "generated tokens / wall time of the whole call, prefill included, loading and warm-up excluded",
               "runs": runs}
