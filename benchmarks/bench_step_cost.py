@@ -45,8 +45,11 @@ def measure(target: str, dtype: str, tokens: list[int], reps: int, context: int,
             if i >= 2:
                 times[t].append(time.perf_counter() - t0)
     out = {str(t): round(statistics.median(v) * 1000, 3) for t, v in times.items()}
+    from trtllm_dflash.models import bf16_gemm
+
     return {"ms": out, "ratio_to_decode": {t: round(ms / out["1"], 3) for t, ms in out.items()},
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "bf16_kernel": dtype == "bf16" and pack and bf16_gemm.kernel() is not None}
 
 
 def main(argv=None):
@@ -56,7 +59,8 @@ def main(argv=None):
     ap.add_argument("--isa", nargs="+", default=["native", "avx2"], choices=list(ISA_ENV))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--linears", nargs="+", default=["packed", "dense"], choices=["packed", "dense"],
-                    help="packed: weights prepacked for oneDNN (the runtime's default); dense: stock F.linear.")
+                    help="packed: the runtime's linears (weights prepacked for oneDNN, or for our bf16 kernel where the CPU "
+                         "has AVX-512 BF16: models/bf16_gemm.py; TRTDFLASH_BF16_KERNEL=off keeps oneDNN's); dense: stock F.linear.")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "step-cost.json"))

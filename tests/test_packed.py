@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models import bf16_gemm
 from trtllm_dflash.models.packed import PackedLinear, pack_linears
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime import DFlashEngine
@@ -100,3 +101,54 @@ def test_a_packed_draft_computes_what_the_draft_does():
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(DFlashError, match="inference only"):
         packed.train()
+
+
+needs_kernel = pytest.mark.skipif(not bf16_gemm.supported(), reason="needs a CPU with AVX-512 BF16 and no AMX")
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_kernel_rows_are_batch_invariant_and_round_as_the_library(bias):
+    """On a CPU with AVX-512 BF16 bf16 linears take our kernel (bf16_gemm.cpp). Each row's output is bit for bit the
+    same alone, in any slice and in a batch of any size (1-40 rows: one pass of 8 rows and the ragged last pass), and
+    within one bf16 rounding of the exact product, as F.linear's is."""
+    lin = nn.Linear(1536, 576, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    assert packed.kernel is not None and packed.weight is None
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(40, 1536, generator=g) * 2).to(torch.bfloat16)
+    with torch.inference_mode():
+        full = packed(x)
+        exact = x.double() @ lin.weight.double().t() + (lin.bias.double() if bias else 0)
+        for m in (1, 2, 7, 8, 9, 16, 17, 33):
+            assert torch.equal(packed(x[:m]), full[:m]), m
+        assert all(torch.equal(packed(x[i : i + 1]), full[i : i + 1]) for i in range(40))
+        assert torch.equal(packed(x[5:21].view(2, 8, 1536)), full[5:21].view(2, 8, 576))
+        assert (full.double() - exact).abs().max() <= (exact.abs() * 2**-8).max() + 1e-6
+        torch.testing.assert_close(full, lin(x), rtol=2**-7, atol=1e-2)
+
+
+@needs_kernel
+def test_bf16_kernel_leaves_unfit_shapes_and_fp32_to_onednn():
+    """A weight whose out_features is not a multiple of 32, and every fp32 weight, keep oneDNN's packed kernel."""
+    assert PackedLinear(nn.Linear(64, 48).to(torch.bfloat16)).kernel is None
+    assert PackedLinear(nn.Linear(64, 64)).kernel is None
+    assert PackedLinear(nn.Linear(64, 64).to(torch.bfloat16)).kernel is not None
+
+
+@needs_kernel
+def test_bf16_kernel_that_cannot_be_built_falls_back_with_one_sentence(tmp_path):
+    """No working compiler: one line on stderr, and bf16 linears still run (oneDNN's kernel)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from torch import nn; from trtllm_dflash.models.packed import PackedLinear; "
+            "p = PackedLinear(nn.Linear(64, 64).to(torch.bfloat16)); "
+            "print(p.kernel is None, tuple(p(torch.ones(3, 64, dtype=torch.bfloat16)).shape))")
+    env = os.environ | {"TRTDFLASH_CACHE": str(tmp_path), "CXX": "/bin/false"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "(3,", "64)"]
+    lines = [line for line in done.stderr.splitlines() if "bf16 matrix kernel" in line]
+    assert len(lines) == 1 and lines[0].endswith("using oneDNN's."), done.stderr

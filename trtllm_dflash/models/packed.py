@@ -7,10 +7,12 @@ into oneDNN's layout (what inductor's weight freezing does), a forward reads eac
 Each row's output does not depend on how many rows are in the call, so a token verified in a block gets the
 same projection as decoding it alone. Inference only: the op has no backward.
 
-One exception, measured per process: where ATen's own kernel multiplies a single bf16 token faster than oneDNN's
-packed one (on an AMD EPYC with AVX-512 BF16, all of SmolLM2's linears for one token took 11.2 ms against 17.9 ms,
-2026-11-23; for 8 tokens 63 ms against 19), a one-token call keeps the dense weight and takes ATen's kernel, so plain
-decoding runs as fast as this CPU allows. In fp32 oneDNN's packed kernel is the faster one everywhere measured.
+bf16 weights on a CPU with AVX-512 BF16 and no AMX take our own kernel instead (bf16_gemm.py: faster than oneDNN's
+for any number of rows measured, and as fast for 8 rows as for one). Elsewhere, one exception, measured per process:
+where ATen's own kernel multiplies a single bf16 token faster than oneDNN's packed one (on an AMD EPYC with AVX-512
+BF16, all of SmolLM2's linears for one token took 11.2 ms against 17.9 ms, 2026-11-23; for 8 tokens 63 ms against
+19), a one-token call keeps the dense weight and takes ATen's kernel. In fp32 oneDNN's packed kernel is the faster
+one everywhere measured.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import bf16_gemm
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -33,12 +37,19 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, keep_weight: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
         self.bias = linear.bias
-        self.one_token_dense = aten_decodes_faster(linear.weight.dtype)
+        self.kernel = bf16_gemm.kernel() if bf16_gemm.fits(linear.weight) else None
+        if self.kernel is not None:
+            self.packed = self.kernel.pack(linear.weight.detach())
+            self.one_token_dense = False
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+            self.one_token_dense = aten_decodes_faster(linear.weight.dtype)
         self.weight = linear.weight if keep_weight or self.one_token_dense else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.linear(x, self.packed, self.bias)
         if self.one_token_dense and x.numel() == self.in_features:
             enabled = torch._C._get_mkldnn_enabled()
             torch._C._set_mkldnn_enabled(False)  # F.linear would otherwise route bf16 to oneDNN, repacking the weight
