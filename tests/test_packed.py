@@ -138,7 +138,8 @@ def test_bf16_kernel_leaves_unfit_shapes_and_fp32_to_onednn():
 
 @needs_kernel
 def test_bf16_kernel_that_cannot_be_built_falls_back_with_one_sentence(tmp_path):
-    """No working compiler: one line on stderr, and bf16 linears still run (oneDNN's kernel)."""
+    """No working compiler: the build it tried and why it failed, one line each on stderr, and bf16 linears still run
+    (oneDNN's kernel)."""
     import os
     import subprocess
     import sys
@@ -151,4 +152,4 @@ def test_bf16_kernel_that_cannot_be_built_falls_back_with_one_sentence(tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "(3,", "64)"]
     lines = [line for line in done.stderr.splitlines() if "bf16 matrix kernel" in line]
-    assert len(lines) == 1 and lines[0].endswith("using oneDNN's."), done.stderr
+    assert len(lines) == 2 and "building" in lines[0] and lines[1].endswith("using oneDNN's."), done.stderr

@@ -60,6 +60,7 @@ def kernel():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
+    print(f"trtllm_dflash: building the bf16 matrix kernel for this CPU (once, about 25 s) in {build}", file=sys.stderr)
     try:
         build.mkdir(parents=True, exist_ok=True)
         with resources.as_file(source) as path:
