@@ -1,11 +1,10 @@
 // y = x W^T (+ bias) for bf16 x [M, K] and W [N, K] on CPUs with AVX-512 BF16, from W repacked once as
 // [N/32][K/2][32][2] (each 128-byte line: 32 outputs x one pair of inputs, the layout VDPBF16PS reads).
 //
-// Why: on a 2-core AMD EPYC (Zen 4, 2026-11-25) oneDNN's packed bf16 kernel took 11.4-13.9 ms over SmolLM2-135M's
-// linears for 1 to 8 rows, ATen's one-row kernel 9.3 ms; a decode step and a verify of a few tokens both just stream
-// the weights, and this loop does so at 8.5 ms for any of 1-8 rows. Every output is one fp32 accumulator over the
-// input pairs in order, rounded once to bf16, whatever M is and wherever the row sits: a row's result does not depend
-// on the rows beside it (batch-invariant), which no library kernel here promises.
+// Why (figures in bf16_gemm.py): a decode step and a verify of a few tokens both just stream the weights, which this
+// loop does at memory speed for 1-8 rows. Every output is one fp32 accumulator over the input pairs in order, rounded
+// once to bf16, whatever M is and wherever the row sits: a row's result does not depend on the rows beside it
+// (batch-invariant), which no library kernel here promises. The bias comes in fp32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -73,11 +72,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b32;
-  if (bias.has_value()) b32 = bias->to(torch::kFloat).contiguous();
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous()), "linear: an fp32 bias");
   const uint16_t* xp = (const uint16_t*)x2.data_ptr();
   const uint16_t* wp = (const uint16_t*)packed.data_ptr();
-  const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   uint16_t* yp = (uint16_t*)y.data_ptr();
   // Each block's weights are read from memory once and reused from cache for every further group of 8 rows.
   at::parallel_for(0, N / kBlock, 4, [&](int64_t b0, int64_t b1) {

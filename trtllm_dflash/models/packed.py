@@ -41,6 +41,7 @@ class PackedLinear(nn.Module):
         self.kernel = bf16_gemm.kernel() if bf16_gemm.fits(linear.weight) else None
         if self.kernel is not None:
             self.packed = self.kernel.pack(linear.weight.detach())
+            self.kernel_bias = None if linear.bias is None else linear.bias.detach().float().contiguous()  # converted once
             self.one_token_dense = False
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
@@ -49,7 +50,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            return self.kernel.linear(x, self.packed, self.bias)
+            return self.kernel.linear(x, self.packed, self.kernel_bias)
         if self.one_token_dense and x.numel() == self.in_features:
             enabled = torch._C._get_mkldnn_enabled()
             torch._C._set_mkldnn_enabled(False)  # F.linear would otherwise route bf16 to oneDNN, repacking the weight
