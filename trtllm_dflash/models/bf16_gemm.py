@@ -1,9 +1,9 @@
 """Our bf16 matrix kernel (bf16_gemm.cpp) for CPUs with AVX-512 BF16: a decode step and a verify both read the
 weights once at memory speed, and a row's projection does not depend on the rows beside it.
 
-On such a CPU without AMX (the AMD EPYC Zen 4 of 2026-11-25), oneDNN's packed bf16 kernel took 11.4-13.9 ms over
-SmolLM2-135M's linears for 1 to 8 rows and ATen's one-row kernel 9.3 ms; this one takes 8.2 ms for any of 1-8 rows
-and stays ahead of oneDNN up to 256 rows (161 against 170 ms). It is compiled on first use with the system C++
+On such a CPU without AMX (an AMD EPYC Zen 4, 2026-11-26, `benchmarks/bench_bf16_kernel.py`), oneDNN's packed bf16
+kernel took 11.4-13.8 ms over SmolLM2-135M's linears for 1 to 8 rows and ATen's one-row kernel 9.3 ms; this one
+takes 7.8-8.5 ms for any of 1-8 rows and stays ahead of oneDNN up to 256 rows (161.7 against 164.2 ms). It is compiled on first use with the system C++
 compiler (torch's cpp_extension; about 25 s once, then cached under the trtllm_dflash cache) and used only where the
 CPU has the instructions and no AMX, whose tile kernels oneDNN uses for many rows (not measured here); where it is
 not built (no compiler, another CPU, `TRTDFLASH_BF16_KERNEL=off`), linears keep oneDNN's and ATen's kernels.

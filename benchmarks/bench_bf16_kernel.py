@@ -1,0 +1,84 @@
+"""The bf16 matrix kernel (trtllm_dflash/models/bf16_gemm.cpp) against the library kernels, over all of a target's
+linear layers at once (one forward's worth of weights, more than the caches hold), by number of rows.
+
+Ours (weights in its packed layout), oneDNN's packed kernel (what `PackedLinear` uses where ours does not run) and, for
+one row, ATen's kernel (oneDNN off: what `PackedLinear` took for single bf16 tokens before ours). Random weights of
+the target's shapes; the three take turns per round and each figure is the fastest of `--reps` rounds. Needs a CPU
+with AVX-512 BF16 (ours is not built elsewhere).
+
+    python benchmarks/bench_bf16_kernel.py --rows 1 2 4 8 16 32 80 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 80, 256])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bf16-kernel.json"))
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoConfig
+
+    from trtllm_dflash.cpu import machine_info
+    from trtllm_dflash.models import bf16_gemm
+    from trtllm_dflash.resolve import resolve_target
+
+    ours = bf16_gemm.kernel()
+    if ours is None:
+        raise SystemExit("The bf16 kernel does not run on this CPU (it needs AVX-512 BF16 and no AMX); nothing to compare.")
+    c = AutoConfig.from_pretrained(resolve_target(args.target, lambda m: None))
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd
+    shapes = [(qkv, c.hidden_size), (c.hidden_size, c.num_attention_heads * hd), (2 * c.intermediate_size, c.hidden_size),
+              (c.hidden_size, c.intermediate_size)] * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]  # fused, as the runtime's
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for n, k in shapes]
+    kernels = {"ours": ([ours.pack(w) for w in weights], lambda x, w: ours.linear(x, w, None)),
+               "onednn": ([torch.ops.mkldnn._reorder_linear_weight(w) for w in weights],
+                          lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))}
+
+    def aten(x, w):
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            return torch.nn.functional.linear(x, w)
+        finally:
+            torch._C._set_mkldnn_enabled(True)
+
+    result = {"benchmark": "bench_bf16_kernel", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_info(), "target": args.target, "linears": len(shapes),
+              "weight_mb": round(sum(n * k for n, k in shapes) * 2 / 2**20, 1), "reps": args.reps, "ms": {}}
+    with torch.inference_mode():
+        for m in args.rows:
+            xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for k in {k for _, k in shapes}}
+            runs = dict(kernels) | ({"aten": (weights, aten)} if m == 1 else {})
+            best = {name: float("inf") for name in runs}
+            for rep in range(args.reps + 1):  # round 0 warms every kernel up and is not counted
+                for name, (packed, f) in runs.items():
+                    t0 = time.perf_counter()
+                    for w, (_, k) in zip(packed, shapes):
+                        f(xs[k], w)
+                    if rep:
+                        best[name] = min(best[name], time.perf_counter() - t0)
+            result["ms"][str(m)] = {name: round(t * 1000, 2) for name, t in best.items()}
+            print(f"{m:4d} rows: " + ", ".join(f"{name} {ms} ms" for name, ms in result["ms"][str(m)].items()), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
