@@ -5,8 +5,11 @@ for over 5 minutes (OpenMP threads spinning against each other). trtllm_dflash/t
 usable CPU and a passive wait policy before torch loads. This runs the same greedy workload as `trtdflash generate`
 (DFlashEngine with the packaged draft; model loading excluded) in a fresh process per measurement:
 
-    policy "default": torch as it comes (OpenMP threads = cores, libgomp's spinning waits)
-    policy "ours":    threads.configure_threads() first, as the CLI and the Triton models get it
+    policy "default":  torch as it comes (OpenMP threads = cores, libgomp's spinning waits)
+    policy "ours":     threads.configure_threads() first, as the CLI and the Triton models get it
+    policy "passive":  OMP_WAIT_POLICY=PASSIVE (a waiting thread sleeps at once; ours until 2026-11-26)
+    policy "spin-N":   GOMP_SPINCOUNT=N (a waiting thread spins N times, then sleeps)
+    policy "threads-N": OMP_NUM_THREADS=N (parts combine with "+": threads-1+passive)
 
 each alone and beside a neighbour that keeps every CPU busy (a torch matmul loop with default settings, like another
 test suite, or `--neighbour spin`: one pure-Python busy loop per CPU). Reported: seconds per run and the slowdown
@@ -33,13 +36,13 @@ PROMPT = "A train travels 60 km in 45 minutes. What is its speed in km/h? Explai
 
 WORKLOAD = """
 import json, os, sys, time
-policy, max_new_tokens, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+policy, max_new_tokens, repeats, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[5]
 if policy == "ours":
     from trtllm_dflash.threads import configure_threads
     configure_threads()
 import torch
 from trtllm_dflash.runtime import DFlashEngine
-engine = DFlashEngine.load("smollm2-135m", dtype="fp32", progress=lambda m: None)
+engine = DFlashEngine.load("smollm2-135m", dtype=dtype, progress=lambda m: None)
 engine.generate("Hi", max_new_tokens=4)  # warm-up: first-call allocations and kernel selection
 times, tokens = [], 0
 for _ in range(repeats):
@@ -48,7 +51,7 @@ for _ in range(repeats):
     times.append(time.perf_counter() - t0)
     tokens = len(result.token_ids)
 print(json.dumps({"seconds": times, "tokens": tokens, "torch_threads": torch.get_num_threads(),
-                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
+                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}))
 """
 
 NEIGHBOURS = {
@@ -64,9 +67,26 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_", "GOMP_", "KMP_"))} | {"HF_HUB_OFFLINE": "1"}
 
 
-def run_workload(policy: str, max_new_tokens: int, repeats: int) -> dict:
-    r = subprocess.run([sys.executable, "-c", WORKLOAD, policy, str(max_new_tokens), str(repeats), PROMPT],
-                       capture_output=True, text=True, env=clean_env(), timeout=3600)
+def policy_env(policy: str) -> dict[str, str]:
+    """The OpenMP settings a policy runs the workload with ("ours" sets its own inside the workload); parts joined by
+    "+" combine, e.g. threads-1+passive."""
+    env = {}
+    for part in policy.split("+"):
+        name, _, n = part.partition("-")
+        if part in ("default", "ours"):
+            continue
+        if part == "passive":
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        elif name in ("spin", "threads") and n.isdigit():
+            env["GOMP_SPINCOUNT" if name == "spin" else "OMP_NUM_THREADS"] = n
+        else:
+            raise SystemExit(f"unknown policy {policy!r}: default, ours, passive, spin-N, threads-N, joined by +")
+    return env
+
+
+def run_workload(policy: str, max_new_tokens: int, repeats: int, dtype: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", WORKLOAD, policy, str(max_new_tokens), str(repeats), PROMPT, dtype],
+                       capture_output=True, text=True, env=clean_env() | policy_env(policy), timeout=3600)
     if r.returncode != 0:
         raise SystemExit(f"workload ({policy}) failed:\n{r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -79,7 +99,7 @@ def measure(policy: str, neighbour: str | None, args) -> dict:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(args.settle)  # the neighbour is at full load before the workload starts
     try:
-        out = run_workload(policy, args.max_new_tokens, args.repeats)
+        out = run_workload(policy, args.max_new_tokens, args.repeats, args.dtype)
     finally:
         if proc is not None:
             os.killpg(proc.pid, 9)  # its own session: the spin neighbour's children go too
@@ -103,7 +123,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--neighbour", choices=sorted(NEIGHBOURS), default="torch")
-    ap.add_argument("--policies", default="default,ours", help="Comma-separated: default, ours.")
+    ap.add_argument("--policies", default="default,ours,passive", help="Comma-separated: default, ours, passive, spin-N, threads-N (parts joined by +).")
+    ap.add_argument("--dtype", default="auto", help="The workload's dtype (auto: the CLI's default on this CPU).")
     ap.add_argument("--settle", type=float, default=3.0, help="Seconds the neighbour runs before the workload starts.")
     ap.add_argument("--quick", action="store_true", help="8 tokens, one run, 1 s settle: checks the script end to end.")
     ap.add_argument("--out", default=None)
@@ -114,7 +135,7 @@ def main() -> None:
     import torch
 
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": cpu_model(), "cpus": len(os.sched_getaffinity(0)),
-              "torch": torch.__version__, "neighbour": args.neighbour, "max_new_tokens": args.max_new_tokens,
+              "torch": torch.__version__, "neighbour": args.neighbour, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "quick": args.quick, "load_average_at_start": os.getloadavg(), "policies": {}}
     if report["load_average_at_start"][0] > 0.5 * report["cpus"]:
         print(f"warning: load average {report['load_average_at_start'][0]:.1f} on {report['cpus']} CPUs; 'alone' is not alone, "
@@ -126,7 +147,7 @@ def main() -> None:
         report["policies"][policy] = {"alone": alone, "beside_neighbour": beside, "slowdown": round(ratio, 2)}
         print(f"{policy:>8}: alone {alone['median_seconds']:.2f} s, beside a busy {args.neighbour} neighbour "
               f"{beside['median_seconds']:.2f} s -> {ratio:.2f}x slower ({alone['torch_threads']} threads, "
-              f"wait policy {alone['omp_wait_policy'] or 'libgomp default'})", flush=True)
+              f"wait policy {alone['omp_wait_policy'] or 'libgomp default'}, spin count {alone['gomp_spincount'] or 'default'})", flush=True)
     out = Path(args.out) if args.out else RESULTS / f"contention-{time.strftime('%Y%m%d-%H%M')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

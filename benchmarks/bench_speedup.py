@@ -4,8 +4,9 @@ The figure a user on a given CPU gets: the best dtype of DFlash over the best dt
 (bf16 decodes fastest almost everywhere; which dtype DFlash verifies fastest in depends on the CPU), on held-out
 GSM8K questions and on unseen chat (MT-Bench first turns), timed two ways in one run:
 
-- warm: one engine per dtype in this process (the engine a server runs), the first request excluded, DFlash, DFlash
-  without prompt lookup (`draft-only`: the draft's guesses alone, lookup.py) and plain decoding taking turns per prompt;
+- warm: one engine per dtype in this process (the engine a server runs; the CLI's thread settings), the first request
+  excluded, DFlash, DFlash without prompt lookup (`draft-only`: the draft's guesses alone, lookup.py) and plain
+  decoding taking turns per prompt;
 - cli: one `trtdflash generate --json` process per prompt and configuration, as a user types it; its own tokens/s
   (prefill and the first request's one-off setup included; loading the models and calibrating the policy not: the
   whole command's seconds are recorded beside it).
@@ -30,6 +31,10 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from trtllm_dflash.threads import configure_threads
+
+configure_threads()  # before torch loads: the warm engine gets the threads `trtdflash generate` runs with (threads.py)
 
 ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
 TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")

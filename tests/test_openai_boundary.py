@@ -11,6 +11,7 @@ from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.cli import main
 from trtllm_dflash.openai_server import MAX_BODY, OpenAIFrontend
 from trtllm_dflash.serve import ServerConfig, TritonServer
+from trtllm_dflash.threads import SPIN_COUNT
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +68,10 @@ def test_every_endpoint_binds_loopback_by_default_and_the_models_get_the_thread_
     assert host.default == ServerConfig(build_dir=None).host == "127.0.0.1"
     out = run_build(BuildOptions(output=tmp_path / "b", draft=str(random_draft_dir), max_seq_len=64, dtype="fp32"), progress=lambda m: None)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     cmd, env = TritonServer(ServerConfig(out)).command()
     assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(cmd)
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["OMP_NUM_THREADS"] == "1"  # our default, and the user's value wins
+    assert env["GOMP_SPINCOUNT"] == SPIN_COUNT and env["OMP_NUM_THREADS"] == "1"  # our default, and the user's value wins
     cmd, _ = TritonServer(ServerConfig(out, host="0.0.0.0", grpc_port=9001)).command()
     assert {"--http-address=0.0.0.0", "--grpc-port=9001"} <= set(cmd)

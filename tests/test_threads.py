@@ -1,4 +1,4 @@
-"""The CLI sizes torch's OpenMP pool from the CPUs it may use and makes waiting threads sleep (threads.py)."""
+"""The CLI sizes torch's OpenMP pool from the CPUs it may use and lets waiting threads spin only briefly (threads.py)."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from trtllm_dflash.threads import cgroup_cpus
+from trtllm_dflash.threads import SPIN_COUNT, cgroup_cpus
 
 CHILD = """
 import os
@@ -17,23 +17,24 @@ try:
 except SystemExit:
     pass
 import torch
-print(torch.get_num_threads(), os.environ["OMP_NUM_THREADS"], os.environ["OMP_WAIT_POLICY"])
+print(torch.get_num_threads(), os.environ["OMP_NUM_THREADS"], os.environ.get("GOMP_SPINCOUNT", "-"), os.environ.get("OMP_WAIT_POLICY", "-"))
 """
 
 
 def run(**env):
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env={**base, **env}, timeout=120)
     assert r.returncode == 0, r.stderr
-    return r.stdout.split()[-3:]
+    return r.stdout.split()[-4:]
 
 
-def test_the_cli_sets_threads_from_the_affinity_mask_and_passive_waiting_before_torch_loads():
-    assert run() == ["1", "1", "PASSIVE"]
+def test_the_cli_sets_threads_from_the_affinity_mask_and_a_short_spin_before_torch_loads():
+    assert run() == ["1", "1", SPIN_COUNT, "-"]
 
 
 def test_the_users_settings_win():
-    assert run(OMP_NUM_THREADS="2", OMP_WAIT_POLICY="ACTIVE") == ["2", "2", "ACTIVE"]
+    assert run(OMP_NUM_THREADS="2", OMP_WAIT_POLICY="ACTIVE") == ["2", "2", "-", "ACTIVE"]  # no spin count over their policy
+    assert run(GOMP_SPINCOUNT="0") == ["1", "1", "0", "-"]
 
 
 @pytest.mark.parametrize("files, cpus", [
@@ -62,7 +63,7 @@ print(server_thread_env().get("OMP_NUM_THREADS", "theirs"))
 
 
 def test_the_server_leaves_one_cpu_to_tritons_own_processes_unless_the_user_chose():
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     cpus = len(os.sched_getaffinity(0))
     expected = str(max(1, min(cpus, cgroup_cpus() or cpus) - 1))
     for env, want in (({}, expected), ({"OMP_NUM_THREADS": "2"}, "theirs")):

@@ -53,6 +53,7 @@ def machine_info() -> dict:
     import transformers
 
     return {"cpu": cpu_model(), "isa": isa_summary(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": None,
+            "openmp": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
 
 

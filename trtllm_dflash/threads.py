@@ -4,7 +4,14 @@ torch's CPU wheels run OpenMP (GNU libgomp) with one thread per core and threads
 Beside another busy process every parallel region then waits for a thread the kernel has descheduled while its
 siblings burn the neighbour's time spinning; a 10 s `trtdflash generate` took over 5 minutes. So: one thread per
 CPU this process may run on (its affinity mask, which `taskset` and cpusets narrow, or a container's CPU quota,
-not the machine's core count), and a passive wait policy (a waiting thread sleeps at once).
+not the machine's core count), and a short spin before a waiting thread sleeps (SPIN_COUNT).
+
+The wait is a trade measured on a 2-vCPU VM (AMD EPYC Zen 4, bf16, 128 tokens, 2026-11-26,
+`benchmarks/bench_contention.py`, benchmarks/results/contention-20261126.json): sleeping at once (OMP_WAIT_POLICY=PASSIVE, our
+setting until then) made every parallel region wake a halted vCPU, 2.32 s alone; libgomp's own spin (300,000) is
+fast alone and many times slower beside a neighbour; GOMP_SPINCOUNT=3000 took 1.70 s alone and 2.3x that beside a
+process keeping both cores busy, about the fair share. A spin count, not a policy, so one the user set wins either
+way (libgomp takes GOMP_SPINCOUNT over OMP_WAIT_POLICY).
 
 libgomp reads these variables once, when torch loads it, so they must be in the environment before the first
 `import torch`: `trtdflash` sets them first thing (cli.main), and `serve` passes them, one CPU fewer
@@ -18,6 +25,8 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+
+SPIN_COUNT = "3000"  # libgomp spins (about 50 us here) before a waiting thread sleeps: see the module docstring
 
 
 def cgroup_cpus(root: Path = Path("/sys/fs/cgroup")) -> int | None:
@@ -37,10 +46,14 @@ def cgroup_cpus(root: Path = Path("/sys/fs/cgroup")) -> int | None:
 
 def thread_defaults(reserve: int = 0) -> dict[str, str]:
     """OpenMP settings: threads = CPUs in the affinity mask (or the cgroup quota, if smaller), less `reserve`, at least
-    one; passive waiting. (MKL follows OMP_NUM_THREADS, and torch sizes its pool from MKL's count, so MKL_NUM_THREADS
-    is left alone: a value of its own would override the user's OMP_NUM_THREADS.)"""
+    one; a short spin before waiting threads sleep, unless the user set a wait policy. (MKL follows OMP_NUM_THREADS,
+    and torch sizes its pool from MKL's count, so MKL_NUM_THREADS is left alone: a value of its own would override
+    the user's OMP_NUM_THREADS.)"""
     cpus = len(os.sched_getaffinity(0))
-    return {"OMP_NUM_THREADS": str(max(1, min(cpus, cgroup_cpus() or cpus) - reserve)), "OMP_WAIT_POLICY": "PASSIVE"}
+    threads = {"OMP_NUM_THREADS": str(max(1, min(cpus, cgroup_cpus() or cpus) - reserve))}
+    if "OMP_WAIT_POLICY" in os.environ:  # the user chose how threads wait
+        return threads
+    return threads | {"GOMP_SPINCOUNT": SPIN_COUNT}
 
 
 _DEFAULTED: set[str] = set()  # what configure_threads put into os.environ: ours to change, unlike the user's values
