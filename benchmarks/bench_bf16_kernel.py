@@ -1,12 +1,15 @@
-"""The bf16 matrix kernel (trtllm_dflash/models/bf16_gemm.cpp) against the library kernels, over all of a target's
+"""Our bf16 matrix kernel (trtllm_dflash/models/bf16_gemm.py) against the library kernels, over all of a target's
 linear layers at once (one forward's worth of weights, more than the caches hold), by number of rows.
 
-Ours (weights in its packed layout), oneDNN's packed kernel (what `PackedLinear` uses where ours does not run) and, for
-one row, ATen's kernel (oneDNN off: what `PackedLinear` took for single bf16 tokens before ours). Random weights of
-the target's shapes; the three take turns per round and each figure is the fastest of `--reps` rounds. Needs a CPU
-with AVX-512 BF16 (ours is not built elsewhere).
+Natively (`--isa native`, a CPU with AVX-512 BF16): ours, oneDNN's packed bf16 kernel (what `PackedLinear` uses
+where ours does not run) and, for one row, ATen's kernel (oneDNN off: what `PackedLinear` took for single bf16
+tokens before ours). With `--isa avx2` (a child process with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2:
+torch as on a CPU with AVX2 alone) ours is the FMA variant, against ATen's emulated bf16 kernel (what bf16 linears
+ran there before) and oneDNN's packed fp32 kernel (what the fp32 default runs there). Random weights of the target's
+shapes; the kernels take turns per round and each figure is the fastest of `--reps` rounds. The CLI's thread settings.
 
     python benchmarks/bench_bf16_kernel.py --rows 1 2 4 8 16 32 80 256
+    python benchmarks/bench_bf16_kernel.py --isa avx2 --rows 1 2 4 8 16 32 80 256
 """
 
 from __future__ import annotations
@@ -15,11 +18,19 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from trtllm_dflash.threads import configure_threads
+
+configure_threads()  # before torch loads (threads.py)
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+RESULTS = Path(__file__).parent / "results"
 
 
 def main(argv=None):
@@ -27,8 +38,13 @@ def main(argv=None):
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 80, 256])
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bf16-kernel.json"))
+    ap.add_argument("--isa", choices=["native", "avx2"], default="native")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/bf16-kernel.json (native), bf16-kernel-avx2.json")
     args = ap.parse_args(argv)
+    args.out = args.out or str(RESULTS / ("bf16-kernel.json" if args.isa == "native" else "bf16-kernel-avx2.json"))
+    if args.isa == "avx2" and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":  # torch reads it when it loads: a child
+        raise SystemExit(subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])],
+                                        env=os.environ | AVX2).returncode)
 
     import torch
     from transformers import AutoConfig
@@ -37,9 +53,11 @@ def main(argv=None):
     from trtllm_dflash.models import bf16_gemm
     from trtllm_dflash.resolve import resolve_target
 
+    from trtllm_dflash.models.packed import can_pack
+
     ours = bf16_gemm.kernel()
     if ours is None:
-        raise SystemExit("The bf16 kernel does not run on this CPU (it needs AVX-512 BF16 and no AMX); nothing to compare.")
+        raise SystemExit("Our bf16 kernel does not run on this CPU (it needs AVX-512 BF16 or AVX2 alone, and no AMX); nothing to compare.")
     c = AutoConfig.from_pretrained(resolve_target(args.target, lambda m: None))
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd
@@ -47,9 +65,14 @@ def main(argv=None):
               (c.hidden_size, c.intermediate_size)] * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]  # fused, as the runtime's
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for n, k in shapes]
-    kernels = {"ours": ([ours.pack(w) for w in weights], lambda x, w: ours.linear(x, w, None)),
-               "onednn": ([torch.ops.mkldnn._reorder_linear_weight(w) for w in weights],
-                          lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))}
+    def onednn(x, w):
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    kernels = {"ours": ([ours.pack(w) for w in weights], lambda x, w: ours.linear(x, w, None))}
+    if can_pack(torch.bfloat16):
+        kernels["onednn"] = ([torch.ops.mkldnn._reorder_linear_weight(w) for w in weights], onednn)
+    else:  # AVX2 alone: the fp32 default's kernel, fed the same inputs in fp32
+        kernels["onednn_fp32"] = ([torch.ops.mkldnn._reorder_linear_weight(w.float()) for w in weights], lambda x, w: onednn(x.float(), w))
 
     def aten(x, w):
         torch._C._set_mkldnn_enabled(False)
@@ -59,12 +82,13 @@ def main(argv=None):
             torch._C._set_mkldnn_enabled(True)
 
     result = {"benchmark": "bench_bf16_kernel", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "target": args.target, "linears": len(shapes),
+              "machine": machine_info(), "isa": args.isa, "kernel": bf16_gemm.variant(),
+              "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "target": args.target, "linears": len(shapes),
               "weight_mb": round(sum(n * k for n, k in shapes) * 2 / 2**20, 1), "reps": args.reps, "ms": {}}
     with torch.inference_mode():
         for m in args.rows:
             xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for k in {k for _, k in shapes}}
-            runs = dict(kernels) | ({"aten": (weights, aten)} if m == 1 else {})
+            runs = dict(kernels) | ({"aten": (weights, aten)} if m == 1 or args.isa == "avx2" else {})
             best = {name: float("inf") for name in runs}
             for rep in range(args.reps + 1):  # round 0 warms every kernel up and is not counted
                 for name, (packed, f) in runs.items():

@@ -23,6 +23,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from trtllm_dflash.threads import configure_threads
+
+configure_threads()  # before torch loads, and inherited by the children: the CLI's thread settings (threads.py)
 ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
 
 
@@ -49,7 +52,7 @@ def measure(target: str, dtype: str, tokens: list[int], reps: int, context: int,
 
     return {"ms": out, "ratio_to_decode": {t: round(ms / out["1"], 3) for t, ms in out.items()},
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "bf16_kernel": dtype == "bf16" and pack and bf16_gemm.kernel() is not None}
+            "bf16_kernel": bf16_gemm.variant() if dtype == "bf16" and pack and bf16_gemm.kernel() is not None else None}
 
 
 def main(argv=None):
@@ -60,7 +63,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--linears", nargs="+", default=["packed", "dense"], choices=["packed", "dense"],
                     help="packed: the runtime's linears (weights prepacked for oneDNN, or for our bf16 kernel where the CPU "
-                         "has AVX-512 BF16: models/bf16_gemm.py; TRTDFLASH_BF16_KERNEL=off keeps oneDNN's); dense: stock F.linear.")
+                         "has AVX-512 BF16 or AVX2 alone: models/bf16_gemm.py; TRTDFLASH_BF16_KERNEL=off keeps the library's); dense: stock F.linear.")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "step-cost.json"))

@@ -14,8 +14,9 @@ from .config import DRAFT_LOSSES, DTYPE_CHOICES
 from .errors import DFlashError
 from .threads import configure_threads
 
-DTYPE_HELP = ("auto: bf16 where the CPU has bf16 arithmetic (AVX-512 BF16, AMX), else fp32, whichever runs DFlash faster; "
-              "fp32 output is token-identical to decoding without a draft")
+DTYPE_HELP = ("auto: bf16 where the CPU has bf16 arithmetic (AVX-512 BF16, AMX) or AVX2 alone (our kernel: bf16 weights, "
+              "fp32 arithmetic), else fp32, whichever runs DFlash faster; fp32 output is token-identical to decoding "
+              "without a draft")
 
 
 def user_errors(fn):

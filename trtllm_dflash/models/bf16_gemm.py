@@ -1,12 +1,17 @@
-"""Our bf16 matrix kernel (bf16_gemm.cpp) for CPUs with AVX-512 BF16: a decode step and a verify both read the
-weights once at memory speed, and a row's projection does not depend on the rows beside it.
+"""Our bf16 matrix kernels: a decode step and a verify both read the weights once at memory speed, and a row's
+projection does not depend on the rows beside it.
 
-On such a CPU without AMX (an AMD EPYC Zen 4, 2026-11-26, `benchmarks/bench_bf16_kernel.py`), oneDNN's packed bf16
-kernel took 11.4-13.8 ms over SmolLM2-135M's linears for 1 to 8 rows and ATen's one-row kernel 9.3 ms; this one
-takes 7.8-8.5 ms for any of 1-8 rows and stays ahead of oneDNN up to 256 rows (161.7 against 164.2 ms). It is compiled on first use with the system C++
-compiler (torch's cpp_extension; about 25 s once, then cached under the trtllm_dflash cache) and used only where the
-CPU has the instructions and no AMX, whose tile kernels oneDNN uses for many rows (not measured here); where it is
-not built (no compiler, another CPU, `TRTDFLASH_BF16_KERNEL=off`), linears keep oneDNN's and ATen's kernels.
+- `avx512` (bf16_gemm.cpp), for CPUs with AVX-512 BF16 and no AMX: VDPBF16PS. On an AMD EPYC Zen 4
+  (2026-11-26, `benchmarks/bench_bf16_kernel.py`) oneDNN's packed bf16 kernel took 11.4-13.8 ms over SmolLM2-135M's
+  linears for 1 to 8 rows and ATen's one-row kernel 9.3 ms; this one takes 7.8-8.5 ms for any of 1-8 rows and stays
+  ahead of oneDNN up to 256 rows (161.7 against 164.2 ms).
+- `avx2` (bf16_gemm_avx2.cpp), where torch runs on AVX2 alone and bf16 matrix products are emulated: bf16 weights
+  widened to fp32 in registers, FMA. Figures in `benchmarks/results/bf16-kernel.json` (`--isa avx2`).
+
+Each is compiled on first use with the system C++ compiler (torch's cpp_extension; about 25 s once, then cached
+under the trtllm_dflash cache) and used only where the CPU has its instructions and no AMX, whose tile kernels
+oneDNN uses for many rows (not measured here); where none is built (no compiler, another CPU,
+`TRTDFLASH_BF16_KERNEL=off`), linears keep oneDNN's and ATen's kernels.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from importlib import resources
 
 import torch
 
-BLOCK = 32  # outputs per block of the packed layout
-SOURCE = "bf16_gemm.cpp"
-NAME = "trtdflash_bf16_gemm"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp"]
+BLOCK = 32  # outputs per block of the packed layout (both variants pack alike)
+VARIANTS = {  # name -> (source, compiler flags)
+    "avx512": ("bf16_gemm.cpp", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp"]),
+    "avx2": ("bf16_gemm_avx2.cpp", ["-O3", "-mavx2", "-mfma", "-fopenmp"]),
+}
 ENV = "TRTDFLASH_BF16_KERNEL"  # "off": keep the library kernels (A/B timing, or a compiler that misbehaves)
 
 
@@ -32,41 +38,51 @@ def fits(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % BLOCK == 0 and weight.shape[1] % 2 == 0
 
 
-def supported() -> bool:
-    """The CPU (as torch sees it: ATEN_CPU_CAPABILITY=avx2 emulates an AVX2-only one) has AVX-512 BF16 and no AMX."""
+def variant() -> str | None:
+    """The kernel for this CPU as torch sees it (ATEN_CPU_CAPABILITY=avx2 emulates an AVX2-only one), or None: AMX
+    (oneDNN's tile kernels), AVX-512 without BF16 (oneDNN's, not measured against ours) or `TRTDFLASH_BF16_KERNEL=off`."""
     from ..cpu import cpu_flags
 
-    flags = cpu_flags()
-    return (os.environ.get(ENV, "on") != "off" and torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and "avx512_bf16" in flags and "amx_bf16" not in flags)
+    flags, capability = cpu_flags(), torch.backends.cpu.get_cpu_capability()
+    if os.environ.get(ENV, "on") == "off" or "amx_bf16" in flags:
+        return None
+    if capability == "AVX512" and "avx512_bf16" in flags:
+        return "avx512"
+    if capability == "AVX2" and {"avx2", "fma"} <= flags:
+        return "avx2"
+    return None
 
 
 @functools.cache
 def kernel():
-    """The compiled extension (`pack`, `linear`), or None where it cannot run here (the reason said once on stderr)."""
-    if not supported():
+    """The compiled extension (`pack`, `linear`) for this CPU, or None where none runs here (the reason said once on
+    stderr)."""
+    name = variant()
+    if name is None:
         return None
     from torch.utils.cpp_extension import load
 
     from ..resolve import cache_dir
 
-    source = resources.files(__package__) / SOURCE
+    filename, flags = VARIANTS[name]
+    module_name = f"trtdflash_bf16_gemm_{name}"
+    source = resources.files(__package__) / filename
     text = source.read_bytes()
-    build = cache_dir() / "kernels" / f"bf16_gemm-{hashlib.sha256(text + ' '.join(FLAGS).encode()).hexdigest()[:16]}"
-    built = build / f"{NAME}.so"
+    build = cache_dir() / "kernels" / f"bf16_gemm_{name}-{hashlib.sha256(text + ' '.join(flags).encode()).hexdigest()[:16]}"
+    built = build / f"{module_name}.so"
     if built.is_file() and not (build / "lock").exists():  # built from this very source, and no build under way (the
         # lock is cpp_extension's): import it directly, as cpp_extension's checks take a second
-        spec = importlib.util.spec_from_file_location(NAME, built)
+        spec = importlib.util.spec_from_file_location(module_name, built)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    print(f"trtllm_dflash: building the bf16 matrix kernel for this CPU (once, about 25 s) in {build}", file=sys.stderr)
+    print(f"trtllm_dflash: building the bf16 matrix kernel for this CPU ({name}; once, about 25 s) in {build}", file=sys.stderr)
     try:
         build.mkdir(parents=True, exist_ok=True)
         with resources.as_file(source) as path:
-            return load(name=NAME, sources=[str(path)], build_directory=str(build), extra_cflags=FLAGS,
+            return load(name=module_name, sources=[str(path)], build_directory=str(build), extra_cflags=flags,
                         extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: the library kernels still work
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"trtllm_dflash: the bf16 matrix kernel could not be built ({reason[:200]}); using oneDNN's.", file=sys.stderr)
+        print(f"trtllm_dflash: the bf16 matrix kernel could not be built ({reason[:200]}); using the library's.", file=sys.stderr)
         return None

@@ -8,7 +8,8 @@ Each row's output does not depend on how many rows are in the call, so a token v
 same projection as decoding it alone. Inference only: the op has no backward.
 
 bf16 weights on a CPU with AVX-512 BF16 and no AMX take our own kernel instead (bf16_gemm.py: faster than oneDNN's
-for any number of rows measured, and as fast for 8 rows as for one). Elsewhere, one exception, measured per process:
+for any number of rows measured, and as fast for 8 rows as for one), and so do they where torch runs on AVX2 alone,
+where oneDNN does not pack bf16 at all. Elsewhere, one exception, measured per process:
 where ATen's own kernel multiplies a single bf16 token faster than oneDNN's packed one (on an AMD EPYC with AVX-512
 BF16, all of SmolLM2's linears for one token took 11.2 ms against 17.9 ms, 2026-11-23; for 8 tokens 63 ms against
 19), a one-token call keeps the dense weight and takes ATen's kernel. In fp32 oneDNN's packed kernel is the faster
@@ -109,7 +110,8 @@ def pack_linears(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and can_pack(child.weight.dtype):
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" and (
+                    can_pack(child.weight.dtype) or (bf16_gemm.fits(child.weight) and bf16_gemm.kernel() is not None)):
                 setattr(parent, name, PackedLinear(child, keep_weight=any(child is m for m in keep)))
                 packed += 1
     return packed
