@@ -9,6 +9,7 @@ import torch
 
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.generate import Batch, Request
+from trtllm_dflash.models import bf16_gemm
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.policy import BlockPolicy
 from trtllm_dflash.resolve import DRAFTS_DIR
@@ -276,3 +277,39 @@ def test_bf16_rows_reading_whole_slots_see_only_their_own_positions(target_dir):
         assert torch.equal(whole, logits(rows, 256, stale=False)), lengths
         if len(rows) > 1:
             assert torch.equal(whole, logits(rows, 2048, stale=False)), lengths
+
+
+@pytest.mark.skipif(bf16_gemm.variant() is None, reason="needs our bf16 kernels (AVX-512 BF16 or AVX2 alone, no AMX)")
+def test_bf16_dflash_writes_what_bf16_plain_decoding_writes_alone_and_batched(target_dir):
+    """Where our bf16 kernels run, a token's logits do not depend on the forward it is in: the linears and a step's
+    attention (slot_attention.h) each take one fixed order per token. So bf16 DFlash, alone with full blocks and in
+    a batch whose rows verify blocks of every length, lookup guesses and single tokens side by side, writes exactly
+    what bf16 plain decoding writes (the shipped draft, the real target)."""
+    from trtllm_dflash.models.target import TargetModel
+
+    bf16 = TargetModel.load(target_dir, torch.bfloat16)
+    assert bf16.attention is not None
+    draft = load_draft(DRAFTS_DIR / "smollm2-135m", torch.bfloat16)
+    draft.pack()
+    bf16.set_taps(draft.config.target_layer_ids)
+    engine = DFlashEngine(bf16, draft, draft.config.block_size, speculation="fixed")
+    plain = DFlashEngine(bf16, None, 1)
+    ids = [engine.encode(prompt, chat) for prompt, chat, _ in PROMPTS]
+    want = [[t for step, _ in plain.stream(i, max_new_tokens=n) for t in step] for i, (_, _, n) in zip(ids, PROMPTS)]
+    alone = [[t for step, _ in engine.stream(i, max_new_tokens=n) for t in step] for i, (_, _, n) in zip(ids, PROMPTS)]
+    assert alone == want
+    policy = CyclingPolicy(engine.block_size)
+    batch = Batch(bf16, draft, engine.block_size, slots=len(PROMPTS), policy=policy)
+    reqs = [request(engine, i, n) for i, (_, _, n) in zip(ids, PROMPTS)]
+    out = []
+    for r in reqs:
+        while not (first := batch.add(r)):
+            pass
+        out.append(list(first))
+    while batch.ready:
+        for r, tokens in batch.step().items():
+            out[reqs.index(r)] += tokens
+        for r in [r for r in batch.rows if r.stats.finish_reason]:
+            batch.remove(r)
+    assert policy.mixed_steps > 3 and policy.looked_steps > 0
+    assert out == want

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "slot_attention.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;  // outputs per block of the packed layout (4 x 8 lanes)
@@ -93,4 +95,5 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "W [N, K] -> [N/32, K/2, 32, 2]");
   m.def("linear", &linear, "x [..., K] with packed W -> [..., N]");
+  m.def("attend", &slot_attention::attend, "q [N, H, D] over slots of a bf16 KV cache up to each token's position -> [N, H, D]");
 }

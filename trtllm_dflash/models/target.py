@@ -19,6 +19,7 @@ RECURRENT_HINTS = ("mamba", "rwkv", "recurrent", "linear_attention", "gated_delt
 # Families whose HF decoder layer is exactly the one `_lean_forward` runs: pre-norm RMSNorm, q/k/v/o projections
 # (Qwen3: per-head q/k RMSNorm), rotate-half RoPE, full causal attention, gated SiLU MLP, no embedding scale.
 LEAN_FAMILIES = ("llama", "qwen2", "qwen3")
+STEP_QUERIES = 32  # queries per row up to which a bf16 forward attends with our kernel (a step's rows: a block at most)
 
 
 def _rows_sdpa(query, key, value, attention_mask, scaling):
@@ -181,9 +182,7 @@ class TargetModel:
         self._capture = False
         self.ragged = self._use_ragged_attention()
         self.lean = self._lean_supported()
-        # Where torch runs on AVX2 alone, bf16 matrix products are emulated: the lean loop attends in fp32 over the
-        # bf16 cache (an 8-token verify's bf16 SDPA took 4.3 ms, AMD EPYC Zen 4 with ATEN_CPU_CAPABILITY=avx2, 2026-11-26)
-        self.attend_fp32 = self.dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() not in ("AVX512",)
+        self.attention = self._attention_kernel()
         if self.lean:  # the lean loop runs the fused projections (the HF forward their slices)
             fuse_projections(self.layers)
             self.lean = all(hasattr(l.self_attn, "qkv_proj") and hasattr(l.mlp, "gate_up_proj") for l in self.layers)
@@ -210,6 +209,16 @@ class TargetModel:
         except (ValueError, ImportError, AttributeError, NotImplementedError):
             return False
         return self.model.config._attn_implementation == name
+
+    def _attention_kernel(self):
+        """Our bf16 kernel module where it runs (bf16_gemm.py), for `attend` (slot_attention.h): a bf16 step's
+        attention, one fixed order per token, so a decode step, a verify block and a batch of rows agree bit for bit."""
+        from . import bf16_gemm
+
+        head_dim = getattr(self.layers[0].self_attn, "head_dim", 0) if self.lean else 0
+        if self.dtype != torch.bfloat16 or head_dim % 16:
+            return None
+        return bf16_gemm.kernel()
 
     def _lean_supported(self) -> bool:
         """Whether `_lean_forward` computes what the HF forward does for this model: a listed family, full attention
@@ -349,8 +358,13 @@ class TargetModel:
         135M target's 8-token verify). input_ids/positions [b, T] (flat rows: [1, T] with `slot_rows`) -> logits,
         features [b, T, n_sel*H] or None."""
         decoder = self.model.get_decoder()
-        if self.attend_fp32 and masks is not None:
-            masks = masks.float()
+        # a step's few queries per row take our kernel: each token over its slot up to its position (a prompt's long
+        # chunks keep SDPA, the same in every mode, so DFlash and plain decoding start from the same cache)
+        step = self.attention is not None and (slot_rows.kmax if slot_rows is not None else input_ids.shape[1]) <= STEP_QUERIES
+        if step:
+            b, t = input_ids.shape
+            token_slot = slot_rows.flat_row if slot_rows is not None else cache.first_slot + torch.arange(b).repeat_interleave(t)
+            token_pos = positions.reshape(-1)
         x = decoder.embed_tokens(input_ids)  # [b, T, H]
         cos, sin = decoder.rotary_emb(x, positions)
         cos, sin = cos[:, None], sin[:, None]  # [b, 1, T, hd]: broadcast over heads
@@ -367,9 +381,10 @@ class TargetModel:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, T, hd]
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
             keys, values = cache.update(k, v, i)  # this forward's rows' K/V [b | n, nkv, K, hd]
-            if self.attend_fp32:
-                q, keys, values = q.float(), keys.float(), values.float()
-            if slot_rows is None and q.shape[0] == 1 and (q.shape[2] > 1 or masks is None):  # not one query over a whole slot
+            if step:
+                out = self.attention.attend(q.transpose(1, 2).reshape(-1, q.shape[1], attn.head_dim), cache.k[i], cache.v[i],
+                                            token_slot, token_pos, attn.scaling)
+            elif slot_rows is None and q.shape[0] == 1 and (q.shape[2] > 1 or masks is None):  # not one query over a whole slot
                 if q.shape[2] == 1 and q.dtype == torch.bfloat16:  # decoding one row: the K/V slice taken to fp32 and
                     # SDPA's fp32 kernel cost 25 us a layer against 65-90 for any bf16 attention (context 200, 2 threads,
                     # AMD EPYC, 2026-11-25); with 8 queries, or several rows, the bf16 kernels are as fast or faster
@@ -382,7 +397,7 @@ class TargetModel:
                 out = _rows_sdpa(q, keys, values, masks, attn.scaling)
             else:
                 out = _flat_rows_sdpa(q[0], keys, values, masks, attn.scaling, slot_rows)[None]
-            x = x + attn.o_proj.forward(out.reshape(*x.shape[:-1], -1).to(x.dtype))
+            x = x + attn.o_proj.forward(out.reshape(*x.shape[:-1], -1))
             h = layer.post_attention_layernorm.forward(x)
             gate, up = mlp.gate_up_proj.forward(h).split(mlp.gate_proj.outputs.sizes, dim=-1)
             x = x + mlp.down_proj.forward(mlp.act_fn(gate) * up)
@@ -416,6 +431,11 @@ class SlotKVCache(Cache):
         self._same_start = True
         self._flat: FlatRows | None = None  # the layout of a forward of rows on one flat axis
         self._width = 0  # key positions the next forward's attention reads
+
+    @property
+    def first_slot(self) -> int:
+        """The slot of the next forward's first row (set by `begin`)."""
+        return self._rows.start
 
     def reserve(self, length: int) -> None:
         """Grow every slot to hold `length` positions (doubling, contents kept)."""
