@@ -9,11 +9,12 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "bf16_blocks.h"
 #include "slot_attention.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // outputs per block: two 16-lane accumulators
+using bf16_blocks::kBlock;  // outputs per block: two 16-lane accumulators
 constexpr int kRows = 8;        // rows per pass over a block (2 x 8 accumulators + operands fit the 32 registers)
 
 template <int M>
@@ -58,38 +59,12 @@ void rows(int m, const uint16_t* x, const uint16_t* w, const float* bias, uint16
 
 }  // namespace
 
-torch::Tensor pack(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "pack: a 2-D bf16 weight");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(N % kBlock == 0 && K % 2 == 0, "pack: out_features must be a multiple of 32 and in_features even");
-  return weight.contiguous().view({N / kBlock, kBlock, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-}
-
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "linear: bf16 tensors");
-  const int64_t N = packed.size(0) * kBlock, K = packed.size(1) * 2;
-  TORCH_CHECK(x.size(-1) == K, "linear: input has ", x.size(-1), " features, the weight ", K);
-  const auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = torch::empty({M, N}, x.options());
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous()), "linear: an fp32 bias");
-  const uint16_t* xp = (const uint16_t*)x2.data_ptr();
-  const uint16_t* wp = (const uint16_t*)packed.data_ptr();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  uint16_t* yp = (uint16_t*)y.data_ptr();
-  // Each block's weights are read from memory once and reused from cache for every further group of 8 rows.
-  at::parallel_for(0, N / kBlock, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t m0 = 0; m0 < M; m0 += kRows)
-        rows((int)std::min<int64_t>(kRows, M - m0), xp + m0 * K, wp + nb * (K / 2) * 64, bp, yp + m0 * N, N, K, nb);
-  });
-  return y.view(sizes);
+  return bf16_blocks::linear<uint16_t, kRows>(x, packed, bias, rows);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "W [N, K] -> [N/32, K/2, 32, 2]");
+  m.def("pack", &bf16_blocks::pack, "W [N, K] -> [N/32, K/2, 32, 2]");
   m.def("linear", &linear, "x [..., K] with packed W -> [..., N]");
   m.def("attend", &slot_attention::attend, "q [N, H, D] over slots of a bf16 KV cache up to each token's position -> [N, H, D]");
 }

@@ -30,7 +30,7 @@ VARIANTS = {  # name -> (source, compiler flags)
     "avx512": ("bf16_gemm.cpp", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp"]),
     "avx2": ("bf16_gemm_avx2.cpp", ["-O3", "-mavx2", "-mfma", "-fopenmp"]),
 }
-HEADER = "slot_attention.h"  # the attention both variants compile in (`attend`)
+HEADERS = ("bf16_blocks.h", "slot_attention.h")  # what both variants compile in: the layout and loop, `attend`
 ENV = "TRTDFLASH_BF16_KERNEL"  # "off": keep the library kernels (A/B timing, or a compiler that misbehaves)
 
 
@@ -68,7 +68,7 @@ def kernel():
     filename, flags = VARIANTS[name]
     module_name = f"trtdflash_bf16_gemm_{name}"
     source = resources.files(__package__) / filename
-    text = source.read_bytes() + (resources.files(__package__) / HEADER).read_bytes()  # the header sits beside it
+    text = source.read_bytes() + b"".join((resources.files(__package__) / h).read_bytes() for h in HEADERS)  # beside it
     build = cache_dir() / "kernels" / f"bf16_gemm_{name}-{hashlib.sha256(text + ' '.join(flags).encode()).hexdigest()[:16]}"
     built = build / f"{module_name}.so"
     if built.is_file() and not (build / "lock").exists():  # built from this very source, and no build under way (the

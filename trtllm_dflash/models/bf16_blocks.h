@@ -1,0 +1,45 @@
+// What both bf16 matrix kernel variants share: the packed weight layout [N/32][K/2][32][2] and the loop that runs a
+// variant's row kernel over every block of 32 outputs (compiled with each variant's instruction set).
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <type_traits>
+
+namespace bf16_blocks {
+
+constexpr int64_t kBlock = 32;  // outputs per block of the packed layout
+
+inline torch::Tensor pack(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "pack: a 2-D bf16 weight");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N % kBlock == 0 && K % 2 == 0, "pack: out_features must be a multiple of 32 and in_features even");
+  return weight.contiguous().view({N / kBlock, kBlock, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// y = x W^T (+ bias) with `rows(m, x, w, bias, y, N, K, nb)` computing up to kRows rows of block nb; the inputs reach
+// it as XT (uint16_t: bf16 as they are; float: widened once, exactly). Each block's weights are read from memory once
+// and reused from cache for every further group of rows.
+template <typename XT, int kRows, typename Rows>
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias, Rows rows) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "linear: bf16 tensors");
+  const int64_t N = packed.size(0) * kBlock, K = packed.size(1) * 2;
+  TORCH_CHECK(x.size(-1) == K, "linear: input has ", x.size(-1), " features, the weight ", K);
+  const auto x2 = std::is_same<XT, float>::value ? x.reshape({-1, K}).to(torch::kFloat).contiguous() : x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty({M, N}, x.options());
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous()), "linear: an fp32 bias");
+  const XT* xp = (const XT*)x2.data_ptr();
+  const uint16_t* wp = (const uint16_t*)packed.data_ptr();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  uint16_t* yp = (uint16_t*)y.data_ptr();
+  at::parallel_for(0, N / kBlock, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t m0 = 0; m0 < M; m0 += kRows)
+        rows((int)std::min<int64_t>(kRows, M - m0), xp + m0 * K, wp + nb * (K / 2) * 64, bp, yp + m0 * N, N, K, nb);
+  });
+  return y.view(sizes);
+}
+
+}  // namespace bf16_blocks
