@@ -51,9 +51,8 @@ def main(argv=None):
 
     from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.models import bf16_gemm
-    from trtllm_dflash.resolve import resolve_target
-
     from trtllm_dflash.models.packed import can_pack
+    from trtllm_dflash.resolve import resolve_target
 
     ours = bf16_gemm.kernel()
     if ours is None:
@@ -65,6 +64,7 @@ def main(argv=None):
               (c.hidden_size, c.intermediate_size)] * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]  # fused, as the runtime's
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for n, k in shapes]
+
     def onednn(x, w):
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 

@@ -61,7 +61,7 @@ def machine_info() -> dict:
 def fastest_dtype() -> str:
     """'bf16' where the CPU has bf16 arithmetic and oneDNN packs bf16 weights, or where torch runs on AVX2 alone and
     our kernel's AVX2 variant is built (bf16 weights, fp32 arithmetic: DFlash 59.4 against fp32's 31.6 tokens/s through
-    the CLI on GSM8K, AMD EPYC Zen 4 with ATEN_CPU_CAPABILITY=avx2, 2026-11-26, `benchmarks/bench_speedup.py`); else
+    the CLI on GSM8K, AMD EPYC Zen 4 with ATEN_CPU_CAPABILITY=avx2, 2026-11-26, `benchmarks/results/speedup-20261126-0204-avx2.json`); else
     'fp32'."""
     import torch
 

@@ -26,7 +26,7 @@ import math
 import os
 from pathlib import Path
 
-SPIN_COUNT = "3000"  # libgomp spins (about 50 us here) before a waiting thread sleeps: see the module docstring
+SPIN_COUNT = "3000"  # libgomp spins this many times before a waiting thread sleeps: see the module docstring
 
 
 def cgroup_cpus(root: Path = Path("/sys/fs/cgroup")) -> int | None:

@@ -6,7 +6,7 @@ projection does not depend on the rows beside it.
   linears for 1 to 8 rows and ATen's one-row kernel 9.3 ms; this one takes 7.8-8.5 ms for any of 1-8 rows and stays
   ahead of oneDNN up to 256 rows (161.7 against 164.2 ms).
 - `avx2` (bf16_gemm_avx2.cpp), where torch runs on AVX2 alone and bf16 matrix products are emulated: bf16 weights
-  widened to fp32 in registers, FMA. Figures in `benchmarks/results/bf16-kernel.json` (`--isa avx2`).
+  widened to fp32 in registers, FMA. Figures in `benchmarks/results/bf16-kernel-avx2.json` (`--isa avx2`).
 
 Each is compiled on first use with the system C++ compiler (torch's cpp_extension; about 25 s once, then cached
 under the trtllm_dflash cache) and used only where the CPU has its instructions and no AMX, whose tile kernels

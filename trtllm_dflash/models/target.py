@@ -182,10 +182,10 @@ class TargetModel:
         self._capture = False
         self.ragged = self._use_ragged_attention()
         self.lean = self._lean_supported()
-        self.attention = self._attention_kernel()
         if self.lean:  # the lean loop runs the fused projections (the HF forward their slices)
             fuse_projections(self.layers)
             self.lean = all(hasattr(l.self_attn, "qkv_proj") and hasattr(l.mlp, "gate_up_proj") for l in self.layers)
+        self.attention = self._attention_kernel()  # used by the lean loop only: decided once it is known
 
     def _use_ragged_attention(self) -> bool:
         """Wrap the model's attention so `forward_rows` can lay rows on one flat axis; True where it could (HF models
