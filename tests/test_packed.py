@@ -155,6 +155,44 @@ def test_bf16_kernel_rows_are_batch_invariant_and_round_as_the_library(bias, isa
     assert _in_child(BATCH_INVARIANCE, str(bias), env=AVX2 if isa == "avx2" else None) == want
 
 
+STEP_ATTENTION = """
+import torch
+from trtllm_dflash.models import bf16_gemm
+attend = bf16_gemm.kernel().attend
+g = torch.Generator().manual_seed(0)
+for heads, kv_heads, head_dim in ((9, 3, 64), (32, 8, 128), (14, 2, 64), (8, 8, 256), (16, 2, 128)):
+    k, v = (torch.randn(3, kv_heads, 300, head_dim, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = (torch.randn(20, heads, head_dim, generator=g) * 2).to(torch.bfloat16)
+    slot = torch.tensor([0] * 8 + [2] * 11 + [1])  # a verify block, a longer ragged row, a decode step
+    pos = torch.cat([torch.arange(120, 128), torch.arange(289, 300), torch.tensor([0])])
+    out = attend(q, k, v, slot, pos, head_dim**-0.5)
+    for t in range(20):  # every token alone: the same bits, and softmax attention over its slot up to its position
+        assert torch.equal(attend(q[t : t + 1], k, v, slot[t : t + 1], pos[t : t + 1], head_dim**-0.5), out[t : t + 1])
+        keys, values = (c[slot[t], :, : pos[t] + 1].double().repeat_interleave(heads // kv_heads, 0) for c in (k, v))
+        exact = ((q[t].double()[:, None] @ keys.transpose(1, 2)) * head_dim**-0.5).softmax(-1) @ values  # [H, 1, D]
+        assert (out[t].double() - exact[:, 0]).abs().max() <= exact.abs().max() * 2**-8 + 1e-6, (heads, head_dim, t)
+try:
+    attend(q[:1], k, v, slot[:1], torch.tensor([300]), 0.1)
+except RuntimeError as e:
+    assert "outside the cache" in str(e)
+else:
+    raise AssertionError("a position past the cache was read")
+print(bf16_gemm.variant())
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_step_attention_kernel_is_softmax_attention_and_batch_invariant(isa):
+    """A bf16 step's attention (slot_attention.h) on both variants, for the head layouts of SmolLM2, Qwen3, odd head
+    groups and a 256 head dim: each token's output is softmax attention over its slot up to its position within one
+    bf16 rounding, and bit for bit the same alone as beside a verify block, a ragged row and a decode step."""
+    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs AVX2 and FMA")
+    want = bf16_gemm.variant() if isa == "native" else "avx2"
+    assert _in_child(STEP_ATTENTION, env=AVX2 if isa == "avx2" else None) == want
+
+
 @needs_kernel
 def test_bf16_kernel_leaves_unfit_shapes_and_fp32_to_onednn():
     """A weight whose out_features is not a multiple of 32, and every fp32 weight, keep oneDNN's packed kernel."""

@@ -1,5 +1,6 @@
 // Attention of tokens on one flat axis over a static per-slot bf16 KV cache, for bf16 targets (included by both
-// bf16 matrix kernel variants, compiled with each one's instruction set).
+// bf16 matrix kernel variants, compiled with each one's instruction set: 16 fp32 lanes are one AVX-512 register or
+// two AVX2 ones).
 //
 // Token t (query heads q[t], [H, D]) attends to positions 0..pos[t] of cache slot slot[t]: the cache already holds
 // this forward's own K/V, so a verify block is causal by position and rows of any lengths share one call, with no
@@ -9,6 +10,7 @@
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -16,13 +18,84 @@
 
 namespace slot_attention {
 
-constexpr int kLanes = 16;  // partial sums per dot product: fixed, so the order never depends on the compiler
+constexpr int kLanes = 16;  // fp32 lanes of a Vec: partial sums per dot product, the same on both instruction sets
 
-inline float widen(uint16_t b) {
-  const uint32_t u = (uint32_t)b << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+#if defined(__AVX512F__)
+struct Vec {
+  __m512 x;
+};
+inline Vec zero() { return {_mm512_setzero_ps()}; }
+inline Vec set1(float a) { return {_mm512_set1_ps(a)}; }
+inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.x); }
+inline Vec load_bf16(const uint16_t* p) {  // 16 bf16 -> fp32: the high half of each word
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16))};
+}
+inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.x, b.x, c.x)}; }
+inline Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.x, b.x)}; }
+inline Vec sub(Vec a, Vec b) { return {_mm512_sub_ps(a.x, b.x)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.x, b.x)}; }
+inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.x, b.x)}; }
+inline Vec round(Vec a) { return {_mm512_roundscale_ps(a.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline Vec pow2(Vec p, Vec n) { return {_mm512_scalef_ps(p.x, n.x)}; }  // p * 2^n, n integral
+inline float sum(Vec a) {  // fixed tree: halves added until one lane is left
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a.x), _mm512_extractf32x8_ps(a.x, 1));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Vec {
+  __m256 lo, hi;
+};
+inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vec set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline Vec load_bf16(const uint16_t* p) { return {widen8(p), widen8(p + 8)}; }
+inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Vec sub(Vec a, Vec b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline Vec round(Vec a) {
+  return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+          _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline __m256 pow2_8(__m256 p, __m256 n) {  // n in [-126, 0] here (exp's argument is clamped): a normal 2^n
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline Vec pow2(Vec p, Vec n) { return {pow2_8(p.lo, n.lo), pow2_8(p.hi, n.hi)}; }
+inline float sum(Vec a) {
+  const __m256 h = _mm256_add_ps(a.lo, a.hi);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+#else
+#error "slot_attention.h needs AVX-512F or AVX2 with FMA"
+#endif
+
+// exp(x) for x <= 0 (a score minus the row's maximum): x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor
+// polynomial (relative error about 2e-7, below fp32's own rounding of the sum it feeds), scaled by 2^n. Arguments
+// below -87 give 2^-126 * e^r, not 0: weights of about 1e-38 against the maximum's 1.
+inline Vec exp_nonpositive(Vec x) {
+  x = max(x, set1(-87.0f));
+  const Vec n = round(mul(x, set1(1.44269504088896341f)));
+  Vec r = fma(n, set1(-0.693145751953125f), x);  // ln 2 in two parts: the first exact in n's product
+  r = fma(n, set1(-1.428606765330187e-06f), r);
+  Vec p = set1(1.f / 720);
+  p = fma(p, r, set1(1.f / 120));
+  p = fma(p, r, set1(1.f / 24));
+  p = fma(p, r, set1(1.f / 6));
+  p = fma(p, r, set1(0.5f));
+  p = fma(p, r, set1(1.f));
+  p = fma(p, r, set1(1.f));
+  return pow2(p, n);
 }
 
 inline uint16_t narrow(float f) {  // nearest even; NaN stays a quiet NaN
@@ -30,6 +103,82 @@ inline uint16_t narrow(float f) {  // nearest even; NaN stays a quiet NaN
   std::memcpy(&u, &f, 4);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// One token's G query heads that read one K/V head, D = 16 * CH: each K and V row is widened once for the G of them,
+// and each head's arithmetic is the same sequence whatever G is. scores holds G rows of C + 16 floats (the exp pass
+// runs over whole Vecs).
+template <int CH, int G>
+inline void attend_group(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t length, int64_t stride,
+                         float scale, float* scores, uint16_t* out) {
+  constexpr int64_t D = CH * kLanes;
+  Vec qv[G][CH];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) qv[g][c] = mul(load_bf16(q + g * D + c * kLanes), set1(scale));
+  float top[G];
+  for (int g = 0; g < G; ++g) top[g] = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < length; ++j) {  // scores: 16 lane partial sums over the head dim, then their fixed tree
+    Vec kr[CH];
+    for (int c = 0; c < CH; ++c) kr[c] = load_bf16(k + j * D + c * kLanes);
+    for (int g = 0; g < G; ++g) {
+      Vec part = mul(qv[g][0], kr[0]);
+      for (int c = 1; c < CH; ++c) part = fma(qv[g][c], kr[c], part);
+      const float s = sum(part);
+      scores[g * stride + j] = s;
+      top[g] = std::max(top[g], s);
+    }
+  }
+  const int64_t whole = (length + kLanes - 1) / kLanes * kLanes;
+  float inv[G];
+  for (int g = 0; g < G; ++g) {  // lanes past the length are zeroed after the exp
+    float* sg = scores + g * stride;
+    for (int64_t j = length; j < whole; ++j) sg[j] = top[g];
+    const Vec shift = set1(top[g]);
+    for (int64_t j = 0; j < whole; j += kLanes) store(sg + j, exp_nonpositive(sub(load(sg + j), shift)));
+    for (int64_t j = length; j < whole; ++j) sg[j] = 0.f;
+    Vec total = zero();
+    for (int64_t j = 0; j < whole; j += kLanes) total = add(total, load(sg + j));
+    inv[g] = 1.f / sum(total);
+  }
+  Vec o[G][CH];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) o[g][c] = zero();
+  for (int64_t j = 0; j < length; ++j) {
+    Vec vr[CH];
+    for (int c = 0; c < CH; ++c) vr[c] = load_bf16(v + j * D + c * kLanes);
+    for (int g = 0; g < G; ++g) {
+      const Vec p = set1(scores[g * stride + j]);
+      for (int c = 0; c < CH; ++c) o[g][c] = fma(p, vr[c], o[g][c]);
+    }
+  }
+  alignas(64) float row[D];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < CH; ++c) store(row + c * kLanes, mul(o[g][c], set1(inv[g])));
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = narrow(row[d]);
+  }
+}
+
+using GroupFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, float, float*, uint16_t*);
+
+template <int CH>
+inline GroupFn group_fn(int64_t g) {
+  switch (g) {
+    case 1: return attend_group<CH, 1>;
+    case 2: return attend_group<CH, 2>;
+    case 3: return attend_group<CH, 3>;
+    default: return attend_group<CH, 4>;
+  }
+}
+
+inline std::vector<int64_t> head_dims() { return {64, 128, 256}; }  // what `pick` compiles, for the Python side
+
+inline GroupFn pick(int64_t head_dim, int64_t g) {
+  switch (head_dim) {
+    case 64: return group_fn<4>(g);
+    case 128: return group_fn<8>(g);
+    case 256: return group_fn<16>(g);
+    default: return nullptr;
+  }
 }
 
 // q [N, H, D] bf16; k, v [S, KVH, C, D] bf16; slot, pos [N] int64 -> [N, H, D] bf16 (query head h reads K/V head
@@ -41,7 +190,11 @@ inline torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, cons
               "attend: bf16 tensors");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "attend: a contiguous cache");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), S = k.size(0), KVH = k.size(1), C = k.size(2);
-  TORCH_CHECK(k.size(3) == D && D % kLanes == 0 && H % KVH == 0, "attend: head dim a multiple of 16, heads a multiple of KV heads");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "attend: heads a multiple of KV heads");
+  const int64_t groups = H / KVH;
+  const int64_t per = groups % 4 == 0 ? 4 : groups % 3 == 0 ? 3 : groups % 2 == 0 ? 2 : 1;  // heads a call widens K/V for
+  const GroupFn fn = pick(D, per);
+  TORCH_CHECK(k.size(3) == D && fn != nullptr, "attend: head dim 64, 128 or 256");
   const auto qc = q.contiguous();
   const auto sl = slot.to(torch::kLong).contiguous(), ps = pos.to(torch::kLong).contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
@@ -54,38 +207,14 @@ inline torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, cons
   const uint16_t* kp = (const uint16_t*)k.data_ptr();
   const uint16_t* vp = (const uint16_t*)v.data_ptr();
   uint16_t* op = (uint16_t*)out.data_ptr();
-  const int64_t groups = H / KVH;
   const float sc = (float)scale;
-  at::parallel_for(0, N * H, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> qf(D), acc(D), scores;
+  const int64_t calls = H / per;  // per token
+  at::parallel_for(0, N * calls, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores(per * (C + kLanes));
     for (int64_t i = b; i < e; ++i) {
-      const int64_t t = i / H, h = i % H, length = pp[t] + 1;
+      const int64_t t = i / calls, h = i % calls * per;
       const int64_t base = ((sp[t] * KVH + h / groups) * C) * D;
-      for (int64_t d = 0; d < D; ++d) qf[d] = widen(qp[i * D + d]);
-      scores.resize(length);
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < length; ++j) {
-        const uint16_t* kr = kp + base + j * D;
-        float part[kLanes] = {0};
-        for (int64_t d = 0; d < D; d += kLanes)
-          for (int l = 0; l < kLanes; ++l) part[l] += qf[d + l] * widen(kr[d + l]);
-        float dot = 0.f;
-        for (int l = 0; l < kLanes; ++l) dot += part[l];
-        scores[j] = dot * sc;
-        top = std::max(top, scores[j]);
-      }
-      float total = 0.f;
-      for (int64_t j = 0; j < length; ++j) {
-        scores[j] = std::exp(scores[j] - top);
-        total += scores[j];
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < length; ++j) {
-        const uint16_t* vr = vp + base + j * D;
-        const float p = scores[j];
-        for (int64_t d = 0; d < D; ++d) acc[d] += p * widen(vr[d]);
-      }
-      for (int64_t d = 0; d < D; ++d) op[i * D + d] = narrow(acc[d] / total);
+      fn(qp + (t * H + h) * D, kp + base, vp + base, pp[t] + 1, C + kLanes, sc, scores.data(), op + (t * H + h) * D);
     }
   });
   return out;

@@ -216,9 +216,8 @@ class TargetModel:
         from . import bf16_gemm
 
         head_dim = getattr(self.layers[0].self_attn, "head_dim", 0) if self.lean else 0
-        if self.dtype != torch.bfloat16 or head_dim % 16:
-            return None
-        return bf16_gemm.kernel()
+        kernel = bf16_gemm.kernel() if self.dtype == torch.bfloat16 and head_dim else None
+        return kernel if kernel is not None and head_dim in kernel.ATTEND_HEAD_DIMS else None
 
     def _lean_supported(self) -> bool:
         """Whether `_lean_forward` computes what the HF forward does for this model: a listed family, full attention
