@@ -181,6 +181,43 @@ print(bf16_gemm.variant())
 """
 
 
+ROPE_ATTEND = """
+import torch
+from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.models.target import _rotate_half
+kernel = bf16_gemm.kernel()
+g = torch.Generator().manual_seed(1)
+H, KVH, D, N = 9, 3, 64, 12
+qkv = (torch.randn(N, (H + 2 * KVH) * D, generator=g) * 3).to(torch.bfloat16)  # the fused projection's output
+q, k, v = (t.view(N, -1, D) for t in qkv.split([H * D, KVH * D, KVH * D], dim=-1))  # strided views, as the model's
+slot = torch.tensor([1] * 8 + [0] * 3 + [2])
+pos = torch.cat([torch.arange(40, 48), torch.arange(7, 10), torch.tensor([0])])
+inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+emb = torch.cat([pos[:, None].float() * inv_freq] * 2, dim=-1)
+cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)  # [N, D], as HF's rotary embedding gives them
+kc, vc = (torch.randn(3, KVH, 64, D, generator=g).to(torch.bfloat16) for _ in range(2))
+want_k, want_v = kc.clone(), vc.clone()
+rot = lambda x: x * cos[:, None] + _rotate_half(x) * sin[:, None]  # the unfused ops, in bf16
+want_k[slot, :, pos], want_v[slot, :, pos] = rot(k), v
+want = kernel.attend(rot(q), want_k, want_v, slot, pos, D**-0.5).view(N, H * D)
+got = kernel.rope_attend(q, k, v, cos, sin, kc, vc, slot, pos, D**-0.5)
+assert torch.equal(got, want) and torch.equal(kc, want_k) and torch.equal(vc, want_v)
+print(bf16_gemm.variant())
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_fused_step_attention_is_the_unfused_ops_bit_for_bit(isa):
+    """`rope_attend` (RoPE, the cache writes and attention in one call, as a bf16 step runs them) gives the same bits
+    as the ops it replaced: torch's bf16 RoPE on the projection's strided views, the K/V written at each token's slot
+    and position (a verify block, a ragged row, a first token), then `attend`."""
+    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs AVX2 and FMA")
+    want = bf16_gemm.variant() if isa == "native" else "avx2"
+    assert _in_child(ROPE_ATTEND, env=AVX2 if isa == "avx2" else None) == want
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_step_attention_kernel_is_softmax_attention_and_batch_invariant(isa):

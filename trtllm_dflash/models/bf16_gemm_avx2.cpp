@@ -71,5 +71,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &bf16_blocks::pack, "W [N, K] -> [N/32, K/2, 32, 2]");
   m.def("linear", &linear, "x [..., K] with packed W -> [..., N]");
   m.def("attend", &slot_attention::attend, "q [N, H, D] over slots of a bf16 KV cache up to each token's position -> [N, H, D]");
+  m.def("rope_attend", &slot_attention::rope_attend,
+        "q [N, H, D], k/v [N, KVH, D]: RoPE, the K/V written into the cache, attention -> [N, H * D]");
   m.attr("ATTEND_HEAD_DIMS") = slot_attention::head_dims();
 }

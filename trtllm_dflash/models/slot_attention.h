@@ -220,4 +220,66 @@ inline torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, cons
   return out;
 }
 
+inline float widen(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// x [D] rotated by RoPE at one position into out, rounding as torch's bf16 `x * cos + rotate_half(x) * sin` does
+// (each product and the sum rounded to bf16): the same bits as the unfused ops, so prompts written by the Hugging
+// Face path and steps written here share one cache.
+inline void rope(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t D, uint16_t* out) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -widen(x[d + half]) : widen(x[d - half]);
+    const float a = widen(narrow(widen(x[d]) * widen(cos[d]))), b = widen(narrow(rot * widen(sin[d])));
+    out[d] = narrow(a + b);
+  }
+}
+
+// A step's attention from its projections: q [N, H, D], k, v [N, KVH, D] (each token's heads contiguous, tokens at
+// any stride: views of the fused QKV output), cos, sin [N, D]. Rotates k and writes it and v into the cache at each
+// token's slot and position, then attends as `attend` does with q rotated. -> [N, H * D]. What about twenty torch
+// ops a layer did (views, RoPE, the cache writes, the layout for `attend`), in one call.
+inline torch::Tensor rope_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
+                                 const torch::Tensor& sin, torch::Tensor kc, torch::Tensor vc, const torch::Tensor& slot,
+                                 const torch::Tensor& pos, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && kc.dim() == 4 && vc.sizes() == kc.sizes(),
+              "rope_attend: q [N, H, D], k/v [N, KVH, D], caches [S, KVH, C, D]");
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&q, &k, &v, &cos, &sin, &kc, &vc})
+    TORCH_CHECK(t->scalar_type() == torch::kBFloat16, "rope_attend: bf16 tensors");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), S = kc.size(0), KVH = kc.size(1), C = kc.size(2);
+  TORCH_CHECK(k.size(0) == N && k.size(1) == KVH && k.size(2) == D && kc.size(3) == D && D % 2 == 0, "rope_attend: shapes disagree");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
+              "rope_attend: each token's heads contiguous");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "rope_attend: a contiguous cache");
+  const auto cs = cos.reshape({N, D}).contiguous(), sn = sin.reshape({N, D}).contiguous();
+  const auto sl = slot.to(torch::kLong).contiguous(), ps = pos.to(torch::kLong).contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* pp = ps.data_ptr<int64_t>();
+  for (int64_t t = 0; t < N; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < S && pp[t] >= 0 && pp[t] < C, "rope_attend: token ", t, " writes slot ", sp[t], " position ",
+                pp[t], " outside the cache");
+  const uint16_t* kp = (const uint16_t*)k.data_ptr();
+  const uint16_t* vp = (const uint16_t*)v.data_ptr();
+  const uint16_t* cp = (const uint16_t*)cs.data_ptr();
+  const uint16_t* np = (const uint16_t*)sn.data_ptr();
+  uint16_t* kcp = (uint16_t*)kc.data_ptr();
+  uint16_t* vcp = (uint16_t*)vc.data_ptr();
+  for (int64_t t = 0; t < N; ++t)  // every write before any read: a verify block's tokens attend to each other
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t at = ((sp[t] * KVH + h) * C + pp[t]) * D;
+      rope(kp + t * k.stride(0) + h * D, cp + t * D, np + t * D, D, kcp + at);
+      std::memcpy(vcp + at, vp + t * v.stride(0) + h * D, D * sizeof(uint16_t));
+    }
+  auto qr = torch::empty({N, H, D}, q.options());
+  const uint16_t* qp = (const uint16_t*)q.data_ptr();
+  uint16_t* qrp = (uint16_t*)qr.data_ptr();
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t h = 0; h < H; ++h) rope(qp + t * q.stride(0) + h * D, cp + t * D, np + t * D, D, qrp + (t * H + h) * D);
+  return attend(qr, kc, vc, slot, pos, scale).view({N, H * D});
+}
+
 }  // namespace slot_attention

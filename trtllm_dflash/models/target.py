@@ -365,7 +365,9 @@ class TargetModel:
             token_slot = slot_rows.flat_row if slot_rows is not None else cache.first_slot + torch.arange(b).repeat_interleave(t)
             token_pos = positions.reshape(-1)
         x = decoder.embed_tokens(input_ids)  # [b, T, H]
-        cos, sin = decoder.rotary_emb(x, positions)
+        cos, sin = decoder.rotary_emb(x, positions)  # [b, T, hd]
+        if step:
+            token_cos, token_sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])  # [b*T, hd]
         cos, sin = cos[:, None], sin[:, None]  # [b, 1, T, hd]: broadcast over heads
         taps = set(self._taps) if capture else ()
         captured = {}
@@ -377,25 +379,27 @@ class TargetModel:
             q, k, v = q.view(shape), k.view(shape), v.view(shape)
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
                 q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, T, hd]
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            keys, values = cache.update(k, v, i)  # this forward's rows' K/V [b | n, nkv, K, hd]
-            if step:
-                out = self.attention.attend(q.transpose(1, 2).reshape(-1, q.shape[1], attn.head_dim), cache.k[i], cache.v[i],
-                                            token_slot, token_pos, attn.scaling)
-            elif slot_rows is None and q.shape[0] == 1 and (q.shape[2] > 1 or masks is None):  # not one query over a whole slot
-                if q.shape[2] == 1 and q.dtype == torch.bfloat16:  # decoding one row: the K/V slice taken to fp32 and
-                    # SDPA's fp32 kernel cost 25 us a layer against 65-90 for any bf16 attention (context 200, 2 threads,
-                    # AMD EPYC, 2026-11-25); with 8 queries, or several rows, the bf16 kernels are as fast or faster
-                    out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), scale=attn.scaling,
-                                                         enable_gqa=q.shape[1] != keys.shape[1]).to(q.dtype).transpose(1, 2)
-                else:
-                    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, scale=attn.scaling,
-                                                         enable_gqa=q.shape[1] != keys.shape[1]).transpose(1, 2)
-            elif slot_rows is None:  # rows of one length: SDPA's CPU kernel under a per-row mask cost 1.2x the step
-                out = _rows_sdpa(q, keys, values, masks, attn.scaling)
+            if step:  # RoPE, the cache writes and attention in one call: the same bits as the ops below (slot_attention.h)
+                keys, values = cache.buffers(i, k.shape[-2], attn.head_dim, k.dtype)
+                out = self.attention.rope_attend(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), token_cos, token_sin,
+                                                 keys, values, token_slot, token_pos, attn.scaling)  # [b*T, heads*hd]
             else:
-                out = _flat_rows_sdpa(q[0], keys, values, masks, attn.scaling, slot_rows)[None]
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, T, hd]
+                q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+                keys, values = cache.update(k, v, i)  # this forward's rows' K/V [b | n, nkv, K, hd]
+                if slot_rows is None and q.shape[0] == 1 and (q.shape[2] > 1 or masks is None):  # not one query over a whole slot
+                    if q.shape[2] == 1 and q.dtype == torch.bfloat16:  # decoding one row: the K/V slice taken to fp32 and
+                        # SDPA's fp32 kernel cost 25 us a layer against 65-90 for any bf16 attention (context 200, 2 threads,
+                        # AMD EPYC, 2026-11-25); with 8 queries, or several rows, the bf16 kernels are as fast or faster
+                        out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), scale=attn.scaling,
+                                                             enable_gqa=q.shape[1] != keys.shape[1]).to(q.dtype).transpose(1, 2)
+                    else:
+                        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, scale=attn.scaling,
+                                                             enable_gqa=q.shape[1] != keys.shape[1]).transpose(1, 2)
+                elif slot_rows is None:  # rows of one length: SDPA's CPU kernel under a per-row mask cost 1.2x the step
+                    out = _rows_sdpa(q, keys, values, masks, attn.scaling)
+                else:
+                    out = _flat_rows_sdpa(q[0], keys, values, masks, attn.scaling, slot_rows)[None]
             x = x + attn.o_proj.forward(out.reshape(*x.shape[:-1], -1))
             h = layer.post_attention_layernorm.forward(x)
             gate, up = mlp.gate_up_proj.forward(h).split(mlp.gate_proj.outputs.sizes, dim=-1)
@@ -488,13 +492,17 @@ class SlotKVCache(Cache):
                for kind, m in masks.items()}
         return out[""] if "" in out else out
 
+    def buffers(self, layer_idx: int, heads: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer layer_idx's whole K and V, [slots, heads, capacity, head_dim], allocated at its first write."""
+        if layer_idx == len(self.k):
+            self.k.append(torch.zeros(self.slots, heads, self.capacity, head_dim, dtype=dtype))
+            self.v.append(torch.zeros(self.slots, heads, self.capacity, head_dim, dtype=dtype))
+        return self.k[layer_idx], self.v[layer_idx]
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """key/value_states [b, nkv, T, hd] -> this forward's rows' K/V [b, nkv, K, hd] (views, no copy)."""
-        if layer_idx == len(self.k):
-            shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[3])
-            self.k.append(key_states.new_zeros(shape))
-            self.v.append(value_states.new_zeros(shape))
-        k, v = self.k[layer_idx][self._rows], self.v[layer_idx][self._rows]
+        k, v = self.buffers(layer_idx, key_states.shape[1], key_states.shape[3], key_states.dtype)
+        k, v = k[self._rows], v[self._rows]
         pos = self._positions
         if self._flat is not None:  # flat [1, nkv, T, hd]: each token into its row's slot at its position
             f = self._flat
