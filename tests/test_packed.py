@@ -206,6 +206,35 @@ print(bf16_gemm.variant())
 """
 
 
+RMS_NORM = """
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from trtllm_dflash.models import bf16_gemm
+kernel = bf16_gemm.kernel()
+g = torch.Generator().manual_seed(2)
+norm = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16)
+norm.weight.data = (1 + torch.randn(576, generator=g) * 0.3).to(torch.bfloat16)
+x = (torch.randn(2, 37, 576, generator=g) * 4).to(torch.bfloat16)
+got, want = kernel.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x)
+assert got.shape == want.shape and got.dtype == torch.bfloat16
+assert (got.float() - want.float()).abs().le(want.float().abs() * 2**-7).all()  # within one bf16 rounding of HF's
+assert (got == want).float().mean() > 0.99  # the same bits but where the sum's order tips a rounding
+assert all(torch.equal(kernel.rms_norm(x[1, i], norm.weight, 1e-5), got[1, i]) for i in range(37))  # alone as in the batch
+print(bf16_gemm.variant())
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_rms_norm_kernel_is_the_hf_module_and_batch_invariant(isa):
+    """bf16 targets' RMSNorm in one call (rms_norm.h) against Hugging Face's LlamaRMSNorm (Qwen2's and Qwen3's are the
+    same code): within one bf16 rounding everywhere and the same bits almost everywhere; a row alone as in a batch."""
+    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs AVX2 and FMA")
+    want = bf16_gemm.variant() if isa == "native" else "avx2"
+    assert _in_child(RMS_NORM, env=AVX2 if isa == "avx2" else None) == want
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_fused_step_attention_is_the_unfused_ops_bit_for_bit(isa):

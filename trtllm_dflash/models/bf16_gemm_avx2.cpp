@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include "bf16_blocks.h"
+#include "rms_norm.h"
 #include "slot_attention.h"
 
 namespace {
@@ -74,4 +75,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_attend", &slot_attention::rope_attend,
         "q [N, H, D], k/v [N, KVH, D]: RoPE, the K/V written into the cache, attention -> [N, H * D]");
   m.attr("ATTEND_HEAD_DIMS") = slot_attention::head_dims();
+  m.def("rms_norm", &rms_norm::rms_norm, "bf16 rows [..., H] -> weight * bf16(x * rsqrt(mean(x^2) + eps))");
 }

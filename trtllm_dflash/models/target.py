@@ -186,6 +186,8 @@ class TargetModel:
             fuse_projections(self.layers)
             self.lean = all(hasattr(l.self_attn, "qkv_proj") and hasattr(l.mlp, "gate_up_proj") for l in self.layers)
         self.attention = self._attention_kernel()  # used by the lean loop only: decided once it is known
+        # ... and its RMSNorm, in every forward of the lean loop, so a prompt's tokens and a step's are normed alike
+        self.rms_kernel = self.attention if self.attention is not None and self.hidden_size % 16 == 0 else None
 
     def _use_ragged_attention(self) -> bool:
         """Wrap the model's attention so `forward_rows` can lay rows on one flat axis; True where it could (HF models
@@ -373,7 +375,7 @@ class TargetModel:
         captured = {}
         for i, layer in enumerate(self.layers):  # submodules' .forward: no per-call hook dispatch (none is registered there)
             attn, mlp = layer.self_attn, layer.mlp
-            h = layer.input_layernorm.forward(x)
+            h = self._norm(layer.input_layernorm, x)
             shape = (*x.shape[:-1], -1, attn.head_dim)
             q, k, v = attn.qkv_proj.forward(h).split(attn.q_proj.outputs.sizes, dim=-1)
             q, k, v = q.view(shape), k.view(shape), v.view(shape)
@@ -401,14 +403,18 @@ class TargetModel:
                 else:
                     out = _flat_rows_sdpa(q[0], keys, values, masks, attn.scaling, slot_rows)[None]
             x = x + attn.o_proj.forward(out.reshape(*x.shape[:-1], -1))
-            h = layer.post_attention_layernorm.forward(x)
+            h = self._norm(layer.post_attention_layernorm, x)
             gate, up = mlp.gate_up_proj.forward(h).split(mlp.gate_proj.outputs.sizes, dim=-1)
             x = x + mlp.down_proj.forward(mlp.act_fn(gate) * up)
             if i in taps:
                 captured[i] = x
-        h = decoder.norm(x[:, -logits_to_keep:] if logits_to_keep else x)
+        h = self._norm(decoder.norm, x[:, -logits_to_keep:] if logits_to_keep else x)
         feats = torch.cat([captured[l] for l in self._taps], dim=-1) if taps else None
         return self.lm_head(h), feats
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm module of the decoder on x: our kernel's one call where it runs, else the module's seven ops."""
+        return self.rms_kernel.rms_norm(x, norm.weight, norm.variance_epsilon) if self.rms_kernel is not None else norm.forward(x)
 
     def _mask_rules(self) -> dict[str, int | None]:
         """Mask name -> sliding window (None = full), in the form the HF decoder takes precomputed masks."""
