@@ -141,6 +141,15 @@ def _in_child(code: str, *args: str, env: dict | None = None) -> str:
     return done.stdout.split()[-1]
 
 
+def _kernel_child(code: str, isa: str, *args: str) -> None:
+    """Run a kernel check in a child: torch as on this CPU ("native") or as on one with AVX2 alone ("avx2"); the
+    child prints the kernel variant it ran, which must be the one expected there."""
+    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs AVX2 and FMA")
+    want = bf16_gemm.variant() if isa == "native" else "avx2"
+    assert _in_child(code, *args, env=AVX2 if isa == "avx2" else None) == want
+
+
 @needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("isa", ["native", "avx2"])
@@ -149,10 +158,7 @@ def test_bf16_kernel_rows_are_batch_invariant_and_round_as_the_library(bias, isa
     AVX2 alone the FMA one (bf16_gemm_avx2.cpp; emulated here with ATEN_CPU_CAPABILITY=avx2, the instructions are the
     real ones). Each row's output is bit for bit the same alone, in any slice and in a batch of any size (1-40 rows:
     whole passes and ragged last ones), and within one bf16 rounding of the exact product, as F.linear's is."""
-    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
-        pytest.skip("needs AVX2 and FMA")
-    want = bf16_gemm.variant() if isa == "native" else "avx2"
-    assert _in_child(BATCH_INVARIANCE, str(bias), env=AVX2 if isa == "avx2" else None) == want
+    _kernel_child(BATCH_INVARIANCE, isa, str(bias))
 
 
 STEP_ATTENTION = """
@@ -229,10 +235,7 @@ print(bf16_gemm.variant())
 def test_rms_norm_kernel_is_the_hf_module_and_batch_invariant(isa):
     """bf16 targets' RMSNorm in one call (rms_norm.h) against Hugging Face's LlamaRMSNorm (Qwen2's and Qwen3's are the
     same code): within one bf16 rounding everywhere and the same bits almost everywhere; a row alone as in a batch."""
-    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
-        pytest.skip("needs AVX2 and FMA")
-    want = bf16_gemm.variant() if isa == "native" else "avx2"
-    assert _in_child(RMS_NORM, env=AVX2 if isa == "avx2" else None) == want
+    _kernel_child(RMS_NORM, isa)
 
 
 @needs_kernel
@@ -241,10 +244,7 @@ def test_fused_step_attention_is_the_unfused_ops_bit_for_bit(isa):
     """`rope_attend` (RoPE, the cache writes and attention in one call, as a bf16 step runs them) gives the same bits
     as the ops it replaced: torch's bf16 RoPE on the projection's strided views, the K/V written at each token's slot
     and position (a verify block, a ragged row, a first token), then `attend`."""
-    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
-        pytest.skip("needs AVX2 and FMA")
-    want = bf16_gemm.variant() if isa == "native" else "avx2"
-    assert _in_child(ROPE_ATTEND, env=AVX2 if isa == "avx2" else None) == want
+    _kernel_child(ROPE_ATTEND, isa)
 
 
 @needs_kernel
@@ -253,10 +253,7 @@ def test_step_attention_kernel_is_softmax_attention_and_batch_invariant(isa):
     """A bf16 step's attention (slot_attention.h) on both variants, for the head layouts of SmolLM2, Qwen3, odd head
     groups and a 256 head dim: each token's output is softmax attention over its slot up to its position within one
     bf16 rounding, and bit for bit the same alone as beside a verify block, a ragged row and a decode step."""
-    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
-        pytest.skip("needs AVX2 and FMA")
-    want = bf16_gemm.variant() if isa == "native" else "avx2"
-    assert _in_child(STEP_ATTENTION, env=AVX2 if isa == "avx2" else None) == want
+    _kernel_child(STEP_ATTENTION, isa)
 
 
 @needs_kernel
