@@ -241,8 +241,8 @@ inline void rope(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, in
 
 // A step's attention from its projections: q [N, H, D], k, v [N, KVH, D] (each token's heads contiguous, tokens at
 // any stride: views of the fused QKV output), cos, sin [N, D]. Rotates k and writes it and v into the cache at each
-// token's slot and position, then attends as `attend` does with q rotated. -> [N, H * D]. What about twenty torch
-// ops a layer did (views, RoPE, the cache writes, the layout for `attend`), in one call.
+// token's slot and position, then attends as `attend` does with q rotated. -> [N, H * D]. One call for what took
+// about twenty torch ops a layer (views, RoPE, the cache writes, the layout for `attend`).
 inline torch::Tensor rope_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
                                  const torch::Tensor& sin, torch::Tensor kc, torch::Tensor vc, const torch::Tensor& slot,
                                  const torch::Tensor& pos, double scale) {
