@@ -78,28 +78,34 @@ def test_verify_of_a_block_costs_little_more_than_a_decode_step(target, stock, o
     assert packed_ratio < stock_ratio, (packed_ratio, stock_ratio)
 
 
-def test_a_packed_draft_computes_what_the_draft_does():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_draft_computes_what_the_draft_does(dtype):
     """Packing fuses each draft layer's q/k/v and gate/up into one GEMM and stacks the context K/V projection: the
-    real draft's context K/V and ragged block hidden states stay the unpacked draft's (fp32, oneDNN rounding only),
+    real draft's context K/V and ragged block hidden states stay the unpacked draft's (fp32: oneDNN rounding only;
+    bf16, where our kernels run: their norms and block attention, within two bf16 roundings of the largest value),
     and a packed draft refuses to train."""
     from trtllm_dflash.models.checkpoint import load_draft
     from trtllm_dflash.resolve import resolve_draft
 
     path = resolve_draft(None, "smollm2-135m")
-    plain, packed = load_draft(path), load_draft(path)
+    plain, packed = load_draft(path, dtype), load_draft(path, dtype)
     packed.pack()
     assert all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None for layer in packed.layers)
+    assert (packed._kernel is not None) == (dtype == torch.bfloat16 and bf16_gemm.kernel() is not None)
     c, g = plain.config, torch.Generator().manual_seed(0)
-    feats = torch.randn(3, 40, plain.fc.in_features, generator=g)
+    feats = torch.randn(3, 40, plain.fc.in_features, generator=g).to(dtype)
     lens = torch.tensor([40, 13, 0])
-    x = torch.randn(3, c.block_size, c.hidden_size, generator=g)
+    x = torch.randn(3, c.block_size, c.hidden_size, generator=g).to(dtype)
     with torch.inference_mode():
         out = []
         for model in (plain, packed):
             k, v = model.context_kv(model.project_context(feats), torch.arange(40).expand(3, -1))
             out.append((k, v, model.draft_block(x, lens[:, None] + torch.arange(c.block_size), k, v, lens)))
     for want, got in zip(*out):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        else:
+            assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-6
     with pytest.raises(DFlashError, match="inference only"):
         packed.train()
 
@@ -226,6 +232,52 @@ assert got.shape == want.shape and got.dtype == torch.bfloat16
 assert (got.float() - want.float()).abs().le(want.float().abs() * 2**-7).all()  # within one bf16 rounding of HF's
 assert (got == want).float().mean() > 0.99  # the same bits but where the sum's order tips a rounding
 assert all(torch.equal(kernel.rms_norm(x[1, i], norm.weight, 1e-5), got[1, i]) for i in range(37))  # alone as in the batch
+heads = (torch.randn(2, 5, 12, 64, generator=g) * 4).to(torch.bfloat16)  # a weight per head (the draft's q/k norms)
+w = (1 + torch.randn(12, 64, generator=g) * 0.3).to(torch.bfloat16)
+grouped = kernel.rms_norm(heads, w, 1e-6)
+assert all(torch.equal(grouped[..., h, :], kernel.rms_norm(heads[..., h, :], w[h], 1e-6)) for h in range(12))
+print(bf16_gemm.variant())
+"""
+
+
+BLOCK_ATTEND = """
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from trtllm_dflash import kernels
+from trtllm_dflash.models import bf16_gemm
+kernel = bf16_gemm.kernel()
+
+class OpCalls(TorchDispatchMode):
+    calls = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.trtdflash.block_attention.default
+        return func(*args, **(kwargs or {}))
+
+g = torch.Generator().manual_seed(3)
+lens = torch.tensor([0, 17, 40])
+for heads, kv_heads, head_dim in ((9, 3, 64), (32, 8, 128), (6, 2, 64), (8, 8, 256)):
+    qkv = (torch.randn(3, 8, heads + 2 * kv_heads, head_dim, generator=g) * 2).to(torch.bfloat16)  # the draft's fused QKV
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([heads, kv_heads, kv_heads], dim=2))  # strided views, as the draft's
+    cache = torch.randn(2, 4, kv_heads, 64, head_dim, generator=g).to(torch.bfloat16)  # [K/V, slots, KVH, capacity, D]
+    ck, cv = cache[0, 1:, :, :40], cache[1, 1:, :, :40]  # three slots' first 40 positions, read in place
+    for causal in (False, True):
+        with OpCalls() as seen:
+            out = kernels.block_attention(q, k, v, ck, cv, lens, causal)
+        assert seen.calls == 0 and torch.equal(out, kernel.block_attend(q, k, v, ck, cv, lens, causal, head_dim**-0.5))
+        exact = kernels.block_attention_reference(*(t.double() for t in (q, k, v, ck, cv)), lens, causal)
+        assert out.shape == exact.shape and (out.double() - exact).abs().max() <= exact.abs().max() * 2**-8 + 1e-6, (heads, causal)
+        for i in range(3):  # a row alone gives the same bits as beside the others
+            alone = kernels.block_attention(q[i:i+1], k[i:i+1], v[i:i+1], ck[i:i+1], cv[i:i+1], lens[i:i+1], causal)
+            assert torch.equal(alone, out[i:i+1]), (heads, causal, i)
+with OpCalls() as seen:  # a sliding window is the op's (the reference on CPU)
+    windowed = kernels.block_attention(q, k, v, ck, cv, lens, False, 5)
+assert seen.calls == 1 and torch.equal(windowed, kernels.block_attention_reference(q, k, v, ck, cv, lens, False, 5))
+try:
+    kernel.block_attend(q, k, v, ck, cv, torch.tensor([0, 17, 41]), False, 0.1)
+except RuntimeError as e:
+    assert "outside [0, 40]" in str(e)
+else:
+    raise AssertionError("a context past the cache was read")
 print(bf16_gemm.variant())
 """
 
@@ -236,6 +288,16 @@ def test_rms_norm_kernel_is_the_hf_module_and_batch_invariant(isa):
     """bf16 targets' RMSNorm in one call (rms_norm.h) against Hugging Face's LlamaRMSNorm (Qwen2's and Qwen3's are the
     same code): within one bf16 rounding everywhere and the same bits almost everywhere; a row alone as in a batch."""
     _kernel_child(RMS_NORM, isa)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_draft_block_attention_kernel_is_softmax_attention_and_row_invariant(isa):
+    """The draft's block attention in bf16 on CPU takes our kernel (`block_attend`, called directly, not through the
+    op): for SmolLM2's, Qwen3's and odd head layouts, bidirectional and causal blocks, ragged contexts (0, 17 and all
+    40 positions) read in place from a larger cache: softmax attention within one bf16 rounding, each row alone the
+    same bits as in the batch; a sliding window still goes to the op, and a context past the cache is refused."""
+    _kernel_child(BLOCK_ATTEND, isa)
 
 
 @needs_kernel

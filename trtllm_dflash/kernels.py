@@ -7,6 +7,10 @@ target-derived K/V) followed by the block's own K/V.
 Every call goes through one torch custom op, `torch.ops.trtdflash.block_attention`, so the CPU runtime, the
 tests, torch.compile, the ONNX export and a GPU run share a single call site:
     CPU (and any device without a kernel): `block_attention_reference` (masks + SDPA), the definition;
+    CPU in bf16, where our bf16 kernel module runs (models/bf16_gemm.py) and outside tracing: its `block_attend`
+      (models/slot_attention.h), called directly, as the op's Python dispatch alone cost about 40 us a call against
+      the kernel's 20 (and the reference's mask, concatenations and SDPA about 200 us a layer for an 8-token block,
+      AMD EPYC Zen 4, 2026-11-26);
     CUDA: the fused OpenAI Triton kernel in plugins/block_attention.py, imported on first CUDA call;
     fake/meta: shape inference for torch.compile / torch.export.
 In the op's schema `window` is an int where 0 means "no window" (None in the Python API).
@@ -76,6 +80,18 @@ def _check(q, k, v, ctx_k, ctx_v, ctx_lens, window) -> None:
         raise DFlashError(f"block_attention: window must be at least 1 (or None for full attention), got {window}.")
 
 
+def _tracing() -> bool:
+    """Under torch.compile, torch.export or the ONNX exporter, where only the op is visible to the tracer."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def _cpu_kernel():
+    """Our bf16 kernel module where it runs on this CPU (models/bf16_gemm.py), else None."""
+    from .models import bf16_gemm
+
+    return bf16_gemm.kernel()
+
+
 @torch.library.custom_op(OP, mutates_args=())
 def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
                         ctx_lens: torch.Tensor, causal: bool, window: int) -> torch.Tensor:
@@ -102,4 +118,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: to
     q [b, nh, Q, hd]; k, v [b, nkv, Q, hd]; ctx_k, ctx_v [b, nkv, C, hd]; ctx_lens [b] int. Returns [b, nh, Q, hd].
     """
     _check(q, k, v, ctx_k, ctx_v, ctx_lens, window)
+    if window is None and q.dtype == torch.bfloat16 and q.device.type == "cpu" and not _tracing():
+        cpu = _cpu_kernel()
+        if cpu is not None and q.shape[3] in cpu.ATTEND_HEAD_DIMS and all(t.stride(3) == 1 for t in (q, k, v, ctx_k, ctx_v)):
+            return cpu.block_attend(q, k, v, ctx_k, ctx_v, ctx_lens, bool(causal), q.shape[3] ** -0.5)
     return torch.ops.trtdflash.block_attention(q, k, v, ctx_k, ctx_v, ctx_lens, bool(causal), 0 if window is None else int(window))

@@ -70,6 +70,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &slot_attention::attend, "q [N, H, D] over slots of a bf16 KV cache up to each token's position -> [N, H, D]");
   m.def("rope_attend", &slot_attention::rope_attend,
         "q [N, H, D], k/v [N, KVH, D]: RoPE, the K/V written into the cache, attention -> [N, H * D]");
+  m.def("block_attend", &slot_attention::block_attend,
+        "the draft's block attention: q [b, H, Q, D] over each row's context K/V [b, KVH, C, D] and its block's -> [b, H, Q, D]");
   m.attr("ATTEND_HEAD_DIMS") = slot_attention::head_dims();
   m.def("rms_norm", &rms_norm::rms_norm, "bf16 rows [..., H] -> weight * bf16(x * rsqrt(mean(x^2) + eps))");
 }

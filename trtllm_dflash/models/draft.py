@@ -13,6 +13,7 @@ from torch import nn
 from ..config import DraftConfig
 from ..errors import DFlashError
 from ..kernels import block_attention
+from . import bf16_gemm
 from .packed import PackedLinear, can_pack, pack_linears
 
 
@@ -109,13 +110,14 @@ class DFlashAttention(nn.Module):
                                          self.k_norm.weight.detach()[None].expand(nkv, -1)])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def project(self, x, cos, sin):
-        """x [b, Q, H] block states -> q [b, nh, Q, hd], k, v [b, nkv, Q, hd] (normed, roped)."""
+    def project(self, x, cos, sin, norm=rms_norm):
+        """x [b, Q, H] block states -> q [b, nh, Q, hd], k, v [b, nkv, Q, hd] (normed, roped). `norm`: how a fused
+        projection's q and k heads are normed (the draft's kernel at inference, `DFlashDraftModel.rms`)."""
         b, q_len, _ = x.shape
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x).view(b, q_len, -1, self.head_dim)  # [b, Q, nh+2*nkv, hd]
             nqk = self.qk_norm_weight.shape[0]
-            qk = apply_rope(rms_norm(qkv[:, :, :nqk], self.qk_norm_weight, self.eps).transpose(1, 2), cos, sin)
+            qk = apply_rope(norm(qkv[:, :, :nqk], self.qk_norm_weight, self.eps).transpose(1, 2), cos, sin)
             return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, :, nqk:].transpose(1, 2)
         q = self.q_norm(self.q_proj(x).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
@@ -253,6 +255,7 @@ class DFlashDraftModel(nn.Module):
         self._stacked = None  # stacked context K/V projection of all layers: (linear callable, k_norm weights [L, hd])
         self._vocab = None  # inference-time draft vocabulary (models/draft_vocab.py): (token ids [N], head over their rows)
         self.packed = False
+        self._kernel = None  # our bf16 kernel module for RMSNorm at inference (`pack`), or None: the torch ops
 
     def pack(self) -> None:
         """For inference only (no training or export after it): the context K/V projection of all layers stacked into
@@ -267,6 +270,9 @@ class DFlashDraftModel(nn.Module):
         pack_linears(self)
         self._stacked = (self.ctx_kv_proj, k_norm)
         self.packed = True
+        c = self.config
+        if k_norm.dtype == torch.bfloat16 and c.hidden_size % 16 == 0 and c.head_dim % 16 == 0:
+            self._kernel = bf16_gemm.kernel()
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         for name, p in self.named_parameters():
@@ -299,16 +305,28 @@ class DFlashDraftModel(nn.Module):
             self._stacked = stacked
         return stacked
 
+    def rms(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm at inference: one call of our kernel in a packed bf16 draft where it runs (weight [H], or [G, H]
+        for x [..., G, H]), else the eight torch ops of `rms_norm`."""
+        return self._kernel.rms_norm(x, weight, eps) if self._kernel is not None else rms_norm(x, weight, eps)
+
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """[b, T, n_sel*H] concatenated target features -> fused context feature [b, T, H]."""
-        return self.hidden_norm(self.fc(target_hidden))
+        return self.rms(self.fc(target_hidden), self.hidden_norm.weight, self.config.rms_norm_eps)
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Context K/V of all layers in one GEMM (no draft prefill): ctx [b, T, H] -> k, v [L, b, nkv, T, hd]."""
         c = self.config
         b, t, _ = ctx.shape
+        L, nkv = c.num_hidden_layers, c.num_key_value_heads
         project, k_norm = self._context_projection()
-        kv = project(ctx).view(b, t, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
+        kv = project(ctx).view(b, t, L, 2, nkv, c.head_dim)
+        if self._kernel is not None:  # every layer's K heads in one call, each with its layer's norm
+            k = self._kernel.rms_norm(kv[:, :, :, 0].reshape(b, t, L * nkv, c.head_dim),
+                                      k_norm[:, None].expand(L, nkv, c.head_dim).reshape(L * nkv, c.head_dim), c.rms_norm_eps)
+            k = k.view(b, t, L, nkv, c.head_dim).permute(2, 0, 3, 1, 4)  # [L, b, nkv, T, hd]
+            cos, sin = self.rotary_emb(positions, ctx.dtype)
+            return apply_rope(k, cos, sin), kv.permute(2, 3, 0, 4, 1, 5)[:, 1]
         kv = kv.permute(2, 3, 0, 4, 1, 5)  # [L, 2, b, nkv, T, hd]
         k = rms_norm(kv[:, 0], k_norm[:, None, None, None, :], c.rms_norm_eps)
         cos, sin = self.rotary_emb(positions, ctx.dtype)  # [b, 1, T, hd]
@@ -323,13 +341,14 @@ class DFlashDraftModel(nn.Module):
         c, x = self.config, noise_embedding
         b, q_len, _ = x.shape
         cos, sin = self.rotary_emb(positions, x.dtype)
+        eps = c.rms_norm_eps
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+            q, k, v = attn.project(self.rms(x, layer.input_layernorm.weight, eps), cos, sin, norm=self.rms)
             out = block_attention(q, k, v, ctx_k[i], ctx_v[i], ctx_lens, c.layer_is_causal(i), c.layer_window(i))
             x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+            x = x + layer.mlp(self.rms(x, layer.post_attention_layernorm.weight, eps))
+        return self.rms(x, self.norm.weight, eps)
 
     def embed_block(self, embed_tokens: nn.Module, block_ids: torch.Tensor) -> torch.Tensor:
         """[anchor, MASK, ...] ids -> noise embedding: raw rows of the target's (frozen) table, times the

@@ -16,11 +16,13 @@ using slot_attention::kLanes;
 using slot_attention::narrow;
 using slot_attention::widen;
 
-// x [..., H] bf16, weight [H] bf16 -> [..., H] bf16; H a multiple of 16.
+// x [..., H] bf16, weight [H] bf16 -> [..., H] bf16; H a multiple of 16. A weight [G, H] scales x [..., G, H] row by
+// row (the draft's query and key heads, each kind with its own norm, in one call).
 inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16, "rms_norm: bf16 tensors");
-  const int64_t H = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && H % kLanes == 0, "rms_norm: weight [H], H a multiple of 16");
+  const int64_t H = x.size(-1), G = weight.dim() == 2 ? weight.size(0) : 1;
+  TORCH_CHECK(weight.size(-1) == H && H % kLanes == 0 && (weight.dim() == 1 || (weight.dim() == 2 && x.dim() >= 2 && x.size(-2) == G)),
+              "rms_norm: weight [H] or [G, H] for x [..., G, H], H a multiple of 16");
   const auto xc = x.contiguous(), wc = weight.contiguous();
   const int64_t rows = xc.numel() / H;
   auto out = torch::empty_like(xc);
@@ -36,7 +38,8 @@ inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weigh
         acc = slot_attention::fma(v, v, acc);
       }
       const float scale = 1.f / std::sqrt(slot_attention::sum(acc) / (float)H + (float)eps);
-      for (int64_t d = 0; d < H; ++d) op[r * H + d] = narrow(widen(wp[d]) * widen(narrow(widen(xr[d]) * scale)));
+      const uint16_t* wr = wp + r % G * H;
+      for (int64_t d = 0; d < H; ++d) op[r * H + d] = narrow(widen(wr[d]) * widen(narrow(widen(xr[d]) * scale)));
     }
   });
   return out;

@@ -105,33 +105,44 @@ inline uint16_t narrow(float f) {  // nearest even; NaN stays a quiet NaN
   return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// Rows of keys and values: row j at k + j * kstride and v + j * vstride. A query attends to one or two such
+// segments, scored as one sequence: a target step's slot of the cache, or the draft's context and its own block.
+struct Keys {
+  const uint16_t* k;
+  const uint16_t* v;
+  int64_t length, kstride, vstride;
+};
+
 // One token's G query heads that read one K/V head, D = 16 * CH: each K and V row is widened once for the G of them,
-// and each head's arithmetic is the same sequence whatever G is. scores holds G rows of C + 16 floats (the exp pass
-// runs over whole Vecs).
+// and each head's arithmetic is the same sequence whatever G is. scores holds G rows of `sstride` floats, at least
+// both segments' length + 16 (the exp pass runs over whole Vecs).
 template <int CH, int G>
-inline void attend_group(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t length, int64_t stride,
-                         float scale, float* scores, uint16_t* out) {
+inline void attend_group(const uint16_t* q, Keys a, Keys b, int64_t sstride, float scale, float* scores, uint16_t* out) {
   constexpr int64_t D = CH * kLanes;
+  const Keys segs[2] = {a, b};
+  const int64_t length = a.length + b.length;
   Vec qv[G][CH];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c) qv[g][c] = mul(load_bf16(q + g * D + c * kLanes), set1(scale));
   float top[G];
   for (int g = 0; g < G; ++g) top[g] = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < length; ++j) {  // scores: 16 lane partial sums over the head dim, then their fixed tree
-    Vec kr[CH];
-    for (int c = 0; c < CH; ++c) kr[c] = load_bf16(k + j * D + c * kLanes);
-    for (int g = 0; g < G; ++g) {
-      Vec part = mul(qv[g][0], kr[0]);
-      for (int c = 1; c < CH; ++c) part = fma(qv[g][c], kr[c], part);
-      const float s = sum(part);
-      scores[g * stride + j] = s;
-      top[g] = std::max(top[g], s);
+  int64_t at = 0;
+  for (const Keys& s : segs)
+    for (int64_t j = 0; j < s.length; ++j, ++at) {  // scores: 16 lane partial sums over the head dim, then their fixed tree
+      Vec kr[CH];
+      for (int c = 0; c < CH; ++c) kr[c] = load_bf16(s.k + j * s.kstride + c * kLanes);
+      for (int g = 0; g < G; ++g) {
+        Vec part = mul(qv[g][0], kr[0]);
+        for (int c = 1; c < CH; ++c) part = fma(qv[g][c], kr[c], part);
+        const float sc = sum(part);
+        scores[g * sstride + at] = sc;
+        top[g] = std::max(top[g], sc);
+      }
     }
-  }
   const int64_t whole = (length + kLanes - 1) / kLanes * kLanes;
   float inv[G];
   for (int g = 0; g < G; ++g) {  // lanes past the length are zeroed after the exp
-    float* sg = scores + g * stride;
+    float* sg = scores + g * sstride;
     for (int64_t j = length; j < whole; ++j) sg[j] = top[g];
     const Vec shift = set1(top[g]);
     for (int64_t j = 0; j < whole; j += kLanes) store(sg + j, exp_nonpositive(sub(load(sg + j), shift)));
@@ -143,14 +154,16 @@ inline void attend_group(const uint16_t* q, const uint16_t* k, const uint16_t* v
   Vec o[G][CH];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c) o[g][c] = zero();
-  for (int64_t j = 0; j < length; ++j) {
-    Vec vr[CH];
-    for (int c = 0; c < CH; ++c) vr[c] = load_bf16(v + j * D + c * kLanes);
-    for (int g = 0; g < G; ++g) {
-      const Vec p = set1(scores[g * stride + j]);
-      for (int c = 0; c < CH; ++c) o[g][c] = fma(p, vr[c], o[g][c]);
+  at = 0;
+  for (const Keys& s : segs)
+    for (int64_t j = 0; j < s.length; ++j, ++at) {
+      Vec vr[CH];
+      for (int c = 0; c < CH; ++c) vr[c] = load_bf16(s.v + j * s.vstride + c * kLanes);
+      for (int g = 0; g < G; ++g) {
+        const Vec p = set1(scores[g * sstride + at]);
+        for (int c = 0; c < CH; ++c) o[g][c] = fma(p, vr[c], o[g][c]);
+      }
     }
-  }
   alignas(64) float row[D];
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < CH; ++c) store(row + c * kLanes, mul(o[g][c], set1(inv[g])));
@@ -158,7 +171,7 @@ inline void attend_group(const uint16_t* q, const uint16_t* k, const uint16_t* v
   }
 }
 
-using GroupFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, float, float*, uint16_t*);
+using GroupFn = void (*)(const uint16_t*, Keys, Keys, int64_t, float, float*, uint16_t*);
 
 template <int CH>
 inline GroupFn group_fn(int64_t g) {
@@ -214,7 +227,8 @@ inline torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, cons
     for (int64_t i = b; i < e; ++i) {
       const int64_t t = i / calls, h = i % calls * per;
       const int64_t base = ((sp[t] * KVH + h / groups) * C) * D;
-      fn(qp + (t * H + h) * D, kp + base, vp + base, pp[t] + 1, C + kLanes, sc, scores.data(), op + (t * H + h) * D);
+      fn(qp + (t * H + h) * D, {kp + base, vp + base, pp[t] + 1, D, D}, {nullptr, nullptr, 0, D, D}, C + kLanes, sc, scores.data(),
+         op + (t * H + h) * D);
     }
   });
   return out;
@@ -280,6 +294,54 @@ inline torch::Tensor rope_attend(const torch::Tensor& q, const torch::Tensor& k,
   for (int64_t t = 0; t < N; ++t)
     for (int64_t h = 0; h < H; ++h) rope(qp + t * q.stride(0) + h * D, cp + t * D, np + t * D, D, qrp + (t * H + h) * D);
   return attend(qr, kc, vc, slot, pos, scale).view({N, H * D});
+}
+
+// The DFlash draft's block attention (kernels.py: `block_attention`, its contract): row i's Q block queries attend to
+// its context K/V up to ctx_lens[i], then to the block's own K/V, all of it (causal: up to their own). q [b, H, Q, D];
+// k, v [b, KVH, Q, D]; ctx_k, ctx_v [b, KVH, C, D]; rows of D contiguous, any other strides (views of the draft's
+// cache and of its fused QKV output are read in place) -> [b, H, Q, D], a view of a [b, Q, H, D] tensor (the layout
+// the output projection reads). No mask is built and the context is not copied beside the block.
+inline torch::Tensor block_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& ctx_k,
+                                  const torch::Tensor& ctx_v, const torch::Tensor& ctx_lens, bool causal, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && ctx_k.dim() == 4 && v.sizes() == k.sizes() && ctx_v.sizes() == ctx_k.sizes(),
+              "block_attend: q [b, H, Q, D], k/v [b, KVH, Q, D], ctx_k/ctx_v [b, KVH, C, D]");
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&q, &k, &v, &ctx_k, &ctx_v})
+    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->stride(3) == 1, "block_attend: bf16 tensors, rows of D contiguous");
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), KVH = k.size(1), C = ctx_k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(2) == Q && k.size(3) == D && ctx_k.size(0) == B && ctx_k.size(1) == KVH && ctx_k.size(3) == D,
+              "block_attend: shapes disagree");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "block_attend: heads a multiple of KV heads");
+  const int64_t groups = H / KVH;
+  const int64_t per = groups % 4 == 0 ? 4 : groups % 3 == 0 ? 3 : groups % 2 == 0 ? 2 : 1;
+  const GroupFn fn = pick(D, per);
+  TORCH_CHECK(fn != nullptr, "block_attend: head dim 64, 128 or 256");
+  const auto lens = ctx_lens.to(torch::kLong).contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  TORCH_CHECK(lens.numel() == B, "block_attend: one context length per row");
+  for (int64_t i = 0; i < B; ++i) TORCH_CHECK(lp[i] >= 0 && lp[i] <= C, "block_attend: row ", i, " has context length ", lp[i], " outside [0, ", C, "]");
+  const auto qc = q.transpose(1, 2).contiguous();  // [b, Q, H, D]: a token's heads side by side (free for the draft's q)
+  auto out = torch::empty({B, Q, H, D}, q.options());
+  const uint16_t* qp = (const uint16_t*)qc.data_ptr();
+  const uint16_t* kp = (const uint16_t*)k.data_ptr();
+  const uint16_t* vp = (const uint16_t*)v.data_ptr();
+  const uint16_t* ckp = (const uint16_t*)ctx_k.data_ptr();
+  const uint16_t* cvp = (const uint16_t*)ctx_v.data_ptr();
+  uint16_t* op = (uint16_t*)out.data_ptr();
+  const float sc = (float)scale;
+  const int64_t calls = H / per;  // per token
+  at::parallel_for(0, B * Q * calls, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores(per * (C + Q + kLanes));
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t row = i / (Q * calls), t = i / calls % Q, h = i % calls * per, kvh = h / groups;
+      const Keys context{ckp + row * ctx_k.stride(0) + kvh * ctx_k.stride(1), cvp + row * ctx_v.stride(0) + kvh * ctx_v.stride(1), lp[row],
+                         ctx_k.stride(2), ctx_v.stride(2)};
+      const Keys block{kp + row * k.stride(0) + kvh * k.stride(1), vp + row * v.stride(0) + kvh * v.stride(1), causal ? t + 1 : Q,
+                       k.stride(2), v.stride(2)};
+      const int64_t at = ((row * Q + t) * H + h) * D;
+      fn(qp + at, context, block, C + Q + kLanes, sc, scores.data(), op + at);
+    }
+  });
+  return out.transpose(1, 2);
 }
 
 }  // namespace slot_attention
