@@ -290,6 +290,36 @@ def test_rms_norm_kernel_is_the_hf_module_and_batch_invariant(isa):
     _kernel_child(RMS_NORM, isa)
 
 
+ARGMAX = """
+import torch
+from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.sampling import greedy
+kernel = bf16_gemm.kernel()
+g = torch.Generator().manual_seed(4)
+for V in (49152, 16384, 37, 16, 1):
+    x = torch.randn(9, V, generator=g).to(torch.bfloat16)
+    x[1, V // 2 :] = x[1].max()  # a tie: the first one wins
+    x[2] = -float("inf")
+    x[3, V // 3] = x[3, -1] = float("nan")  # NaN is the maximum, as in torch
+    x[4, -1] = float("nan")
+    x[5] = float("inf")
+    x[6] = 0.0
+    x[6, ::2] = -0.0  # zeros of both signs are equal
+    for view in (x, x.view(3, 3, V), x[::2], x[:, : max(1, V - 3)]):  # batched, strided and ragged-tail rows
+        assert torch.equal(kernel.argmax(view), view.argmax(-1)), V
+        assert torch.equal(greedy(view), view.argmax(-1))
+print(bf16_gemm.variant())
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_greedy_argmax_kernel_is_torch_argmax(isa):
+    """Greedy decoding's bf16 argmax (argmax.h, through `sampling.greedy`) is torch.argmax exactly on both variants:
+    ties, NaN, infinities, signed zeros, row lengths that are and are not whole vectors, strided views."""
+    _kernel_child(ARGMAX, isa)
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_draft_block_attention_kernel_is_softmax_attention_and_row_invariant(isa):
