@@ -290,6 +290,31 @@ def test_rms_norm_kernel_is_the_hf_module_and_batch_invariant(isa):
     _kernel_child(RMS_NORM, isa)
 
 
+SILU_MUL = """
+import torch
+import torch.nn.functional as F
+from trtllm_dflash.models import bf16_gemm
+kernel = bf16_gemm.kernel()
+g = torch.Generator().manual_seed(5)
+gate_up = (torch.randn(2, 20, 2 * 1536, generator=g) * 4).to(torch.bfloat16)  # the fused gate/up projection's output
+gate, up = gate_up.split([1536, 1536], dim=-1)
+got, want = kernel.silu_mul(gate_up), F.silu(gate) * up
+assert got.shape == want.shape and got.dtype == torch.bfloat16
+assert (got.float() - want.float()).abs().le(want.float().abs() * 2**-7 + 1e-30).all()  # within one bf16 rounding
+assert (got == want).float().mean() > 0.999  # the same bits but where silu's last fp32 bit tips a rounding
+assert all(torch.equal(kernel.silu_mul(gate_up[1, i]), got[1, i]) for i in range(20))  # alone as in the batch
+print(bf16_gemm.variant())
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_silu_mul_kernel_is_torchs_activation_and_row_invariant(isa):
+    """The gated MLP's silu(gate) * up in one call (activation.h) on both variants: torch's bf16 result within one
+    rounding everywhere and the same bits almost everywhere; a row alone as in a batch."""
+    _kernel_child(SILU_MUL, isa)
+
+
 ARGMAX = """
 import torch
 from trtllm_dflash.models import bf16_gemm

@@ -30,8 +30,8 @@ VARIANTS = {  # name -> (source, compiler flags)
     "avx512": ("bf16_gemm.cpp", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp"]),
     "avx2": ("bf16_gemm_avx2.cpp", ["-O3", "-mavx2", "-mfma", "-fopenmp"]),
 }
-HEADERS = ("bf16_blocks.h", "slot_attention.h", "rms_norm.h", "argmax.h")  # what both variants compile in: the layout
-# and loop, a step's attention, RMSNorm, greedy's argmax
+HEADERS = ("bf16_blocks.h", "slot_attention.h", "rms_norm.h", "activation.h", "argmax.h")  # what both variants compile
+# in: the layout and loop, a step's attention, RMSNorm, the MLP's activation, greedy's argmax
 ENV = "TRTDFLASH_BF16_KERNEL"  # "off": keep the library kernels (A/B timing, or a compiler that misbehaves)
 
 

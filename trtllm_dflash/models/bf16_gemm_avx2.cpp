@@ -12,6 +12,7 @@
 
 #include "bf16_blocks.h"
 #include "rms_norm.h"
+#include "activation.h"
 #include "argmax.h"
 #include "slot_attention.h"
 
@@ -78,6 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_attend", &slot_attention::block_attend,
         "the draft's block attention: q [b, H, Q, D] over each row's context K/V [b, KVH, C, D] and its block's -> [b, H, Q, D]");
   m.attr("ATTEND_HEAD_DIMS") = slot_attention::head_dims();
+  m.def("silu_mul", &activation::silu_mul, "bf16 gate_up [..., 2I] -> silu(gate) * up [..., I], rounded as torch's bf16 ops");
   m.def("argmax", &argmax::argmax, "bf16 rows [..., V] -> the first maximum's index (or first NaN's) [...], as torch.argmax");
   m.def("rms_norm", &rms_norm::rms_norm, "bf16 rows [..., H] -> weight * bf16(x * rsqrt(mean(x^2) + eps))");
 }

@@ -255,7 +255,8 @@ class DFlashDraftModel(nn.Module):
         self._stacked = None  # stacked context K/V projection of all layers: (linear callable, k_norm weights [L, hd])
         self._vocab = None  # inference-time draft vocabulary (models/draft_vocab.py): (token ids [N], head over their rows)
         self.packed = False
-        self._kernel = None  # our bf16 kernel module for RMSNorm at inference (`pack`), or None: the torch ops
+        self._kernel = None  # our bf16 kernel module for RMSNorm and the MLP's activation at inference (`pack`), or None:
+        # the torch ops
 
     def pack(self) -> None:
         """For inference only (no training or export after it): the context K/V projection of all layers stacked into
@@ -271,7 +272,7 @@ class DFlashDraftModel(nn.Module):
         self._stacked = (self.ctx_kv_proj, k_norm)
         self.packed = True
         c = self.config
-        if k_norm.dtype == torch.bfloat16 and c.hidden_size % 16 == 0 and c.head_dim % 16 == 0:
+        if k_norm.dtype == torch.bfloat16 and c.hidden_size % 16 == 0 and c.head_dim % 16 == 0 and c.intermediate_size % 16 == 0:
             self._kernel = bf16_gemm.kernel()
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -347,7 +348,11 @@ class DFlashDraftModel(nn.Module):
             q, k, v = attn.project(self.rms(x, layer.input_layernorm.weight, eps), cos, sin, norm=self.rms)
             out = block_attention(q, k, v, ctx_k[i], ctx_v[i], ctx_lens, c.layer_is_causal(i), c.layer_window(i))
             x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
-            x = x + layer.mlp(self.rms(x, layer.post_attention_layernorm.weight, eps))
+            h = self.rms(x, layer.post_attention_layernorm.weight, eps)
+            if self._kernel is not None:  # silu(gate) * up in one call (activation.h)
+                x = x + layer.mlp.down_proj(self._kernel.silu_mul(layer.mlp.gate_up_proj(h)))
+            else:
+                x = x + layer.mlp(h)
         return self.rms(x, self.norm.weight, eps)
 
     def embed_block(self, embed_tokens: nn.Module, block_ids: torch.Tensor) -> torch.Tensor:

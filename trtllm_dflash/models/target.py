@@ -188,6 +188,8 @@ class TargetModel:
         self.attention = self._attention_kernel()  # used by the lean loop only: decided once it is known
         # ... and its RMSNorm, in every forward of the lean loop, so a prompt's tokens and a step's are normed alike
         self.rms_kernel = self.attention if self.attention is not None and self.hidden_size % 16 == 0 else None
+        # ... and its MLP activation, silu(gate) * up in one call (activation.h)
+        self.mlp_kernel = self.rms_kernel if self.rms_kernel is not None and self.text_config.intermediate_size % 16 == 0 else None
 
     def _use_ragged_attention(self) -> bool:
         """Wrap the model's attention so `forward_rows` can lay rows on one flat axis; True where it could (HF models
@@ -404,8 +406,13 @@ class TargetModel:
                     out = _flat_rows_sdpa(q[0], keys, values, masks, attn.scaling, slot_rows)[None]
             x = x + attn.o_proj.forward(out.reshape(*x.shape[:-1], -1))
             h = self._norm(layer.post_attention_layernorm, x)
-            gate, up = mlp.gate_up_proj.forward(h).split(mlp.gate_proj.outputs.sizes, dim=-1)
-            x = x + mlp.down_proj.forward(mlp.act_fn(gate) * up)
+            gate_up = mlp.gate_up_proj.forward(h)
+            if self.mlp_kernel is not None:
+                act = self.mlp_kernel.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.split(mlp.gate_proj.outputs.sizes, dim=-1)
+                act = mlp.act_fn(gate) * up
+            x = x + mlp.down_proj.forward(act)
             if i in taps:
                 captured[i] = x
         h = self._norm(decoder.norm, x[:, -logits_to_keep:] if logits_to_keep else x)
