@@ -194,6 +194,22 @@ inline GroupFn pick(int64_t head_dim, int64_t g) {
   }
 }
 
+// How a token's H query heads over KVH K/V heads of dim D are computed: `per` of a K/V head's `groups` query heads a
+// call (each K/V row widened once for them), by `fn`.
+struct Plan {
+  GroupFn fn;
+  int64_t groups, per;
+};
+
+inline Plan plan(int64_t H, int64_t KVH, int64_t D, const char* who) {
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, who, ": heads a multiple of KV heads");
+  const int64_t groups = H / KVH;
+  const int64_t per = groups % 4 == 0 ? 4 : groups % 3 == 0 ? 3 : groups % 2 == 0 ? 2 : 1;
+  const GroupFn fn = pick(D, per);
+  TORCH_CHECK(fn != nullptr, who, ": head dim 64, 128 or 256");
+  return {fn, groups, per};
+}
+
 // q [N, H, D] bf16; k, v [S, KVH, C, D] bf16; slot, pos [N] int64 -> [N, H, D] bf16 (query head h reads K/V head
 // h / (H / KVH), HF's repeat_kv order).
 inline torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -203,11 +219,10 @@ inline torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, cons
               "attend: bf16 tensors");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "attend: a contiguous cache");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), S = k.size(0), KVH = k.size(1), C = k.size(2);
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "attend: heads a multiple of KV heads");
-  const int64_t groups = H / KVH;
-  const int64_t per = groups % 4 == 0 ? 4 : groups % 3 == 0 ? 3 : groups % 2 == 0 ? 2 : 1;  // heads a call widens K/V for
-  const GroupFn fn = pick(D, per);
-  TORCH_CHECK(k.size(3) == D && fn != nullptr, "attend: head dim 64, 128 or 256");
+  TORCH_CHECK(k.size(3) == D, "attend: head dim 64, 128 or 256");
+  const Plan p = plan(H, KVH, D, "attend");
+  const GroupFn fn = p.fn;
+  const int64_t groups = p.groups, per = p.per;
   const auto qc = q.contiguous();
   const auto sl = slot.to(torch::kLong).contiguous(), ps = pos.to(torch::kLong).contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
@@ -310,11 +325,9 @@ inline torch::Tensor block_attend(const torch::Tensor& q, const torch::Tensor& k
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), KVH = k.size(1), C = ctx_k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(2) == Q && k.size(3) == D && ctx_k.size(0) == B && ctx_k.size(1) == KVH && ctx_k.size(3) == D,
               "block_attend: shapes disagree");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "block_attend: heads a multiple of KV heads");
-  const int64_t groups = H / KVH;
-  const int64_t per = groups % 4 == 0 ? 4 : groups % 3 == 0 ? 3 : groups % 2 == 0 ? 2 : 1;
-  const GroupFn fn = pick(D, per);
-  TORCH_CHECK(fn != nullptr, "block_attend: head dim 64, 128 or 256");
+  const Plan p = plan(H, KVH, D, "block_attend");
+  const GroupFn fn = p.fn;
+  const int64_t groups = p.groups, per = p.per;
   const auto lens = ctx_lens.to(torch::kLong).contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
   TORCH_CHECK(lens.numel() == B, "block_attend: one context length per row");
