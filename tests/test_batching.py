@@ -14,6 +14,7 @@ from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.policy import BlockPolicy
 from trtllm_dflash.resolve import DRAFTS_DIR
 from trtllm_dflash.runtime import DFlashEngine
+from trtllm_dflash.threads import WIDE_TOKENS
 
 PROMPTS = [  # (prompt, chat, max_new_tokens): different lengths and budgets
     ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?", True, 40),
@@ -299,17 +300,23 @@ def test_bf16_dflash_writes_what_bf16_plain_decoding_writes_alone_and_batched(ta
     alone = [[t for step, _ in engine.stream(i, max_new_tokens=n) for t in step] for i, (_, _, n) in zip(ids, PROMPTS)]
     assert alone == want
     policy = CyclingPolicy(engine.block_size)
-    batch = Batch(bf16, draft, engine.block_size, slots=len(PROMPTS), policy=policy)
+    # as in a server's model process: prompts of WIDE_TOKENS tokens or more prefilled on two threads, steps on one;
+    # our kernels split their work by blocks of outputs, so the threads change no sum
+    batch = Batch(bf16, draft, engine.block_size, slots=len(PROMPTS), policy=policy, threads=(1, 2))
     reqs = [request(engine, i, n) for i, (_, _, n) in zip(ids, PROMPTS)]
-    out = []
-    for r in reqs:
-        while not (first := batch.add(r)):
-            pass
-        out.append(list(first))
-    while batch.ready:
-        for r, tokens in batch.step().items():
-            out[reqs.index(r)] += tokens
-        for r in [r for r in batch.rows if r.stats.finish_reason]:
-            batch.remove(r)
+    out, threads = [], torch.get_num_threads()
+    try:
+        for r in reqs:
+            while not (first := batch.add(r)):
+                pass
+            out.append(list(first))
+        while batch.ready:
+            for r, tokens in batch.step().items():
+                out[reqs.index(r)] += tokens
+            for r in [r for r in batch.rows if r.stats.finish_reason]:
+                batch.remove(r)
+    finally:
+        torch.set_num_threads(threads)
     assert policy.mixed_steps > 3 and policy.looked_steps > 0
+    assert max(len(i) for i in ids) >= WIDE_TOKENS > min(len(i) for i in ids), "prompts prefilled both ways"
     assert out == want

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from trtllm_dflash.threads import SPIN_COUNT, cgroup_cpus
+from trtllm_dflash.threads import SPIN_COUNT, WIDE_ENV, WIDE_TOKENS, cgroup_cpus, server_threads, widened
 
 CHILD = """
 import os
@@ -57,16 +57,50 @@ try:
     main(["serve", "--help"])
 except SystemExit:
     pass
-from trtllm_dflash.threads import server_thread_env
-print(server_thread_env().get("OMP_NUM_THREADS", "theirs"))
+from trtllm_dflash.threads import WIDE_ENV, server_thread_env
+env = server_thread_env()
+print(env.get("OMP_NUM_THREADS", "theirs"), env.get(WIDE_ENV, "-"))
 """
 
 
-def test_the_server_leaves_one_cpu_to_tritons_own_processes_unless_the_user_chose():
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+def test_the_server_leaves_one_cpu_to_tritons_own_processes_but_for_prefills_unless_the_user_chose():
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", WIDE_ENV)}
     cpus = len(os.sched_getaffinity(0))
-    expected = str(max(1, min(cpus, cgroup_cpus() or cpus) - 1))
-    for env, want in (({}, expected), ({"OMP_NUM_THREADS": "2"}, "theirs")):
+    every = min(cpus, cgroup_cpus() or cpus)
+    narrow = max(1, every - 1)
+    wide = str(every) if every > narrow else "-"  # prefills on every CPU, where that is more than a step gets
+    for env, want in (({}, [str(narrow), wide]), ({"OMP_NUM_THREADS": "2"}, ["theirs", "-"])):
         r = subprocess.run([sys.executable, "-c", SERVER_CHILD], capture_output=True, text=True, env={**base, **env}, timeout=120)
         assert r.returncode == 0, r.stderr
-        assert r.stdout.split()[-1] == want
+        assert r.stdout.split()[-2:] == want
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"OMP_NUM_THREADS": "1", WIDE_ENV: "2"}, (1, 2)),
+    ({"OMP_NUM_THREADS": "1"}, None),  # not a server's model process
+    ({WIDE_ENV: "2"}, None),
+    ({"OMP_NUM_THREADS": "1", WIDE_ENV: "zero"}, None),
+])
+def test_a_model_process_reads_its_threads_for_steps_and_prefills(monkeypatch, env, want):
+    for key in ("OMP_NUM_THREADS", WIDE_ENV):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert server_threads() == want
+
+
+def test_a_long_prompt_chunk_runs_wide_and_the_step_count_returns():
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with widened((1, 2), WIDE_TOKENS):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+        with widened((1, 2), WIDE_TOKENS - 1):  # a short chunk: a step's count
+            assert torch.get_num_threads() == 1
+        with widened(None, 500):  # not a server: torch's count
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

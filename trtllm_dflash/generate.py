@@ -22,6 +22,7 @@ from .models.draft import DFlashDraftModel, DraftKVCache
 from .models.target import TargetModel
 from .policy import BlockPolicy
 from .sampling import greedy, rejection_sample, sample, sampling_probs
+from .threads import widened
 
 PREFILL_CHUNK = 512  # prompt tokens per forward: a long prompt never holds the running rows for long
 
@@ -123,8 +124,10 @@ class Batch:
     """The running requests of one engine and their caches; `add`, `step` and `remove` between steps."""
 
     def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int, slots: int = 1,
-                 policy: BlockPolicy | None = None, lookup: bool = True):
-        """`lookup`: rows whose recent tokens occurred before may verify what followed them instead of drafting."""
+                 policy: BlockPolicy | None = None, lookup: bool = True, threads: tuple[int, int] | None = None):
+        """`lookup`: rows whose recent tokens occurred before may verify what followed them instead of drafting.
+        `threads`: torch threads for steps and for prompt chunks of WIDE_TOKENS tokens or more (a server's:
+        threads.server_threads); None: torch's count for all."""
         self.target, self.draft = target, (draft if block_size > 1 else None)
         self.block_size = block_size if self.draft is not None else 1
         self.lookup = lookup and self.draft is not None
@@ -134,6 +137,7 @@ class Batch:
         self.dcache = DraftKVCache(draft.config, slots, 256, target.dtype) if self.draft is not None else None
         self.slots = slots
         self.last_step: tuple[list[int], int, int, int, int] = ([], 0, 0, 0, 0)
+        self.threads = threads
 
     @torch.inference_mode()
     def add(self, req: Request) -> list[int]:
@@ -151,8 +155,9 @@ class Batch:
         slot, n = self.rows.index(req), len(req.prompt_ids)
         chunk = req.prompt_ids[req.prefilled : req.prefilled + PREFILL_CHUNK]
         last = req.prefilled + len(chunk) == n
-        logits, feats = self.target.forward(torch.tensor([chunk]), req.prefilled, self.cache, capture=self.draft is not None,
-                                            logits_to_keep=1, first_slot=slot)
+        with widened(self.threads, len(chunk)):
+            logits, feats = self.target.forward(torch.tensor([chunk]), req.prefilled, self.cache, capture=self.draft is not None,
+                                                logits_to_keep=1, first_slot=slot)
         req.prefilled += len(chunk)
         if feats is not None:
             self.dcache.stage(torch.full((len(chunk),), slot), torch.arange(req.prefilled - len(chunk), req.prefilled), feats[0])

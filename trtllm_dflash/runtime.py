@@ -21,6 +21,7 @@ from .models.target import TargetModel
 from .policy import OPTIMISTIC, BlockPolicy
 from .resolve import resolve_draft, resolve_target
 from .scheduler import Scheduler
+from .threads import server_threads
 from .validate import validate_block_size, validate_pair
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -162,7 +163,8 @@ class DFlashEngine:
     def scheduler(self, max_batch_size: int, slot_tokens: int, on_step=None, log=print) -> Scheduler:
         """The in-flight batching loop over this engine (one per server)."""
         self.calibrate(max_batch_size)
-        batch = Batch(self.target, self.draft, self.block_size, slots=max_batch_size, policy=self.policy, lookup=self.lookup)
+        batch = Batch(self.target, self.draft, self.block_size, slots=max_batch_size, policy=self.policy, lookup=self.lookup,
+                      threads=server_threads())
         return Scheduler(batch, slot_tokens, on_step, log)
 
     def stream(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),

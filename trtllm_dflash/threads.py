@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 SPIN_COUNT = "3000"  # libgomp spins this many times before a waiting thread sleeps: see the module docstring
+WIDE_ENV = "TRTDFLASH_PREFILL_THREADS"  # a server's model process: threads for a prompt's prefill (server_thread_env)
+WIDE_TOKENS = 16  # a prompt chunk of at least this many tokens takes WIDE_ENV's threads: see server_thread_env
 
 
 def cgroup_cpus(root: Path = Path("/sys/fs/cgroup")) -> int | None:
@@ -73,5 +77,39 @@ def server_thread_env() -> dict[str, str]:
     an OpenMP pool on every core waits at each barrier for the thread that work preempted; vLLM's CPU backend
     likewise leaves a core to its frontend. On 2 cores (AMD EPYC, 2026-11-23, bf16, `benchmarks/bench_serving.py
     --dtypes bf16 --concurrency 1 8`) one thread served DFlash at concurrency 1 at 31.3 tokens/s against 23.2 with
-    two. The user's own values win."""
-    return {k: v for k, v in thread_defaults(reserve=1).items() if k not in os.environ or k in _DEFAULTED}
+    two. The user's own values win.
+
+    A prompt's prefill (a chunk of WIDE_TOKENS tokens or more) is long enough that a preempted thread costs it little,
+    so it runs on every CPU (WIDE_ENV, read by `server_threads`). Alone on 2 cores (bf16, 2026-11-26) a 106-token
+    prefill takes 139 ms on one thread and 77 ms on two, 16 tokens 25 and 16 ms. Steps keep one CPU fewer: the policy
+    prices a step from one cost curve, which a thread count that changes with a step's size would break (a 16-token
+    step on two threads is cheaper than a 15-token one on one)."""
+    env = {k: v for k, v in thread_defaults(reserve=1).items() if k not in os.environ or k in _DEFAULTED}
+    wide = thread_defaults()["OMP_NUM_THREADS"]
+    if "OMP_NUM_THREADS" in env and wide != env["OMP_NUM_THREADS"] and WIDE_ENV not in os.environ:
+        env[WIDE_ENV] = wide
+    return env
+
+
+def server_threads() -> tuple[int, int] | None:
+    """(threads for a step, threads for a prompt's prefill) in a server's model process (server_thread_env); None
+    elsewhere, where torch's own count serves every forward."""
+    narrow, wide = os.environ.get("OMP_NUM_THREADS", ""), os.environ.get(WIDE_ENV, "")
+    if not (narrow.isdigit() and wide.isdigit() and int(narrow) > 0 and int(wide) > 0):
+        return None
+    return int(narrow), int(wide)
+
+
+@contextmanager
+def widened(threads: tuple[int, int] | None, tokens: int):
+    """Run a prompt chunk of `tokens` tokens on the wide count of `threads` (server_threads) if it is WIDE_TOKENS or
+    more; the step count again after it."""
+    if threads is None or tokens < WIDE_TOKENS:
+        yield
+        return
+    torch = sys.modules["torch"]  # loaded by the caller; importing it here would load it before configure_threads
+    torch.set_num_threads(threads[1])
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads[0])
