@@ -13,7 +13,7 @@ from trtllm_dflash.models import bf16_gemm
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.policy import BlockPolicy
 from trtllm_dflash.resolve import DRAFTS_DIR
-from trtllm_dflash.runtime import DFlashEngine
+from trtllm_dflash.runtime import DFlashEngine, shared_prefix
 from trtllm_dflash.threads import WIDE_TOKENS
 
 PROMPTS = [  # (prompt, chat, max_new_tokens): different lengths and budgets
@@ -51,19 +51,30 @@ def request(engine, ids, max_new, stop_token_ids=()):
 
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
 def test_rows_join_leave_stop_and_cancel_without_changing_output(engine, references, speculation):
-    """Four slots, six requests: two start, others join at later steps, one stops on a token, one is cancelled."""
+    """Four slots, six requests: two start, others join at later steps, one stops on a token, one is cancelled. The
+    chat template's head is prefilled once, by the first chat request, and copied into the others' slots."""
     engine.policy.adaptive = speculation == "adaptive"
     if engine.policy.adaptive:
         engine.calibrate(4)
-    batch = Batch(engine.target, engine.draft, engine.block_size, slots=4, policy=engine.policy)
+    prefix = shared_prefix(engine.tokenizer, engine.target.max_positions)
+    batch = Batch(engine.target, engine.draft, engine.block_size, slots=4, policy=engine.policy, prefix=prefix)
+    forward, prefilled = engine.target.forward, []
+
+    def recording(ids, start, *args, **kwargs):  # the prompt chunks as they go into the target
+        prefilled.append((start, ids.shape[1]))
+        return forward(ids, start, *args, **kwargs)
     stop_at = references[4][1][5]  # request 4 stops at the first occurrence of its 6th token
     reqs = [request(engine, ids, PROMPTS[i][2], (stop_at,) if i == 4 else ()) for i, (ids, _) in enumerate(references)]
     joins = {0: [0, 1], 1: [2], 3: [3]}  # step -> requests admitted before it; the rest wait for a free slot
     waiting, out, step, cancelled_at, sizes = [4, 5], {i: [] for i in range(len(reqs))}, 0, None, []
     while step < 400:
         for i in joins.get(step, []) + ([waiting.pop(0)] if waiting and step > 3 and len(batch.rows) < batch.slots else []):
-            while not (first := batch.add(reqs[i])):  # prefill (chunked) until the first token
-                pass
+            engine.target.forward = recording
+            try:
+                while not (first := batch.add(reqs[i])):  # prefill (chunked) until the first token
+                    pass
+            finally:
+                del engine.target.forward  # the class's method again
             out[i] += first
         for r in [r for r in batch.rows if r.stats.finish_reason]:
             batch.remove(r)
@@ -81,6 +92,9 @@ def test_rows_join_leave_stop_and_cancel_without_changing_output(engine, referen
                 out[reqs.index(r)] += tokens
         step += 1
     assert max(sizes) == 4 and not batch.rows
+    chat = sum(c for _, c, _ in PROMPTS)
+    assert len(prefix) > 10 and prefilled.count((0, len(prefix))) == 1 and sum(s == len(prefix) for s, _ in prefilled) == chat
+    assert sum(s == 0 for s, _ in prefilled) == len(PROMPTS) - chat + 1, "the other chat prompts start past the head"
     for i, (_, ref) in enumerate(references):
         if i == 1:
             assert out[1] == ref[:cancelled_at] and 0 < cancelled_at < len(ref)
@@ -302,7 +316,8 @@ def test_bf16_dflash_writes_what_bf16_plain_decoding_writes_alone_and_batched(ta
     policy = CyclingPolicy(engine.block_size)
     # as in a server's model process: prompts of WIDE_TOKENS tokens or more prefilled on two threads, steps on one;
     # our kernels split their work by blocks of outputs, so the threads change no sum
-    batch = Batch(bf16, draft, engine.block_size, slots=len(PROMPTS), policy=policy, threads=(1, 2))
+    batch = Batch(bf16, draft, engine.block_size, slots=len(PROMPTS), policy=policy, threads=(1, 2),
+                  prefix=shared_prefix(engine.tokenizer, bf16.max_positions))  # and the template's head prefilled once
     reqs = [request(engine, i, n) for i, (_, _, n) in zip(ids, PROMPTS)]
     out, threads = [], torch.get_num_threads()
     try:

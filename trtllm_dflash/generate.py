@@ -124,10 +124,16 @@ class Batch:
     """The running requests of one engine and their caches; `add`, `step` and `remove` between steps."""
 
     def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int, slots: int = 1,
-                 policy: BlockPolicy | None = None, lookup: bool = True, threads: tuple[int, int] | None = None):
+                 policy: BlockPolicy | None = None, lookup: bool = True, threads: tuple[int, int] | None = None,
+                 prefix: list[int] | None = None):
         """`lookup`: rows whose recent tokens occurred before may verify what followed them instead of drafting.
         `threads`: torch threads for steps and for prompt chunks of WIDE_TOKENS tokens or more (a server's:
-        threads.server_threads); None: torch's count for all."""
+        threads.server_threads); None: torch's count for all.
+        `prefix`: tokens many prompts start with (the chat template's head: runtime.shared_prefix). A prompt that
+        starts with it prefills it in a forward of its own, the first time; later ones get its K/V and features
+        copied into their slots. The prefill's split changes the last bits of what follows (a forward's attention
+        rounds by its chunk), so every path of an engine passes the same prefix: then a prompt's cache holds the same
+        bits alone or served, computed or copied, with a draft or without."""
         self.target, self.draft = target, (draft if block_size > 1 else None)
         self.block_size = block_size if self.draft is not None else 1
         self.lookup = lookup and self.draft is not None
@@ -138,6 +144,8 @@ class Batch:
         self.slots = slots
         self.last_step: tuple[list[int], int, int, int, int] = ([], 0, 0, 0, 0)
         self.threads = threads
+        self.prefix = list(prefix or [])
+        self.prefix_cache = None  # (K/V per layer, features or None) of the prefix, once its forward has run
 
     @torch.inference_mode()
     def add(self, req: Request) -> list[int]:
@@ -152,8 +160,17 @@ class Batch:
                 req.history = NgramIndex(req.prompt_ids)
             if self.dcache is not None:
                 self.dcache.lengths[len(self.rows) - 1] = 0
-        slot, n = self.rows.index(req), len(req.prompt_ids)
-        chunk = req.prompt_ids[req.prefilled : req.prefilled + PREFILL_CHUNK]
+        slot, n, p = self.rows.index(req), len(req.prompt_ids), len(self.prefix)
+        shared = req.prefilled == 0 and 0 < p < n and req.prompt_ids[:p] == self.prefix
+        if shared and self.prefix_cache is not None:  # the prefix's K/V and features copied, the rest prefilled now
+            kv, feats = self.prefix_cache
+            self.cache.reserve(p)
+            self.cache.write(slot, kv)
+            if feats is not None:
+                self.dcache.stage(torch.full((p,), slot), torch.arange(p), feats)
+            req.prefilled = p
+        first = shared and self.prefix_cache is None  # the prefix's own forward, kept for the prompts after this one
+        chunk = self.prefix if first else req.prompt_ids[req.prefilled : req.prefilled + PREFILL_CHUNK]
         last = req.prefilled + len(chunk) == n
         with widened(self.threads, len(chunk)):
             logits, feats = self.target.forward(torch.tensor([chunk]), req.prefilled, self.cache, capture=self.draft is not None,
@@ -161,6 +178,8 @@ class Batch:
         req.prefilled += len(chunk)
         if feats is not None:
             self.dcache.stage(torch.full((len(chunk),), slot), torch.arange(req.prefilled - len(chunk), req.prefilled), feats[0])
+        if first:
+            self.prefix_cache = (self.cache.read(slot, p), None if feats is None else feats[0].clone())
         if not last:
             return []
         row = req.hold_stops(logits[0, -1:], 0)  # [1, V]
@@ -341,12 +360,13 @@ def speculative_stream(
     min_tokens: int = 0,
     policy: BlockPolicy | None = None,
     lookup: bool = True,
+    prefix: list[int] | None = None,
 ) -> Iterator[list[int]]:
     """One request alone: yield committed tokens as they are decided. block_size 1 (or no draft) is plain decoding.
 
-    The block length is `block_size` every step unless a `policy` is given.
+    The block length is `block_size` every step unless a `policy` is given; `prefix` as in Batch.
     """
-    batch = Batch(target, draft, block_size, slots=1, policy=policy, lookup=lookup)
+    batch = Batch(target, draft, block_size, slots=1, policy=policy, lookup=lookup, prefix=prefix)
     req = Request(prompt_ids, max_new_tokens, sampling, stop_token_ids, min_tokens, stats)
     first = batch.add(req)
     while not first and req.prefilled < len(prompt_ids):

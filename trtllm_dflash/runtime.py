@@ -25,6 +25,7 @@ from .threads import server_threads
 from .validate import validate_block_size, validate_pair
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MIN_SHARED_PREFIX = 4  # tokens: a BOS alone is not worth a forward of its own
 
 
 class IncrementalDetokenizer:
@@ -87,6 +88,18 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, max_positions: int) -> lis
     return list(ids)
 
 
+def shared_prefix(tokenizer, max_positions: int) -> list[int]:
+    """The tokens every chat prompt starts with (the template's head: a system prompt, the user turn's opening), or []
+    where there is no chat template or the head is too short to matter: what a server prefills once (Batch)."""
+    if not tokenizer.chat_template:
+        return []
+    a, *others = (encode_prompt(tokenizer, text, True, max_positions) for text in ("Hello", "1 + 2 = ?", "¿Qué tal?"))
+    n = 0
+    while n < len(a) and all(n < len(o) and o[n] == a[n] for o in others):
+        n += 1
+    return a[:n] if n >= MIN_SHARED_PREFIX else []
+
+
 def _with_stats(events, stats: GenerationStats):
     """(tokens, statistics snapshot) events -> tokens, with `stats` brought up to each snapshot first."""
     try:
@@ -112,6 +125,7 @@ class DFlashEngine:
         self.target, self.draft, self.block_size = target, draft, block_size
         self.lookup = lookup and draft is not None  # a build without a draft decodes plainly: nothing to look up for
         self.tokenizer = target.tokenizer
+        self.prefix = shared_prefix(self.tokenizer, target.max_positions) if self.tokenizer is not None else []
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         gen_cfg = getattr(target.model, "generation_config", None)
         gen_eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
@@ -164,7 +178,7 @@ class DFlashEngine:
         """The in-flight batching loop over this engine (one per server)."""
         self.calibrate(max_batch_size)
         batch = Batch(self.target, self.draft, self.block_size, slots=max_batch_size, policy=self.policy, lookup=self.lookup,
-                      threads=server_threads())
+                      threads=server_threads(), prefix=self.prefix)
         return Scheduler(batch, slot_tokens, on_step, log)
 
     def stream(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
@@ -191,7 +205,7 @@ class DFlashEngine:
                 self.calibrate()
             policy = self.policy if block == self.block_size else None
             steps = speculative_stream(self.target, self.draft if block > 1 else None, prompt_ids, max_new_tokens, block, sampling, stops,
-                                       stats, min_tokens, policy, self.lookup)
+                                       stats, min_tokens, policy, self.lookup, self.prefix)
         try:
             for ids in steps:
                 delta = detok.push(ids, final=bool(stats.finish_reason))

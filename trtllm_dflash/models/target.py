@@ -471,6 +471,16 @@ class SlotKVCache(Cache):
             for buf in buffers:
                 buf[dst, :, :length] = buf[src, :, :length]
 
+    def read(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of slot `slot`'s first `length` positions, per layer [nkv, length, hd]."""
+        return [k[slot, :, :length].clone() for k in self.k], [v[slot, :, :length].clone() for v in self.v]
+
+    def write(self, slot: int, kv: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        """Put what `read` returned into slot `slot`'s first positions."""
+        for buffers, saved in zip((self.k, self.v), kv):
+            for buf, x in zip(buffers, saved):
+                buf[slot, :, : x.shape[1]] = x
+
     def begin(self, first_slot: int, positions: torch.Tensor, rules: dict[str, int | None], dtype: torch.dtype,
               flat: FlatRows | None = None):
         """Set where the next forward writes; returns its attention mask(s) (additive, [b, 1, T, K]). With `flat`

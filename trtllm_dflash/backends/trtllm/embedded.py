@@ -70,7 +70,8 @@ class RequestOutput:
         stops = frozenset(params.stop_token_ids or ()) | engine.eos_token_ids
         self._steps = speculative_stream(engine.target, engine.draft, self.prompt_token_ids, params.max_tokens, engine.block_size,
                                          params.ours(), stops, self._stats, params.min_tokens or 0,
-                                         lookup=False)  # TensorRT-LLM's DFlash mode drafts every block with the draft
+                                         lookup=False,  # TensorRT-LLM's DFlash mode drafts every block with the draft
+                                         prefix=engine.prefix)
 
     def abort(self) -> None:
         self._aborted = True
