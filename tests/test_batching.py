@@ -335,3 +335,16 @@ def test_bf16_dflash_writes_what_bf16_plain_decoding_writes_alone_and_batched(ta
     assert policy.mixed_steps > 3 and policy.looked_steps > 0
     assert max(len(i) for i in ids) >= WIDE_TOKENS > min(len(i) for i in ids), "prompts prefilled both ways"
     assert out == want
+
+
+def test_the_shared_head_is_the_templates_and_none_where_a_template_refuses_a_lone_turn(engine):
+    import copy
+
+    head = shared_prefix(engine.tokenizer, engine.target.max_positions)
+    assert all(engine.encode(text)[: len(head)] == head for text, chat, _ in PROMPTS if chat)
+    assert engine.tokenizer.decode(head).endswith("user\n")  # the user turn's opening, not the start of its content
+    refusing = copy.deepcopy(engine.tokenizer)
+    refusing.chat_template = "{{ raise_exception('Conversation roles must alternate system/user/assistant') }}"
+    assert shared_prefix(refusing, engine.target.max_positions) == []
+    refusing.chat_template = None
+    assert shared_prefix(refusing, engine.target.max_positions) == []

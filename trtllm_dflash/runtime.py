@@ -93,7 +93,10 @@ def shared_prefix(tokenizer, max_positions: int) -> list[int]:
     where there is no chat template or the head is too short to matter: what a server prefills once (Batch)."""
     if not tokenizer.chat_template:
         return []
-    a, *others = (encode_prompt(tokenizer, text, True, max_positions) for text in ("Hello", "1 + 2 = ?", "¿Qué tal?"))
+    try:
+        a, *others = [encode_prompt(tokenizer, text, True, max_positions) for text in ("Hello", "1 + 2 = ?", "¿Qué tal?")]
+    except Exception:  # a template that refuses a lone user turn: no shared head, requests still say what is wrong
+        return []
     n = 0
     while n < len(a) and all(n < len(o) and o[n] == a[n] for o in others):
         n += 1
