@@ -169,8 +169,8 @@ class Batch:
             if feats is not None:
                 self.dcache.stage(torch.full((p,), slot), torch.arange(p), feats)
             req.prefilled = p
-        first = shared and self.prefix_cache is None  # the prefix's own forward, kept for the prompts after this one
-        chunk = self.prefix if first else req.prompt_ids[req.prefilled : req.prefilled + PREFILL_CHUNK]
+        new_prefix = shared and self.prefix_cache is None  # the prefix's own forward, kept for the prompts after this one
+        chunk = self.prefix if new_prefix else req.prompt_ids[req.prefilled : req.prefilled + PREFILL_CHUNK]
         last = req.prefilled + len(chunk) == n
         with widened(self.threads, len(chunk)):
             logits, feats = self.target.forward(torch.tensor([chunk]), req.prefilled, self.cache, capture=self.draft is not None,
@@ -178,7 +178,7 @@ class Batch:
         req.prefilled += len(chunk)
         if feats is not None:
             self.dcache.stage(torch.full((len(chunk),), slot), torch.arange(req.prefilled - len(chunk), req.prefilled), feats[0])
-        if first:
+        if new_prefix:
             self.prefix_cache = (self.cache.read(slot, p), None if feats is None else feats[0].clone())
         if not last:
             return []

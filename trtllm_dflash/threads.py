@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -107,7 +106,8 @@ def widened(threads: tuple[int, int] | None, tokens: int):
     if threads is None or tokens < WIDE_TOKENS:
         yield
         return
-    torch = sys.modules["torch"]  # loaded by the caller; importing it here would load it before configure_threads
+    import torch  # here, not at the top: this module runs before torch is first imported (configure_threads)
+
     torch.set_num_threads(threads[1])
     try:
         yield

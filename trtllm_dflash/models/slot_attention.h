@@ -219,7 +219,7 @@ inline torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, cons
               "attend: bf16 tensors");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "attend: a contiguous cache");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), S = k.size(0), KVH = k.size(1), C = k.size(2);
-  TORCH_CHECK(k.size(3) == D, "attend: head dim 64, 128 or 256");
+  TORCH_CHECK(k.size(3) == D, "attend: the cache's head dim is not the queries'");
   const Plan p = plan(H, KVH, D, "attend");
   const GroupFn fn = p.fn;
   const int64_t groups = p.groups, per = p.per;
