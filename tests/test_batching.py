@@ -12,6 +12,7 @@ from trtllm_dflash.generate import Batch, Request
 from trtllm_dflash.models import bf16_gemm
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.policy import BlockPolicy
+from trtllm_dflash.prefix_cache import BLOCK
 from trtllm_dflash.resolve import DRAFTS_DIR
 from trtllm_dflash.runtime import DFlashEngine, shared_prefix
 from trtllm_dflash.threads import WIDE_TOKENS
@@ -213,20 +214,25 @@ def test_scheduler_serves_concurrent_streams_in_order(engine, references):
 
 
 def test_long_prompt_prefills_in_chunks_between_steps(engine, references):
-    """A 700-token prompt joins a running request: one 512-token chunk, a step of the other row, the rest; both lossless."""
-    from trtllm_dflash.generate import PREFILL_CHUNK
-
+    """A 700-token prompt joins a running request one 64-token chunk at a time, the running row stepping between
+    chunks; both lossless."""
     ids, ref = references[0]
     long_ids = (engine.encode("Repeat after me. " + "The quick brown fox jumps over the lazy dog. " * 70, chat=False))[:700]
-    assert len(long_ids) > PREFILL_CHUNK
     long_ref = engine.target.model.generate(torch.tensor([long_ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
                                             pad_token_id=engine.tokenizer.pad_token_id)[0, len(long_ids):].tolist()
     batch = Batch(engine.target, engine.draft, engine.block_size, slots=2, policy=engine.policy)
-    short, long = request(engine, ids, 40), Request(long_ids, 16)
-    out = {short: batch.add(short), long: []}
-    assert batch.add(long) == [] and long.prefilled == PREFILL_CHUNK  # first chunk only
-    out[short] += batch.step()[short]  # the running row advances while the long prompt is half in
-    out[long] += batch.add(long)
+    short, long = request(engine, ids, PROMPTS[0][2]), Request(long_ids, 16)
+    out, chunks, steps_between = {short: batch.add(short), long: []}, 0, 0
+    while not out[long]:
+        out[long] += batch.add(long)
+        chunks += 1
+        assert long.prefilled == min(chunks * BLOCK, len(long_ids))
+        if not out[long] and short in batch.ready:
+            out[short] += batch.step()[short]  # the running row advances while the long prompt goes in
+            steps_between += 1
+        if short.stats.finish_reason and short in batch.rows:
+            batch.remove(short)
+    assert chunks == -(-len(long_ids) // BLOCK) and steps_between >= 5
     while batch.ready:
         for r, tokens in batch.step().items():
             out[r] += tokens
@@ -236,26 +242,26 @@ def test_long_prompt_prefills_in_chunks_between_steps(engine, references):
 
 
 def test_running_row_leaving_between_a_long_prompts_chunks(engine, references):
-    """A 1,100-token prompt goes in over three chunks while two requests run; one of them leaves after the first chunk.
+    """A 1,100-token prompt goes in chunk by chunk while two requests run; one of them leaves after the first chunk.
     The prompt must not take the leaver's slot among the running rows (it used to, and the next step failed every
     row); all three outputs stay their batch-1 outputs."""
-    from trtllm_dflash.generate import PREFILL_CHUNK
-
     long_ids = engine.encode("Repeat after me. " + "The quick brown fox jumps over the lazy dog. " * 110, chat=False)[:1100]
-    assert len(long_ids) > 2 * PREFILL_CHUNK
     long_ref = engine.target.model.generate(torch.tensor([long_ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                                             pad_token_id=engine.tokenizer.pad_token_id)[0, len(long_ids):].tolist()
     batch = Batch(engine.target, engine.draft, engine.block_size, slots=3, policy=BlockPolicy(engine.block_size))
     leaver, stayer, long = request(engine, references[1][0], 24), request(engine, references[0][0], 40), Request(long_ids, 12)
     out = {leaver: batch.add(leaver), stayer: batch.add(stayer), long: []}
-    assert batch.add(long) == []  # chunk 1 of 3
+    assert batch.add(long) == []  # the first chunk
     for r, tokens in batch.step().items():
         out[r] += tokens
     batch.remove(leaver)  # its client went away
     assert batch.rows[0] is stayer and batch.rows[1] is long
-    assert batch.add(long) == []  # chunk 2 of 3
-    out[stayer] += batch.step()[stayer]
-    out[long] += batch.add(long)  # chunk 3: the first token
+    while not out[long]:
+        out[long] += batch.add(long)
+        if not out[long] and stayer in batch.ready:
+            out[stayer] += batch.step()[stayer]
+        if stayer.stats.finish_reason and stayer in batch.rows:
+            batch.remove(stayer)
     while batch.ready:
         for r, tokens in batch.step().items():
             out[r] += tokens

@@ -161,6 +161,8 @@ def test_engine_metrics_on_the_metrics_port(server, reference):
     assert values["dflash_generated_tokens_total"] >= reference["num_tokens"]
     assert 0 < values["dflash_accepted_tokens_total"] <= values["dflash_drafted_tokens_total"]
     assert values["dflash_lookup_accepted_tokens_total"] <= values["dflash_accepted_tokens_total"]  # lookup's share, published
+    # the same chat prompt served more than once: at least the template's head came from the prefix cache
+    assert 0 < values["dflash_cached_prompt_tokens_total"] < values["dflash_prompt_tokens_total"]
     assert values["dflash_acceptance_length"] > 1 and values["dflash_running"] == 0 and values["dflash_queued"] == 0
     assert f'dflash_block_length_steps_total{{block_length="{BLOCK}",model="dflash"}}' in text
 

@@ -12,6 +12,7 @@ import click
 
 from .config import DRAFT_LOSSES, DTYPE_CHOICES
 from .errors import DFlashError
+from .prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from .threads import configure_threads
 
 DTYPE_HELP = ("auto: bf16 where the CPU has bf16 arithmetic (AVX-512 BF16, AMX) or AVX2 alone (our kernel: bf16 weights, "
@@ -141,13 +142,16 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
 @click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP.replace("auto:", "auto, fp32 or bf16 (torch backend); auto:", 1))
 @speculation_option
 @lookup_option
+@click.option("--prefix-cache-tokens", type=int, default=PREFIX_CACHE_TOKENS, show_default=True,
+              help="Prompt tokens whose K/V the server keeps for later prompts that start the same way (a conversation "
+                   "resent with each turn, a shared system prompt); 0 = off (torch backend).")
 @click.option("--force", is_flag=True, help="Write a TensorRT-LLM plan even if its memory plan does not fit the GPUs.")
 @click.option("--draft-engine", is_flag=True, help="Also write the ONNX drafter (block attention as one TensorRT plugin node) and, "
               "on a GPU host with TensorRT, build its engine.")
 @click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
 @user_errors
-def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, speculation, lookup, force, draft_engine, output, dry_run):
+def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, speculation, lookup, prefix_cache_tokens, force, draft_engine, output, dry_run):
     """Build a Triton model repository (plus checkpoints or GPU launch files, manifest.json) from a target and a DFlash draft."""
     from pathlib import Path
 
@@ -155,7 +159,7 @@ def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batc
 
     opts = BuildOptions(output=Path(output), target=target, draft=draft, no_draft=no_draft, backend=backend, gpu=gpu, recipe=recipe,
                         tp=tp, ep=ep, quant=quant, max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_size=block_size,
-                        dtype=dtype, speculation=speculation, lookup=lookup, force=force, draft_engine=draft_engine)
+                        dtype=dtype, speculation=speculation, lookup=lookup, prefix_cache_tokens=prefix_cache_tokens, force=force, draft_engine=draft_engine)
     run_build(opts, progress=lambda m: click.echo(m, err=True), dry_run=dry_run)
 
 

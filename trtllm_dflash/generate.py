@@ -9,6 +9,7 @@ not depend on what runs beside it. `speculative_stream` is one request through t
 
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,15 +22,16 @@ from .lookup import NgramIndex
 from .models.draft import DFlashDraftModel, DraftKVCache
 from .models.target import TargetModel
 from .policy import BlockPolicy
+from .prefix_cache import BLOCK, Entry, PrefixCache, chunk_ends, chunk_keys
 from .sampling import greedy, rejection_sample, sample, sampling_probs
 from .threads import widened
 
-PREFILL_CHUNK = 512  # prompt tokens per forward: a long prompt never holds the running rows for long
 
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (prefix_cache.py)
     num_tokens: int = 0
     steps: int = 0  # target verify forwards after prefill
     drafted_tokens: int = 0
@@ -55,6 +57,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "num_tokens": self.num_tokens,
             "steps": self.steps,
             "acceptance_length": round(self.acceptance_length, 4),
@@ -89,6 +92,8 @@ class Request:
         self.start = 0  # position of `token`: committed, not yet fed to the target
         self.token = -1
         self.prefilled = 0  # prompt tokens already in the target cache (chunked prefill)
+        self.chunk_ends: list[int] = []  # where its canonical prefill chunks end, and their prefix-cache keys
+        self.chunk_keys: list[bytes] = []
         self.history: NgramIndex | None = None  # prompt and committed tokens, where the batch looks guesses up
 
     @property
@@ -125,15 +130,15 @@ class Batch:
 
     def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int, slots: int = 1,
                  policy: BlockPolicy | None = None, lookup: bool = True, threads: tuple[int, int] | None = None,
-                 prefix: list[int] | None = None):
+                 prefix: list[int] | None = None, cache_tokens: int = 0):
         """`lookup`: rows whose recent tokens occurred before may verify what followed them instead of drafting.
         `threads`: torch threads for steps and for prompt chunks of WIDE_TOKENS tokens or more (a server's:
         threads.server_threads); None: torch's count for all.
-        `prefix`: tokens many prompts start with (the chat template's head: runtime.shared_prefix). A prompt that
-        starts with it prefills it in a forward of its own, the first time; later ones get its K/V and features
-        copied into their slots. The prefill's split changes the last bits of what follows (a forward's attention
-        rounds by its chunk), so every path of an engine passes the same prefix: then a prompt's cache holds the same
-        bits alone or served, computed or copied, with a draft or without."""
+        `prefix`: tokens many prompts start with (the chat template's head: runtime.shared_prefix), the first of a
+        prompt's canonical prefill chunks (prefix_cache.py). Chunks seen before are copied from the prefix cache
+        (K/V and draft features; the head always, others within `cache_tokens`). The chunks set the last bits of
+        the cache (a forward's attention rounds by its chunk), so every path of an engine passes the same prefix:
+        then a prompt's cache holds the same bits alone or served, computed or copied, with a draft or without."""
         self.target, self.draft = target, (draft if block_size > 1 else None)
         self.block_size = block_size if self.draft is not None else 1
         self.lookup = lookup and self.draft is not None
@@ -145,48 +150,62 @@ class Batch:
         self.last_step: tuple[list[int], int, int, int, int] = ([], 0, 0, 0, 0)
         self.threads = threads
         self.prefix = list(prefix or [])
-        self.prefix_cache = None  # (K/V per layer, features or None) of the prefix, once its forward has run
+        self.prefix_cache = PrefixCache(cache_tokens)
 
     @torch.inference_mode()
     def add(self, req: Request) -> list[int]:
-        """Prefill `req` into the next free slot (up to PREFILL_CHUNK tokens); returns its first token once the prompt is in."""
+        """Prefill `req` into the next free slot, one canonical chunk a call (the chunks before it that the prefix
+        cache holds copied in first); returns its first token once the prompt is in."""
+        n = len(req.prompt_ids)
         if req not in self.rows:
             assert len(self.rows) < self.slots, "no free slot"
-            req.max_new_tokens = min(req.max_new_tokens, self.target.max_positions - len(req.prompt_ids))
-            req.stats.prompt_tokens = len(req.prompt_ids)
+            req.max_new_tokens = min(req.max_new_tokens, self.target.max_positions - n)
+            req.stats.prompt_tokens = n
             req.stats.accepted_per_position = [0] * (self.block_size - 1)
             self.rows.append(req)
             if self.lookup:
                 req.history = NgramIndex(req.prompt_ids)
             if self.dcache is not None:
                 self.dcache.lengths[len(self.rows) - 1] = 0
-        slot, n, p = self.rows.index(req), len(req.prompt_ids), len(self.prefix)
-        shared = req.prefilled == 0 and 0 < p < n and req.prompt_ids[:p] == self.prefix
-        if shared and self.prefix_cache is not None:  # the prefix's K/V and features copied, the rest prefilled now
-            kv, feats = self.prefix_cache
-            self.cache.reserve(p)
-            self.cache.write(slot, kv)
-            if feats is not None:
-                self.dcache.stage(torch.full((p,), slot), torch.arange(p), feats)
-            req.prefilled = p
-        new_prefix = shared and self.prefix_cache is None  # the prefix's own forward, kept for the prompts after this one
-        chunk = self.prefix if new_prefix else req.prompt_ids[req.prefilled : req.prefilled + PREFILL_CHUNK]
-        last = req.prefilled + len(chunk) == n
-        with widened(self.threads, len(chunk)):
-            logits, feats = self.target.forward(torch.tensor([chunk]), req.prefilled, self.cache, capture=self.draft is not None,
-                                                logits_to_keep=1, first_slot=slot)
-        req.prefilled += len(chunk)
+            p = len(self.prefix)
+            head = p if 0 < p < n and req.prompt_ids[:p] == self.prefix else 0
+            req.chunk_ends = chunk_ends(n, head)
+            req.chunk_keys = chunk_keys(req.prompt_ids, req.chunk_ends)
+            self._copy_cached(req)
+        slot = self.rows.index(req)
+        i = bisect.bisect_right(req.chunk_ends, req.prefilled)  # the chunk that starts at `prefilled`
+        start, end = req.prefilled, req.chunk_ends[i]
+        with widened(self.threads, end - start):
+            logits, feats = self.target.forward(torch.tensor([req.prompt_ids[start:end]]), start, self.cache,
+                                                capture=self.draft is not None, logits_to_keep=1, first_slot=slot)
+        req.prefilled = end
         if feats is not None:
-            self.dcache.stage(torch.full((len(chunk),), slot), torch.arange(req.prefilled - len(chunk), req.prefilled), feats[0])
-        if new_prefix:
-            self.prefix_cache = (self.cache.read(slot, p), None if feats is None else feats[0].clone())
-        if not last:
+            self.dcache.stage(torch.full((end - start,), slot), torch.arange(start, end), feats[0])
+        head = i == 0 and end == len(self.prefix) < n and req.prompt_ids[:end] == self.prefix  # pinned: every chat prompt's
+        if head or (end - start == BLOCK and self.prefix_cache.max_tokens):  # a whole chunk, kept for prompts that start alike
+            k, v = self.cache.read(slot, start, end)
+            self.prefix_cache.put(req.chunk_keys[i], Entry(k, v, None if feats is None else feats[0].clone()), pin=head)
+        if end < n:
             return []
         row = req.hold_stops(logits[0, -1:], 0)  # [1, V]
         req.token = int(greedy(row)[0] if req.sampling.greedy else sample(sampling_probs(row, req.sampling), req.gen)[0])
         req.start = n
         req.stats.time_to_first_token = time.perf_counter() - req.t0
         return req.commit([req.token])
+
+    def _copy_cached(self, req: Request) -> None:
+        """The prompt's leading chunks the prefix cache holds, into its slot (never its last chunk: that forward gives
+        the first token)."""
+        slot, start = self.rows.index(req), 0
+        for end, key in zip(req.chunk_ends[:-1], req.chunk_keys):
+            entry = self.prefix_cache.get(key)
+            if entry is None:
+                break
+            self.cache.write(slot, start, entry.keys, entry.values)
+            if entry.features is not None:
+                self.dcache.stage(torch.full((end - start,), slot), torch.arange(start, end), entry.features)
+            start = end
+        req.prefilled = req.stats.cached_tokens = start
 
     @torch.inference_mode()
     def remove(self, req: Request) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from string import Template
 
 from .errors import DFlashError
+from .prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from .protocol import pbtxt_values
 from .resources import package_dir
 
@@ -35,6 +36,7 @@ class RepoParams:
     engine_model: str = "dflash"  # the ensemble's engine step; a `tensorrt_llm` model has the same I/O
     speculation: str = "adaptive"  # block length per step: adaptive (measured costs) or fixed (always the full block)
     lookup: bool = True  # prompt-lookup guesses where a request's text repeats (lookup.py)
+    prefix_cache_tokens: int = PREFIX_CACHE_TOKENS  # prompt tokens whose K/V the engine keeps for later prompts (prefix_cache.py)
 
     def models(self) -> tuple[str, ...]:
         return ("preprocessing", self.engine_model, "postprocessing", USER_MODEL)

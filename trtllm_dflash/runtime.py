@@ -19,6 +19,7 @@ from .models.draft import DFlashDraftModel
 from .models.draft_vocab import read_draft_vocab
 from .models.target import TargetModel
 from .policy import OPTIMISTIC, BlockPolicy
+from .prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from .resolve import resolve_draft, resolve_target
 from .scheduler import Scheduler
 from .threads import server_threads
@@ -177,11 +178,13 @@ class DFlashEngine:
             Batch(self.target, self.draft, self.block_size, slots=1, policy=self.policy).calibrate(max_rows)
             self._calibrated_rows = max_rows
 
-    def scheduler(self, max_batch_size: int, slot_tokens: int, on_step=None, log=print) -> Scheduler:
-        """The in-flight batching loop over this engine (one per server)."""
+    def scheduler(self, max_batch_size: int, slot_tokens: int, on_step=None, log=print,
+                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> Scheduler:
+        """The in-flight batching loop over this engine (one per server); `prefix_cache_tokens`: how many prompt tokens'
+        K/V and features it keeps for later prompts that start the same way (prefix_cache.py)."""
         self.calibrate(max_batch_size)
         batch = Batch(self.target, self.draft, self.block_size, slots=max_batch_size, policy=self.policy, lookup=self.lookup,
-                      threads=server_threads(), prefix=self.prefix)
+                      threads=server_threads(), prefix=self.prefix, cache_tokens=prefix_cache_tokens)
         return Scheduler(batch, slot_tokens, on_step, log)
 
     def stream(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),

@@ -30,6 +30,7 @@ class EngineMetrics:
     tokens_last_step: int = 0
     steps: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of those, copied from the prefix cache (prefix_cache.py)
     generated_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -137,7 +138,10 @@ class Scheduler:
             self.metrics.prompt_tokens += len(req.prompt_ids)
         handle = self.running[req]
         try:
+            fresh = req.prefilled == 0
             first = batch.add(req)
+            if fresh:
+                self.metrics.cached_prompt_tokens += req.stats.cached_tokens
         except Exception as e:  # this request alone fails (a bug or an impossible input); the rest keep running
             self._finish(handle, e if isinstance(e, DFlashError) else DFlashError(f"internal error: {type(e).__name__}: {e}"))
             return

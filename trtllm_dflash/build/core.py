@@ -36,6 +36,7 @@ from ..config import DTYPE_CHOICES, SPECULATION, rope_of
 from ..errors import DFlashError
 from ..models.checkpoint import CARD_FILE, check_draft
 from ..models.draft_vocab import FILE as VOCAB_FILE, read_draft_vocab
+from ..prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from ..repository import TEMPLATE_DIR, RepoParams, emit_repository, template_files
 from ..resolve import PRESETS, preset_for, resolve_draft, resolve_target, sha256_file
 from ..untrusted import inside, read_hf_config
@@ -75,6 +76,7 @@ class BuildOptions:
     dtype: str = "auto"  # resolved to fp32 or bf16 for this CPU when the build starts
     speculation: str = "adaptive"  # torch backend: block length per step from measured costs, or fixed
     lookup: bool = True  # torch backend: verify prompt-lookup guesses where the text repeats (lookup.py)
+    prefix_cache_tokens: int = PREFIX_CACHE_TOKENS  # torch backend: prompt tokens kept for prompts that start alike
     chat_template: bool = True
     force: bool = False  # write a TensorRT-LLM plan that does not fit the GPUs
     draft_engine: bool = False  # also the ONNX drafter (attention = TensorRT plugin node) and, with TensorRT, its engine
@@ -95,6 +97,8 @@ class BuildOptions:
             raise DFlashError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}.")
         if self.quant is not None and self.quant not in QUANTS:
             raise DFlashError(f"--quant must be one of {', '.join(QUANTS)}, got {self.quant!r}.")
+        if self.prefix_cache_tokens < 0:
+            raise DFlashError(f"--prefix-cache-tokens must be 0 (off) or more, got {self.prefix_cache_tokens}.")
         for flag, value in (("--tp", self.tp), ("--ep", self.ep), ("--max-batch-size", self.max_batch_size)):
             if value is not None and value < 1:
                 raise DFlashError(f"{flag} must be at least 1, got {value}.")
@@ -177,15 +181,16 @@ class Plan:
 
     def memory_estimate(self) -> dict[str, int]:
         """Bytes per device: the TensorRT-LLM plan per GPU, or for the torch backend the weights in the build
-        dtype + a full KV cache per concurrent request + runtime."""
+        dtype + a full KV cache per concurrent request + the prefix cache's K/V + runtime."""
         if self.deployment is not None:
             m = self.deployment.memory
             return {label: b for label, b in m.rows} | {"total": m.total_bytes, "gpu_memory": m.gpu_memory_bytes}
         b = DTYPE_BYTES[self.options.dtype]
         s = self.sources
         kv = s.kv_bytes_per_token * s.max_seq_len * self.max_batch_size
-        return {"weights": (s.target_params + s.draft_params) * b, "kv_cache": kv, "runtime": RUNTIME_OVERHEAD,
-                "total": (s.target_params + s.draft_params) * b + kv + RUNTIME_OVERHEAD}
+        prefix = s.kv_bytes_per_token * self.options.prefix_cache_tokens
+        return {"weights": (s.target_params + s.draft_params) * b, "kv_cache": kv, "prefix_cache": prefix, "runtime": RUNTIME_OVERHEAD,
+                "total": (s.target_params + s.draft_params) * b + kv + prefix + RUNTIME_OVERHEAD}
 
     @property
     def max_batch_size(self) -> int:
@@ -359,7 +364,7 @@ def _torch_steps(opts: BuildOptions, src: Sources, hashes: dict[str, str]) -> li
         max_batch_size=opts.max_batch_size or TORCH_MAX_BATCH, max_seq_len=src.max_seq_len, block_size=src.block_size, dtype=opts.dtype,
         target_dir="../../checkpoints/target", draft_dir="../../checkpoints/draft" if src.draft_dir else "",
         tokenizer_dir="../../tokenizer", apply_chat_template=opts.chat_template, speculation=opts.speculation,
-        lookup=opts.lookup,
+        lookup=opts.lookup, prefix_cache_tokens=opts.prefix_cache_tokens,
     )))
     return steps
 

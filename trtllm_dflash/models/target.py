@@ -471,15 +471,17 @@ class SlotKVCache(Cache):
             for buf in buffers:
                 buf[dst, :, :length] = buf[src, :, :length]
 
-    def read(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of slot `slot`'s first `length` positions, per layer [nkv, length, hd]."""
-        return [k[slot, :, :length].clone() for k in self.k], [v[slot, :, :length].clone() for v in self.v]
+    def read(self, slot: int, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of slot `slot`'s positions [start, end), per layer [nkv, end - start, hd]."""
+        return [k[slot, :, start:end].clone() for k in self.k], [v[slot, :, start:end].clone() for v in self.v]
 
-    def write(self, slot: int, kv: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
-        """Put what `read` returned into slot `slot`'s first positions."""
-        for buffers, saved in zip((self.k, self.v), kv):
-            for buf, x in zip(buffers, saved):
-                buf[slot, :, : x.shape[1]] = x
+    def write(self, slot: int, start: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Put what `read` returned into slot `slot` from position `start` on."""
+        self.reserve(start + keys[0].shape[1])
+        for layer, (key, value) in enumerate(zip(keys, values)):
+            k, v = self.buffers(layer, key.shape[0], key.shape[2], key.dtype)
+            k[slot, :, start : start + key.shape[1]] = key
+            v[slot, :, start : start + value.shape[1]] = value
 
     def begin(self, first_slot: int, positions: torch.Tensor, rules: dict[str, int | None], dtype: torch.dtype,
               flat: FlatRows | None = None):

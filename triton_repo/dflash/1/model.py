@@ -30,6 +30,7 @@ GAUGES = {
 COUNTERS = {
     "steps": "Engine steps (one draft + one verify forward for all rows)",
     "prompt_tokens": "Prompt tokens prefilled",
+    "cached_prompt_tokens": "Prompt tokens whose K/V came from the prefix cache instead of a forward",
     "generated_tokens": "Tokens generated",
     "drafted_tokens": "Draft tokens proposed for verification",
     "accepted_tokens": "Draft tokens accepted",
@@ -62,7 +63,7 @@ class TritonPythonModel(EngineModel):
                                                   pb_utils.MetricFamily.COUNTER)
         self.block_counters = {}
         self.scheduler = self.engine.scheduler(max_batch, max_seq_len + self.engine.block_size, on_step=self._publish,
-                                                log=pb_utils.Logger.log_error)
+                                                log=pb_utils.Logger.log_error, prefix_cache_tokens=int(param("prefix_cache_tokens")))
         self.start(name="dflash", tokenizer=self.engine.tokenizer, max_seq_len=max_seq_len,
                    vocab_rows=self.engine.target.vocab_rows, max_batch_size=MAX_STREAMS)
         pb_utils.Logger.log_info(f"dflash ready: block size {self.engine.block_size}, draft {'yes' if self.engine.draft else 'no'}, "

@@ -1,0 +1,114 @@
+"""Multi-turn chat with and without the prefix cache: time to first token per turn of conversations resent whole
+each turn (the OpenAI API's way), through the engine loop a server runs (`DFlashEngine.scheduler`, in-process).
+
+Each conversation asks `--turns` of the packaged magpie questions that `train-draft` holds out, one after another,
+every turn's prompt the whole conversation so far rendered with the chat template (as the OpenAI front end sends it).
+Two engine loops over one engine (the same models and calibration) serve the conversations in turn, one with the
+default prefix-cache budget and one with none (the chat template's head is copied in both), the order alternating
+between conversations. Both write the same text (a chunk's K/V has the same bits copied or computed); the JSON
+records whether they did.
+
+    python benchmarks/bench_prefix_cache.py --conversations 4 --turns 5 --max-new-tokens 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from trtllm_dflash.threads import configure_threads
+
+configure_threads()  # before torch loads: the CLI's thread settings (threads.py)
+
+
+def questions(n: int) -> list[str]:
+    """Held-out magpie questions (train-draft's validation share), in file order."""
+    from trtllm_dflash.data import magpie_records
+    from trtllm_dflash.train.trainer import TrainArgs, held_out
+
+    return [r["question"] for r in magpie_records() if held_out(r["key"], TrainArgs.val_fraction)][:n]
+
+
+def converse(engine, scheduler, asks: list[str], max_new_tokens: int) -> list[dict]:
+    from trtllm_dflash.generate import GenerationStats
+
+    messages, turns = [], []
+    for ask in asks:
+        messages.append({"role": "user", "content": ask})
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids, stats, tokens = engine.encode(text, chat=False), GenerationStats(), []
+        t0 = time.perf_counter()
+        for step, _ in engine.stream(ids, max_new_tokens=max_new_tokens, stats=stats, scheduler=scheduler):
+            tokens += step
+        turns.append({"prompt_tokens": len(ids), "cached_tokens": stats.cached_tokens, "ttft_s": round(stats.time_to_first_token, 4),
+                      "seconds": round(time.perf_counter() - t0, 4), "tokens": tokens})
+        messages.append({"role": "assistant", "content": engine.tokenizer.decode(tokens, skip_special_tokens=True)})
+    return turns
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "prefix-cache.json"))
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from trtllm_dflash.cpu import machine_info
+    from trtllm_dflash.prefix_cache import DEFAULT_TOKENS
+    from trtllm_dflash.runtime import DFlashEngine
+
+    engine = DFlashEngine.load(args.target, dtype=args.dtype, progress=lambda m: print(m, file=sys.stderr))
+    budgets = {"cache": DEFAULT_TOKENS, "no cache": 0}
+    schedulers = {name: engine.scheduler(1, engine.target.max_positions, prefix_cache_tokens=b) for name, b in budgets.items()}
+    asks = questions(args.conversations * args.turns)
+    runs = {name: [] for name in budgets}
+    try:
+        for s in schedulers.values():  # one-off setup of each loop, not timed
+            converse(engine, s, ["Say hello."], 8)
+        for c in range(args.conversations):
+            order = list(budgets) if c % 2 == 0 else list(budgets)[::-1]
+            for name in order:
+                runs[name].append(converse(engine, schedulers[name], asks[c * args.turns : (c + 1) * args.turns], args.max_new_tokens))
+                print(f"conversation {c + 1} ({name}): TTFT " + ", ".join(f"{t['ttft_s'] * 1000:.0f}" for t in runs[name][-1]) + " ms",
+                      file=sys.stderr)
+    finally:
+        for s in schedulers.values():
+            s.stop()
+    per_turn = []
+    for t in range(args.turns):
+        row = {"turn": t + 1, "prompt_tokens_median": statistics.median(r[t]["prompt_tokens"] for r in runs["cache"])}
+        for name in budgets:
+            row[f"{name}: ttft_ms_median"] = round(statistics.median(r[t]["ttft_s"] for r in runs[name]) * 1000, 1)
+            row[f"{name}: cached_tokens_median"] = statistics.median(r[t]["cached_tokens"] for r in runs[name])
+        row["ttft_ratio"] = round(row["no cache: ttft_ms_median"] / row["cache: ttft_ms_median"], 2)
+        per_turn.append(row)
+    same = all(a["tokens"] == b["tokens"] for ca, cb in zip(runs["cache"], runs["no cache"]) for a, b in zip(ca, cb))
+    total = {name: round(sum(t["seconds"] for r in runs[name] for t in r), 2) for name in budgets}
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
+              "torch_threads": torch.get_num_threads(), "dtype": engine.dtype, "args": vars(args), "prefix_cache_tokens": DEFAULT_TOKENS,
+              "per_turn": per_turn, "seconds_all_turns": total, "same_text": same,
+              "runs": {name: [[{k: v for k, v in t.items() if k != "tokens"} for t in r] for r in rs] for name, rs in runs.items()}}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT cache':>11} {'TTFT none':>10} {'ratio':>6}")
+    for row in per_turn:
+        print(f"{row['turn']:>4} {row['prompt_tokens_median']:>7.0f} {row['cache: cached_tokens_median']:>7.0f} "
+              f"{row['cache: ttft_ms_median']:>9.1f}ms {row['no cache: ttft_ms_median']:>8.1f}ms {row['ttft_ratio']:>5.2f}x")
+    print(f"all turns: {total['cache']} s with the cache, {total['no cache']} s without; same text: {same}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
