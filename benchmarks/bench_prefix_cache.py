@@ -55,6 +55,31 @@ def converse(engine, scheduler, asks: list[str], max_new_tokens: int) -> list[di
     return turns
 
 
+def plot(report: dict, path: Path) -> None:
+    """Median time to first token per turn, with and without the cache, over the prompt's length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["per_turn"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, style in (("no cache", "o--"), ("cache", "o-")):
+        ax.plot([r["prompt_tokens_median"] for r in rows], [r[f"{name}: ttft_ms_median"] for r in rows], style, label=name)
+    for r in rows:
+        ax.annotate(f"turn {r['turn']}", (r["prompt_tokens_median"], r["no cache: ttft_ms_median"]), fontsize=7,
+                    textcoords="offset points", xytext=(-10, 6))
+    m = report["machine"]
+    ax.set(xlabel="prompt tokens (the conversation so far)", ylabel="time to first token, ms (median)",
+           title=f"Prefix cache, {report['dtype']}, {m.get('cpu', '')[:40]}, {report['date'][:16]}")
+    ax.title.set_fontsize(9)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
@@ -103,11 +128,12 @@ def main(argv=None):
               "per_turn": per_turn, "seconds_all_turns": total, "same_text": same,
               "runs": {name: [[{k: v for k, v in t.items() if k != "tokens"} for t in r] for r in rs] for name, rs in runs.items()}}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, Path(args.out).with_suffix(".png"))
     print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT cache':>11} {'TTFT none':>10} {'ratio':>6}")
     for row in per_turn:
         print(f"{row['turn']:>4} {row['prompt_tokens_median']:>7.0f} {row['cache: cached_tokens_median']:>7.0f} "
               f"{row['cache: ttft_ms_median']:>9.1f}ms {row['no cache: ttft_ms_median']:>8.1f}ms {row['ttft_ratio']:>5.2f}x")
-    print(f"all turns: {total['cache']} s with the cache, {total['no cache']} s without; same text: {same}; wrote {args.out}")
+    print(f"all turns: {total['cache']} s with the cache, {total['no cache']} s without; same text: {same}; wrote {args.out} and .png")
 
 
 if __name__ == "__main__":

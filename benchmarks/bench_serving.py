@@ -86,6 +86,10 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--math-prompts", type=int, default=16)
     ap.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"])
+    ap.add_argument("--prefix-cache-tokens", type=int, default=0,
+                    help="the builds' prefix cache (default off: the prompts repeat across levels and rounds, and a server "
+                         "would copy their chunks from the second time on, which traffic of distinct prompts does not get; "
+                         "the chat template's head is copied either way)")
     ap.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/serving-<target>.json, plot beside it)")
     args = ap.parse_args(argv)
     if args.requests and args.requests <= max(args.concurrency):
@@ -94,7 +98,7 @@ def main(argv=None):
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"serving-{args.target}.json"
     prompt_list = prompts(args.math_prompts)
     result = {"benchmark": "bench_serving", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "target": args.target, "max_tokens": args.max_tokens, "speculation": args.speculation,
+              "machine": machine_info(), "target": args.target, "max_tokens": args.max_tokens, "speculation": args.speculation, "prefix_cache_tokens": args.prefix_cache_tokens,
               "max_batch_size": max(args.concurrency), "rounds": args.rounds, "prompts": len(prompt_list), "levels": {}, "ratios": {}}
     builds = (("dflash", False), ("no-draft", True))
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,7 +107,8 @@ def main(argv=None):
             try:
                 for name, no_draft in builds:  # both served at once, so each level runs them back to back
                     build = run_build(BuildOptions(output=Path(tmp) / f"{dtype}-{name}", target=args.target, no_draft=no_draft, dtype=dtype,
-                                                   max_batch_size=max(args.concurrency), max_seq_len=1024, speculation=args.speculation),
+                                                   max_batch_size=max(args.concurrency), max_seq_len=1024, speculation=args.speculation,
+                                                   prefix_cache_tokens=args.prefix_cache_tokens),
                                       progress=lambda m: None)
                     servers[name] = TritonServer(ServerConfig(build, grpc_port=0, http_port=0, metrics_port=0)).start()
                     run_load(servers[name].grpc_url, [Job(p, 16) for p in prompt_list[:2]], 2)  # warm-up
