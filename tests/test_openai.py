@@ -138,6 +138,7 @@ def test_chat_renders_the_whole_conversation(api, tokenizer, rendered, chat_ref)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == chat_ref.text and r.choices[0].finish_reason == _reason(chat_ref)
     assert r.usage.prompt_tokens == len(tokenizer(rendered)["input_ids"]) and r.usage.completion_tokens == chat_ref.num_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # its own system message: no head, and under one whole chunk
     assert r.model_extra["dflash"]["drafted_tokens"] == chat_ref.drafted_tokens
 
     chunks = list(api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True))
@@ -145,6 +146,28 @@ def test_chat_renders_the_whole_conversation(api, tokenizer, rendered, chat_ref)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat_ref.text
     assert chunks[-1].choices[0].finish_reason == _reason(chat_ref) and chunks[-1].model_extra["dflash"]["accepted_tokens"] == chat_ref.accepted_tokens
     assert all(c.usage is None for c in chunks), "usage is streamed only when asked for"
+
+
+def test_prompts_behind_one_long_system_message_reuse_its_chunks(api, tokenizer):
+    """The second request copies the whole 64-token chunks the two rendered prompts share (prefix_cache.py), says so in
+    usage.prompt_tokens_details.cached_tokens, and answers as a server that computed them would (the first request's
+    answer to the same question, asked again after the other)."""
+    system = {"role": "system", "content": "You are the help desk of a small bakery on Willow Street. " * 12}
+    asks = ["When do you open?", "Do you bake rye bread?"]
+    rendered = [tokenizer.apply_chat_template([system, {"role": "user", "content": a}], tokenize=False, add_generation_prompt=True)
+                for a in asks]
+    ids = [tokenizer(t)["input_ids"] for t in rendered]
+    common = next(i for i, (x, y) in enumerate(zip(*ids)) if x != y)
+    assert common >= 128
+
+    def ask(text):
+        return api.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": text}], max_tokens=12, temperature=0)
+    first = ask(asks[0])
+    second = ask(asks[1])
+    assert second.usage.prompt_tokens_details.cached_tokens == common // 64 * 64
+    again = ask(asks[0])
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(ids[0]) - 1) // 64 * 64  # all but its last chunk
+    assert again.choices[0].message.content == first.choices[0].message.content
 
 
 def test_one_user_turn_renders_like_the_ensembles_own_template(server, api):

@@ -68,6 +68,7 @@ class Completion:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     acceptance_length: float = 0.0
+    cached_tokens: int = 0  # prompt tokens the server copied from its prefix cache
     finish_reason: str = ""
     time_to_first_token: float = 0.0
     wall_time: float = 0.0
@@ -84,7 +85,8 @@ class Completion:
     def to_dict(self) -> dict:
         return {
             "text": self.text, "num_tokens": self.num_tokens, "acceptance_length": round(self.acceptance_length, 4),
-            "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens, "finish_reason": self.finish_reason,
+            "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens, "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason,
             "time_to_first_token": round(self.time_to_first_token, 4), "wall_time": round(self.wall_time, 4),
             "tokens_per_second": round(self.tokens_per_second, 3), "responses": len(self.pieces),
         }
@@ -143,6 +145,7 @@ class EnsembleStream:
             done.drafted_tokens = int(value("total_draft_tokens"))
             done.accepted_tokens = int(value("total_accepted_draft_tokens"))
             done.acceptance_length = float(value("acceptance_length"))
+            done.cached_tokens = int(value("num_cached_input_tokens"))
             done.finish_reason = value("finish_reason").decode()
         if response.parameters["triton_final_response"].bool_param:
             done.wall_time = time.perf_counter() - self.t0

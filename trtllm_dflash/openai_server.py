@@ -339,7 +339,8 @@ class _Reply:
 
     @staticmethod
     def _usage(done, prompt_tokens: int) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": done.num_tokens, "total_tokens": prompt_tokens + done.num_tokens}
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": done.num_tokens, "total_tokens": prompt_tokens + done.num_tokens,
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
     @staticmethod
     def _dflash(done) -> dict:

@@ -117,6 +117,7 @@ STATS = (
     Stat("acceptance_rate", "TYPE_FP32", lambda s, t: s.accepted_tokens / s.drafted_tokens if s.drafted_tokens else 0.0),
     Stat("acceptance_length", "TYPE_FP32", lambda s, t: s.acceptance_length),
     Stat("finish_reason", "TYPE_STRING", lambda s, t: s.finish_reason.encode()),
+    Stat("num_cached_input_tokens", "TYPE_INT32", lambda s, t: s.cached_tokens),  # copied from the prefix cache
     Stat("batch_index", "TYPE_INT32", lambda s, t: 0),  # one prompt per request
     Stat("sequence_index", "TYPE_INT32", lambda s, t: 0),  # one sequence per prompt
     Stat("arrival_time_ns", "TYPE_INT64", lambda s, t: t.arrival),
