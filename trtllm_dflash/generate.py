@@ -27,7 +27,6 @@ from .sampling import greedy, rejection_sample, sample, sampling_probs
 from .threads import widened
 
 
-
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
