@@ -125,7 +125,9 @@ def test_chunks_and_their_keys():
     assert chunk_keys(a[:152], chunk_ends(152, 24)) == ka[:3]
 
 
-def test_build_rejects_a_negative_prefix_cache_budget(tmp_path):
+def test_build_plans_the_prefix_cache_and_rejects_a_negative_budget(tmp_path):
     r = CliRunner().invoke(main, ["build", "--output", str(tmp_path / "b"), "--prefix-cache-tokens", "-1", "--dry-run"])
     assert r.exit_code != 0 and "--prefix-cache-tokens must be 0 (off) or more, got -1." in r.output
     assert "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["build", "--output", str(tmp_path / "b"), "--prefix-cache-tokens", "4096", "--dry-run"])
+    assert r.exit_code == 0 and "prefix cache" in r.output and "(4096 tokens)" in r.output

@@ -465,7 +465,8 @@ def describe(plan: Plan) -> str:
     mem = plan.memory_estimate()
     lines.append(
         f"Estimated memory per device (cpu, 1 device): {_fmt(mem['total'])} = weights {_fmt(mem['weights'])} + "
-        f"KV cache {_fmt(mem['kv_cache'])} ({plan.max_batch_size} x {s.max_seq_len} tokens) + runtime {_fmt(mem['runtime'])}"
+        f"KV cache {_fmt(mem['kv_cache'])} ({plan.max_batch_size} x {s.max_seq_len} tokens) + prefix cache "
+        f"{_fmt(mem['prefix_cache'])} ({plan.options.prefix_cache_tokens} tokens) + runtime {_fmt(mem['runtime'])}"
     )
     return "\n".join(lines)
 
