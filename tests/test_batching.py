@@ -241,6 +241,31 @@ def test_long_prompt_prefills_in_chunks_between_steps(engine, references):
     assert out[short] == ref and out[long] == long_ref
 
 
+def test_the_engine_loop_prefills_a_long_prompt_a_budget_at_a_time_between_steps(engine, references):
+    """Through the server's engine loop, a 1,100-token prompt joining a running request goes in at most PREFILL_TOKENS
+    computed tokens between two steps (canonical 64-token chunks, several per iteration); both outputs lossless."""
+    from trtllm_dflash.scheduler import PREFILL_TOKENS
+
+    long_ids = engine.encode("Repeat after me. " + "The quick brown fox jumps over the lazy dog. " * 110, chat=False)[:1100]
+    long_ref = engine.target.model.generate(torch.tensor([long_ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                            pad_token_id=engine.tokenizer.pad_token_id)[0, len(long_ids):].tolist()
+    long, prefilled = Request(long_ids, 12), []
+    scheduler = engine.scheduler(2, 1200, on_step=lambda m: prefilled.append(long.prefilled), prefix_cache_tokens=0)
+    try:
+        ids, ref = references[0]
+        short = scheduler.submit(request(engine, ids, PROMPTS[0][2]))
+        first = next(short.tokens())[0]  # running before the long prompt arrives
+        handle = scheduler.submit(long)
+        out = {"short": first + [t for tokens, _ in short.tokens() for t in tokens],
+               "long": [t for tokens, _ in handle.tokens() for t in tokens]}
+    finally:
+        scheduler.stop()
+    assert out == {"short": ref, "long": long_ref}
+    partial = sorted({p for p in prefilled if 0 < p < len(long_ids)})
+    assert 2 <= len(partial) <= -(-len(long_ids) // (PREFILL_TOKENS - BLOCK)), "over a few iterations, steps between them"
+    assert all(b - a <= PREFILL_TOKENS for a, b in zip([0] + partial, partial + [len(long_ids)]))
+
+
 def test_running_row_leaving_between_a_long_prompts_chunks(engine, references):
     """A 1,100-token prompt goes in chunk by chunk while two requests run; one of them leaves after the first chunk.
     The prompt must not take the leaver's slot among the running rows (it used to, and the next step failed every

@@ -1,7 +1,8 @@
 """In-flight batching: one engine thread runs the batched step; request threads submit and read their own queue.
 
 Between steps the loop retires finished and cancelled rows at once, continues or admits one prefill (arrival
-order, chunked), and runs one draft + verify step for every running row. The KV cache is static: `slots`
+order, up to PREFILL_TOKENS prompt tokens in the prompt's canonical chunks), and runs one draft + verify step for
+every running row. The KV cache is static: `slots`
 rows of `slot_tokens` positions each, so a request either fits a free slot or can never run, and is told so
 when it arrives.
 """
@@ -15,8 +16,11 @@ from dataclasses import dataclass, field, replace
 
 from .errors import DFlashError
 from .generate import Batch, Request
+from .prefix_cache import BLOCK
 
 DONE = object()
+PREFILL_TOKENS = 512  # prompt tokens computed between two steps: a long prompt holds the running rows ~0.5 s at most on a
+# 2-core CPU, and one of a few thousand tokens waits a few steps, not one step per 64-token chunk
 
 
 @dataclass
@@ -138,10 +142,13 @@ class Scheduler:
             self.metrics.prompt_tokens += len(req.prompt_ids)
         handle = self.running[req]
         try:
-            fresh = req.prefilled == 0
+            fresh, start = req.prefilled == 0, req.prefilled
             first = batch.add(req)
             if fresh:
                 self.metrics.cached_prompt_tokens += req.stats.cached_tokens
+                start = req.stats.cached_tokens  # copied chunks are not computed
+            while not first and req.prefilled - start + BLOCK <= PREFILL_TOKENS:  # the next chunk still fits
+                first = batch.add(req)
         except Exception as e:  # this request alone fails (a bug or an impossible input); the rest keep running
             self._finish(handle, e if isinstance(e, DFlashError) else DFlashError(f"internal error: {type(e).__name__}: {e}"))
             return
