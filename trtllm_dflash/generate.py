@@ -91,6 +91,7 @@ class Request:
         self.start = 0  # position of `token`: committed, not yet fed to the target
         self.token = -1
         self.prefilled = 0  # prompt tokens already in the target cache (chunked prefill)
+        self.head = 0  # tokens of the chat template's head it starts with: its first chunk, pinned in the prefix cache
         self.chunk_ends: list[int] = []  # where its canonical prefill chunks end, and their prefix-cache keys
         self.chunk_keys: list[bytes] = []
         self.history: NgramIndex | None = None  # prompt and committed tokens, where the batch looks guesses up
@@ -167,8 +168,8 @@ class Batch:
             if self.dcache is not None:
                 self.dcache.lengths[len(self.rows) - 1] = 0
             p = len(self.prefix)
-            head = p if 0 < p < n and req.prompt_ids[:p] == self.prefix else 0
-            req.chunk_ends = chunk_ends(n, head)
+            req.head = p if 0 < p < n and req.prompt_ids[:p] == self.prefix else 0
+            req.chunk_ends = chunk_ends(n, req.head)
             req.chunk_keys = chunk_keys(req.prompt_ids, req.chunk_ends)
             self._copy_cached(req)
         slot = self.rows.index(req)
@@ -180,7 +181,7 @@ class Batch:
         req.prefilled = end
         if feats is not None:
             self.dcache.stage(torch.full((end - start,), slot), torch.arange(start, end), feats[0])
-        head = i == 0 and end == len(self.prefix) < n and req.prompt_ids[:end] == self.prefix  # pinned: every chat prompt's
+        head = i == 0 and req.head > 0
         if head or (end - start == BLOCK and self.prefix_cache.max_tokens):  # a whole chunk, kept for prompts that start alike
             k, v = self.cache.read(slot, start, end)
             self.prefix_cache.put(req.chunk_keys[i], Entry(k, v, None if feats is None else feats[0].clone()), pin=head)

@@ -79,8 +79,8 @@ def server_thread_env() -> dict[str, str]:
     two. The user's own values win.
 
     A prompt's prefill (a chunk of WIDE_TOKENS tokens or more) is long enough that a preempted thread costs it little,
-    so it runs on every CPU (WIDE_ENV, read by `server_threads`). Alone on 2 cores (AMD EPYC Zen 4, bf16, 2026-11-26) a 106-token
-    prefill takes 139 ms on one thread and 77 ms on two, 16 tokens 25 and 16 ms. Steps keep one CPU fewer: the policy
+    so it runs on every CPU (WIDE_ENV, read by `server_threads`). Alone on 2 cores (AMD EPYC Zen 4, bf16, 2026-11-26)
+    a 106-token prefill takes 139 ms on one thread and 77 ms on two, 16 tokens 25 and 16 ms. Steps keep one CPU fewer: the policy
     prices a step from one cost curve, which a thread count that changes with a step's size would break (a 16-token
     step on two threads is cheaper than a 15-token one on one)."""
     env = {k: v for k, v in thread_defaults(reserve=1).items() if k not in os.environ or k in _DEFAULTED}
