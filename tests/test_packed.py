@@ -373,6 +373,40 @@ def test_step_attention_kernel_is_softmax_attention_and_batch_invariant(isa):
     _kernel_child(STEP_ATTENTION, isa)
 
 
+GIL_FREE = """
+import threading, time, torch
+from trtllm_dflash.models import bf16_gemm
+kernel = bf16_gemm.kernel()
+torch.set_num_threads(1)
+w = kernel.pack(torch.randn(4096, 4096).to(torch.bfloat16))
+x = torch.randn(256, 4096).to(torch.bfloat16)
+k, v = (torch.randn(1, 4, 4096, 128).to(torch.bfloat16) for _ in range(2))
+q, slot, pos = torch.randn(256, 16, 128).to(torch.bfloat16), torch.zeros(256, dtype=torch.long), torch.arange(3840, 4096)
+for name, call in (("linear", lambda: kernel.linear(x, w, None)), ("attend", lambda: kernel.attend(q, k, v, slot, pos, 0.1))):
+    t0 = time.perf_counter()
+    call()
+    alone = time.perf_counter() - t0
+    done, ticks = threading.Event(), [time.perf_counter()]
+    worker = threading.Thread(target=lambda: (call(), done.set()))
+    worker.start()
+    while not done.is_set():  # this thread keeps running Python while the call runs in the other
+        ticks.append(time.perf_counter())
+    worker.join()
+    longest = max(b - a for a, b in zip(ticks, ticks[1:]))
+    assert alone > 0.01 and longest < alone / 2, (name, alone, longest)
+print(bf16_gemm.variant())
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_kernel_calls_release_the_gil(isa):
+    """A server's request threads run Python (their responses) while the engine thread's forward is in our kernels: a
+    thread spinning beside a long linear or attention call is never held up for most of it, as it is when the call
+    keeps the GIL."""
+    _kernel_child(GIL_FREE, isa)
+
+
 @needs_kernel
 def test_bf16_kernel_leaves_unfit_shapes_and_fp32_to_onednn():
     """A weight whose out_features is not a multiple of 32, and every fp32 weight, keep oneDNN's packed kernel."""

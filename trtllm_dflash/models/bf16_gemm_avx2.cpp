@@ -71,15 +71,18 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The compute calls release the GIL: in a server, the request threads build and send their responses on the other
+  // core while the engine thread's forward runs, instead of waiting for each kernel call to return.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("pack", &bf16_blocks::pack, "W [N, K] -> [N/32, K/2, 32, 2]");
-  m.def("linear", &linear, "x [..., K] with packed W -> [..., N]");
-  m.def("attend", &slot_attention::attend, "q [N, H, D] over slots of a bf16 KV cache up to each token's position -> [N, H, D]");
-  m.def("rope_attend", &slot_attention::rope_attend,
+  m.def("linear", &linear, nogil, "x [..., K] with packed W -> [..., N]");
+  m.def("attend", &slot_attention::attend, nogil, "q [N, H, D] over slots of a bf16 KV cache up to each token's position -> [N, H, D]");
+  m.def("rope_attend", &slot_attention::rope_attend, nogil,
         "q [N, H, D], k/v [N, KVH, D]: RoPE, the K/V written into the cache, attention -> [N, H * D]");
-  m.def("block_attend", &slot_attention::block_attend,
+  m.def("block_attend", &slot_attention::block_attend, nogil,
         "the draft's block attention: q [b, H, Q, D] over each row's context K/V [b, KVH, C, D] and its block's -> [b, H, Q, D]");
   m.attr("ATTEND_HEAD_DIMS") = slot_attention::head_dims();
-  m.def("silu_mul", &activation::silu_mul, "bf16 gate_up [..., 2I] -> silu(gate) * up [..., I], rounded as torch's bf16 ops");
-  m.def("argmax", &argmax::argmax, "bf16 rows [..., V] -> the first maximum's index (or first NaN's) [...], as torch.argmax");
-  m.def("rms_norm", &rms_norm::rms_norm, "bf16 rows [..., H] -> weight * bf16(x * rsqrt(mean(x^2) + eps))");
+  m.def("silu_mul", &activation::silu_mul, nogil, "bf16 gate_up [..., 2I] -> silu(gate) * up [..., I], rounded as torch's bf16 ops");
+  m.def("argmax", &argmax::argmax, nogil, "bf16 rows [..., V] -> the first maximum's index (or first NaN's) [...], as torch.argmax");
+  m.def("rms_norm", &rms_norm::rms_norm, nogil, "bf16 rows [..., H] -> weight * bf16(x * rsqrt(mean(x^2) + eps))");
 }
