@@ -56,7 +56,7 @@ def main(argv=None):
 
     ours = bf16_gemm.kernel()
     if ours is None:
-        raise SystemExit("Our bf16 kernel does not run on this CPU (it needs AVX-512 BF16 or AVX2 alone, and no AMX); nothing to compare.")
+        raise SystemExit("Our bf16 kernel does not run on this CPU (it needs AVX-512 BF16, or AVX2 alone); nothing to compare.")
     c = AutoConfig.from_pretrained(resolve_target(args.target, lambda m: None))
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd

@@ -48,7 +48,7 @@ def _run(batch: Batch, ids: list[int], max_new: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompts_sharing_a_document_reuse_its_chunks_and_write_what_a_cold_prefill_writes(target_dir, dtype):
     if dtype == torch.bfloat16 and bf16_gemm.variant() is None:
-        pytest.skip("bf16 bits are exact only on our bf16 kernels (AVX-512 BF16 or AVX2 alone, no AMX)")
+        pytest.skip("bf16 bits are exact only on our bf16 kernels (AVX-512 BF16 or AVX2 alone)")
     engine = _engine(dtype, target_dir)
     a, b = (engine.encode(STORY * 2 + q) for q in QUESTIONS)
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)

@@ -1,12 +1,9 @@
 """What this CPU is and which dtype runs DFlash fastest on it, decided once for generate, build and quickstart.
 
-bf16 is the faster dtype only where the CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX) and oneDNN packs bf16
-weights: measured with `benchmarks/bench_generate.py`, bf16 DFlash ran 51.0 tok/s against fp32's 44.3 on an AMD
-EPYC with AVX-512 BF16 (2026-11-23), and bf16 was the faster dtype on an AMX Xeon (2026-11-22); on an AVX2-only CPU
-bf16 arithmetic is emulated and an 8-token verify costs 3.3x a decode step against fp32's 1.3x
-(`benchmarks/bench_step_cost.py --isa avx2`), so there fp32 wins. fp32 is also the dtype whose greedy output is
-token-identical to decoding without a draft; bf16's may differ at near-ties (`benchmarks/bench_bf16_agreement.py`).
-"""
+bf16 wherever our bf16 kernels or oneDNN's multiply it at speed: a CPU with AVX-512 BF16 or AMX (bf16 DFlash 51.0
+tok/s against fp32's 44.3 on an AMD EPYC with AVX-512 BF16, 2026-11-23, `benchmarks/bench_generate.py`; faster on the
+AMX Xeons too), or torch on AVX2 alone with our kernel's AVX2 variant built (`fastest_dtype`). fp32 is the dtype whose
+greedy output equals the target's own `generate()`; bf16's is our runtime's (`benchmarks/bench_bf16_agreement.py`)"""
 
 from __future__ import annotations
 

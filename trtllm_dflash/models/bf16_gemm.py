@@ -1,17 +1,18 @@
 """Our bf16 matrix kernels: a decode step and a verify both read the weights once at memory speed, and a row's
 projection does not depend on the rows beside it.
 
-- `avx512` (bf16_gemm.cpp), for CPUs with AVX-512 BF16 and no AMX: VDPBF16PS. On an AMD EPYC Zen 4
-  (2026-11-26, `benchmarks/bench_bf16_kernel.py`) oneDNN's packed bf16 kernel took 11.4-13.8 ms over SmolLM2-135M's
-  linears for 1 to 8 rows and ATen's one-row kernel 9.3 ms; this one takes 7.8-8.5 ms for any of 1-8 rows and stays
-  ahead of oneDNN up to 256 rows (161.7 against 164.2 ms).
+- `avx512` (bf16_gemm.cpp), for CPUs with AVX-512 BF16: VDPBF16PS. On an AMD EPYC Zen 4 (2026-11-26,
+  `benchmarks/bench_bf16_kernel.py`) oneDNN's packed bf16 kernel took 11.4-13.8 ms over SmolLM2-135M's linears for 1
+  to 8 rows and ATen's one-row kernel 9.3 ms; this one takes 7.8-8.5 ms for any of 1-8 rows and stays ahead of oneDNN
+  up to 256 rows (161.7 against 164.2 ms). A CPU with AMX runs it too, for up to `TILE_ROWS` rows: on a 2-core Xeon
+  with AMX (2026-11-26, two threads) it took 15.5 ms for one row and 22.5 for 8, against 21.2 (ATen) and 24.6
+  (oneDNN's tile kernel), while for 16 rows and more oneDNN's tile kernel is 1.7-5x faster (`PackedLinear`).
 - `avx2` (bf16_gemm_avx2.cpp), where torch runs on AVX2 alone and bf16 matrix products are emulated: bf16 weights
   widened to fp32 in registers, FMA. Figures in `benchmarks/results/bf16-kernel-avx2.json` (`--isa avx2`).
 
 Each is compiled on first use with the system C++ compiler (torch's cpp_extension; about 25 s once, then cached
-under the trtllm_dflash cache) and used only where the CPU has its instructions and no AMX, whose tile kernels
-oneDNN uses for many rows (not measured here); where none is built (no compiler, another CPU,
-`TRTDFLASH_BF16_KERNEL=off`), linears keep oneDNN's and ATen's kernels.
+under the trtllm_dflash cache) and used only where the CPU has its instructions; where none is built (no compiler,
+another CPU, `TRTDFLASH_BF16_KERNEL=off`), linears keep oneDNN's and ATen's kernels.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ VARIANTS = {  # name -> (source, compiler flags)
 HEADERS = ("bf16_blocks.h", "slot_attention.h", "rms_norm.h", "activation.h", "argmax.h")  # what both variants compile
 # in: the layout and loop, a step's attention, RMSNorm, the MLP's activation, greedy's argmax
 ENV = "TRTDFLASH_BF16_KERNEL"  # "off": keep the library kernels (A/B timing, or a compiler that misbehaves)
+TILE_ROWS = 8  # on a CPU with AMX, linears of more rows take oneDNN's tile kernel: a batch-1 verify of a block of 8
+# and a decode step then share our kernel (the same text), batches and prefill chunks get the tiles' speed
 
 
 def fits(weight: torch.Tensor) -> bool:
@@ -41,18 +44,26 @@ def fits(weight: torch.Tensor) -> bool:
 
 
 def variant() -> str | None:
-    """The kernel for this CPU as torch sees it (ATEN_CPU_CAPABILITY=avx2 emulates an AVX2-only one), or None: AMX
-    (oneDNN's tile kernels), AVX-512 without BF16 (oneDNN's, not measured against ours) or `TRTDFLASH_BF16_KERNEL=off`."""
+    """The kernel for this CPU as torch sees it (ATEN_CPU_CAPABILITY=avx2 emulates an AVX2-only one), or None: AVX-512
+    without BF16 (oneDNN's, not measured against ours) or `TRTDFLASH_BF16_KERNEL=off`."""
     from ..cpu import cpu_flags
 
     flags, capability = cpu_flags(), torch.backends.cpu.get_cpu_capability()
-    if os.environ.get(ENV, "on") == "off" or "amx_bf16" in flags:
+    if os.environ.get(ENV, "on") == "off":
         return None
     if capability == "AVX512" and "avx512_bf16" in flags:
         return "avx512"
     if capability == "AVX2" and {"avx2", "fma"} <= flags:
         return "avx2"
     return None
+
+
+def tiles() -> bool:
+    """Whether oneDNN's AMX tile kernel takes linears of more than `TILE_ROWS` rows here. Then a row's projection
+    depends on whether its forward has more rows than that, so bf16 batches and their rows alone may round apart."""
+    from ..cpu import cpu_flags
+
+    return variant() == "avx512" and "amx_bf16" in cpu_flags()
 
 
 @functools.cache

@@ -7,9 +7,10 @@ into oneDNN's layout (what inductor's weight freezing does), a forward reads eac
 Each row's output does not depend on how many rows are in the call, so a token verified in a block gets the
 same projection as decoding it alone. Inference only: the op has no backward.
 
-bf16 weights on a CPU with AVX-512 BF16 and no AMX take our own kernel instead (bf16_gemm.py: faster than oneDNN's
-for any number of rows measured, and as fast for 8 rows as for one), and so do they where torch runs on AVX2 alone,
-where oneDNN does not pack bf16 at all. Elsewhere, one exception, measured per process:
+bf16 weights on a CPU with AVX-512 BF16 take our own kernel instead (bf16_gemm.py: faster than oneDNN's for any
+number of rows measured without AMX, and as fast for 8 rows as for one), and so do they where torch runs on AVX2
+alone, where oneDNN does not pack bf16 at all. With AMX, calls of more than `bf16_gemm.TILE_ROWS` rows take oneDNN's
+tile kernel, which keeps its own copy of the weight. Elsewhere, one exception, measured per process:
 where ATen's own kernel multiplies a single bf16 token faster than oneDNN's packed one (on an AMD EPYC with AVX-512
 BF16, all of SmolLM2's linears for one token took 11.2 ms against 17.9 ms, 2026-11-23; for 8 tokens 63 ms against
 19), a one-token call keeps the dense weight and takes ATen's kernel. In fp32 oneDNN's packed kernel is the faster
@@ -44,14 +45,18 @@ class PackedLinear(nn.Module):
             self.packed = self.kernel.pack(linear.weight.detach())
             self.kernel_bias = None if linear.bias is None else linear.bias.detach().float().contiguous()  # converted once
             self.one_token_dense = False
+            self.tiles = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()) if bf16_gemm.tiles() else None
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
             self.one_token_dense = aten_decodes_faster(linear.weight.dtype)
+            self.tiles = None
         self.weight = linear.weight if keep_weight or self.one_token_dense else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            return self.kernel.linear(x, self.packed, self.kernel_bias)
+            if self.tiles is None or x.numel() <= bf16_gemm.TILE_ROWS * self.in_features:
+                return self.kernel.linear(x, self.packed, self.kernel_bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.tiles, self.bias, "none", [], "")
         if self.one_token_dense and x.numel() == self.in_features:
             enabled = torch._C._get_mkldnn_enabled()
             torch._C._set_mkldnn_enabled(False)  # F.linear would otherwise route bf16 to oneDNN, repacking the weight
