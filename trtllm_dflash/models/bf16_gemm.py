@@ -5,8 +5,8 @@ projection does not depend on the rows beside it.
   `benchmarks/bench_bf16_kernel.py`) oneDNN's packed bf16 kernel took 11.4-13.8 ms over SmolLM2-135M's linears for 1
   to 8 rows and ATen's one-row kernel 9.3 ms; this one takes 7.8-8.5 ms for any of 1-8 rows and stays ahead of oneDNN
   up to 256 rows (161.7 against 164.2 ms). A CPU with AMX runs it too, for up to `TILE_ROWS` rows: on a 2-core Xeon
-  with AMX (2026-11-26, two threads) it took 15.5 ms for one row and 22.5 for 8, against 21.2 (ATen) and 24.6
-  (oneDNN's tile kernel), while for 16 rows and more oneDNN's tile kernel is 1.7-5x faster (`PackedLinear`).
+  with AMX (2026-11-26, `benchmarks/results/bf16-kernel-xeon-amx.json`) it took 16-21 ms for 1-8 rows against
+  oneDNN's 28-39, while from 16 rows oneDNN's tile kernel is 1.4-4.8x faster (`PackedLinear`).
 - `avx2` (bf16_gemm_avx2.cpp), where torch runs on AVX2 alone and bf16 matrix products are emulated: bf16 weights
   widened to fp32 in registers, FMA. Figures in `benchmarks/results/bf16-kernel-avx2.json` (`--isa avx2`).
 
