@@ -1,9 +1,10 @@
 """What this CPU is and which dtype runs DFlash fastest on it, decided once for generate, build and quickstart.
 
 bf16 wherever our bf16 kernels or oneDNN's multiply it at speed: a CPU with AVX-512 BF16 or AMX (bf16 DFlash 51.0
-tok/s against fp32's 44.3 on an AMD EPYC with AVX-512 BF16, 2026-11-23, `benchmarks/bench_generate.py`; faster on the
-AMX Xeons too), or torch on AVX2 alone with our kernel's AVX2 variant built (`fastest_dtype`). fp32 is the dtype whose
-greedy output equals the target's own `generate()`; bf16's is our runtime's (`benchmarks/bench_bf16_agreement.py`)"""
+tok/s against fp32's 44.3 on an AMD EPYC with AVX-512 BF16, 2026-11-23, `benchmarks/bench_generate.py`; on an AMX
+Xeon 63.5 against 29.0 on GSM8K, 2026-11-26, `speedup-xeon-amx-20261126.json`), or torch on AVX2 alone with our
+kernel's AVX2 variant built (`fastest_dtype`). fp32 is the dtype whose greedy output equals the target's own
+`generate()`; bf16's is our runtime's (`benchmarks/bench_bf16_agreement.py`)"""
 
 from __future__ import annotations
 
