@@ -130,7 +130,7 @@ def test_data_phase_reuses_packaged_answers_with_their_features(target, tmp_path
     from trtllm_dflash.runtime import DFlashEngine
 
     ids = DFlashEngine(target, None, 1).encode(prompts[0][1])
-    answers, feats = greedy_batch(target, [ids], layer_ids=[1, 14, 27], max_new_tokens=8, eos=set(), pad=2)
+    answers, feats = greedy_batch(target, [ids], layer_ids=[1, 14, 27], max_new_tokens=8, eos=set())
     again = forward_features(target, ids + answers[0], [1, 14, 27])
     assert again.shape == feats[0].shape and torch.allclose(again[:-1].float(), feats[0][:-1].float(), rtol=2e-2, atol=2e-2)
 

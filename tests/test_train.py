@@ -340,8 +340,8 @@ def test_greedy_batch_equals_generate_and_captures_aligned_features(target, one_
 
     engine = DFlashEngine(target, None, 1)
     prompts = [engine.encode(p) for p in ("What is 3 + 4?", "Name a prime number larger than 10 and explain why.", "Hi")]
-    layers, pad = [1, 14, 27], target.tokenizer.pad_token_id
-    answers, feats = greedy_batch(target, prompts, layer_ids=layers, max_new_tokens=12, eos=set(), pad=pad)
+    layers = [1, 14, 27]
+    answers, feats = greedy_batch(target, prompts, layer_ids=layers, max_new_tokens=12, eos=set())
     with torch.inference_mode():
         for p, a, f in zip(prompts, answers, feats):
             x = torch.tensor([p])  # explicit mask: generate() would infer one that hides the template's pad-id tokens
@@ -352,7 +352,7 @@ def test_greedy_batch_equals_generate_and_captures_aligned_features(target, one_
             assert f.shape == want.shape and f.dtype == torch.bfloat16
             assert torch.allclose(f[:-1].float(), want[:-1], rtol=1e-2, atol=1e-2) and not f[-1].any()
     stop = answers[0][2]  # row 0 ends after 3 tokens; any row meeting it ends there too, the rest run on
-    cut, _ = greedy_batch(target, prompts, layer_ids=layers, max_new_tokens=12, eos={stop}, pad=pad)
+    cut, _ = greedy_batch(target, prompts, layer_ids=layers, max_new_tokens=12, eos={stop})
     assert cut == [a[: a.index(stop) + 1] if stop in a else a for a in answers] and len(cut[0]) == 3
 
 

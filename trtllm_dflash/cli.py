@@ -245,7 +245,8 @@ def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
                    "gsm8k-var (those questions with other numbers), code (library functions: signature + summary), "
                    "docstring (library functions with doctest examples, HumanEval-shaped), "
                    "magpie (chat questions SmolLM2 wrote itself, packaged with its greedy answers), "
-                   "instruct (writing, role-play, reasoning and explaining tasks: templates over the magpie topics).")
+                   "instruct (writing, role-play, reasoning and explaining tasks: templates over the magpie topics); "
+                   "SOURCE:N takes the source's first N prompts.")
 @click.option("--num-samples", type=int, default=None, help="At most this many prompts answered (default: all).")
 @click.option("--data-minutes", type=float, default=None, help="Time budget of the data phase (default: none).")
 @click.option("--gen-max-new-tokens", type=int, default=192, show_default=True)

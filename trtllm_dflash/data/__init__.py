@@ -4,6 +4,8 @@ GSM8K train split (OpenAI, MIT license in gsm8k/LICENSE), 7,473 records, gzip-co
 GSM8K_HOLDOUT records are our unseen math evaluation set and never used for training.
 magpie-smollm2: chat questions SmolLM2-135M-Instruct wrote itself and its greedy answers (train/magpie.py),
 with a data card (card.json: how they were made, filter counts).
+answers-smollm2: SmolLM2-135M-Instruct's greedy answers to the other training sources' first prompts (train/answers.py),
+so a training stage's data phase needs one forward per record instead of generation; card.json says how they were made.
 """
 
 from __future__ import annotations
@@ -43,3 +45,21 @@ def magpie_records() -> list[dict]:
 def magpie_card() -> dict:
     """How the packaged chat set was made: target and its fingerprint, settings, filter counts, sessions."""
     return json.loads((resources.files(__package__) / "magpie-smollm2" / "card.json").read_text())
+
+
+@functools.lru_cache(maxsize=1)
+def _answers_all() -> tuple[dict, ...]:
+    path = resources.files(__package__) / "answers-smollm2" / "answers.jsonl.gz"
+    if not path.is_file():
+        return ()
+    return tuple(json.loads(line) for line in gzip.decompress(path.read_bytes()).decode("utf-8").splitlines() if line.strip())
+
+
+def answers_records() -> list[dict]:
+    """The packaged greedy answers: {"key", "prompt_hash", "answer_ids", "finished"}."""
+    return list(_answers_all())
+
+
+def answers_card() -> dict | None:
+    path = resources.files(__package__) / "answers-smollm2" / "card.json"
+    return json.loads(path.read_text()) if path.is_file() else None

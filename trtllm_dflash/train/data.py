@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..data import CODE_COMPLETE_TEMPLATE, gsm8k_records, magpie_card, magpie_records
+from ..data import CODE_COMPLETE_TEMPLATE, answers_card, answers_records, gsm8k_records, magpie_card, magpie_records
 from ..errors import DFlashError
 from ..sampling import greedy
 
@@ -255,31 +255,62 @@ def instruct_prompts() -> list[tuple[str, str]]:
             for i, template in enumerate(INSTRUCT_TEMPLATES) for j, topic in enumerate(TOPICS)]
 
 
-def known_answers(target, sources: tuple[str, ...]) -> dict[str, list[int]]:
-    """Answers the data phase need not generate again: the packaged chat set's greedy answers, when `target` is the
-    model that wrote them (same embedding fingerprint); otherwise none."""
+def known_answers(target, sources: tuple[str, ...], prompts: list[tuple[str, str]] | None = None,
+                  max_new_tokens: int | None = None) -> dict[str, list[int]]:
+    """Answers the data phase need not generate again: the packaged greedy answers (the magpie chat set's and
+    train/answers.py's) of the model `target` is (same embedding fingerprint); none for another model.
+
+    A train/answers.py answer counts only for the prompt it answered: its key's prompt in `prompts` must hash the same
+    (the code sources' prompts follow the installed libraries' docstrings). An answer cut short by its own token
+    limit counts only where `max_new_tokens` cuts it at least as short."""
+    from .answers import prompt_hash
     from .magpie import target_fingerprint
 
-    if "magpie" not in sources or magpie_card()["target_fingerprint"] != target_fingerprint(target):
-        return {}
-    return {r["key"]: r["answer_ids"] for r in magpie_records()}
+    fingerprint, names = target_fingerprint(target), source_names(sources)
+    complete = lambda r: r["finished"] or max_new_tokens is None or len(r["answer_ids"]) >= max_new_tokens  # noqa: E731
+    out = {}
+    if "magpie" in names and magpie_card()["target_fingerprint"] == fingerprint:
+        out.update((r["key"], r["answer_ids"]) for r in magpie_records() if complete(r))
+    card = answers_card()
+    if card is not None and card["target_fingerprint"] == fingerprint and prompts is not None:
+        hashes = {key: prompt_hash(p) for key, p in prompts}
+        out.update((r["key"], r["answer_ids"]) for r in answers_records()
+                   if r["key"].split(":")[0] in names and hashes.get(r["key"]) == r["prompt_hash"] and complete(r))
+    return out
 
 
 SOURCES = {"gsm8k": gsm8k_prompts, "gsm8k-var": gsm8k_variant_prompts, "code": code_prompts, "docstring": docstring_prompts,
            "magpie": magpie_prompts, "instruct": instruct_prompts}
 
 
+def source_spec(spec: str) -> tuple[str, int | None]:
+    """A `--data` entry, SOURCE or SOURCE:N (its first N prompts) -> (SOURCE, N or None)."""
+    name, colon, cap = spec.partition(":")
+    if name not in SOURCES:
+        raise DFlashError(f"Unknown --data source {name!r}; choose from {', '.join(SOURCES)}.")
+    if colon and not (cap.isdigit() and int(cap) > 0):
+        raise DFlashError(f"--data {spec}: after the colon comes how many of the source's prompts to take, a positive integer.")
+    return name, int(cap) if colon else None
+
+
+def source_names(specs) -> set[str]:
+    return {source_spec(s)[0] for s in specs}
+
+
 def load_prompts(sources: tuple[str, ...], seed: int = 0) -> list[tuple[str, str]]:
-    """Shuffle each source, then interleave them, so every prefix of the dataset is a balanced mix."""
-    unknown = [s for s in sources if s not in SOURCES]
-    if unknown:
-        raise DFlashError(f"Unknown --data source {unknown[0]!r}; choose from {', '.join(SOURCES)}.")
-    rng = random.Random(seed)
+    """Shuffle each source (SOURCE or SOURCE:N, `source_spec`), then interleave them, so every prefix of the dataset
+    is a balanced mix.
+
+    Each source's order depends only on the seed and its name, so its first N prompts are the same in any mix: the
+    ones the packed answers (train/answers.py) answer."""
+    specs = [source_spec(s) for s in sources]
+    if len({name for name, _ in specs}) < len(specs):
+        raise DFlashError(f"--data names a source twice ({', '.join(sources)}); give each once, with its count if any.")
     lists = []
-    for s in sources:
-        items = SOURCES[s]()
-        rng.shuffle(items)
-        lists.append(items)
+    for name, cap in specs:
+        items = SOURCES[name]()
+        random.Random(f"{seed}:{name}").shuffle(items)
+        lists.append(items[:cap])
     return interleave(lists)
 
 
@@ -325,66 +356,59 @@ def read_features(data_path: Path, width: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_new_tokens: int, eos: set[int], pad: int,
+def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_new_tokens: int, eos: set[int],
                  pick=None):
     """Greedy answers of a batch of prompts, and the tapped features [len(prompt + answer), n_sel*H] (bf16) of each.
 
     `pick` (last-position logits [rows, V] -> next ids [rows]) replaces the argmax: the magpie source samples
     its questions with it.
 
-    A lean loop instead of `generate()` (benchmarks/bench_datagen.py compares them): left-padded prefill
-    with logits of the last position only (HF's makes logits of every position of every row), a preallocated
-    cache (a growing one copies itself every step), and a row leaves the batch and its cache rows when its
-    answer ends.
-    The answer keeps its end token; its features row is zeros (never fed back, training never reads it).
+    The deployment's own forward (`TargetModel.forward` over a static per-slot cache): each prompt prefilled into its
+    slot, then one token per live row a step, each row attending to its own positions only; when rows end, the live
+    ones move down to the first slots. HF's loop over a static cache attended over the whole cache every step
+    (benchmarks/bench_datagen.py). The answer keeps its end token; its features row is zeros (never fed back, training
+    never reads it).
     """
-    from transformers import StaticCache
-
-    n, width = len(prompts), max(len(x) for x in prompts)
-    with target.tapped(layer_ids) as features:
-        ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts])
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
-        cache = StaticCache(config=target.model.config, max_cache_len=width + max_new_tokens)
-        decoder = target.model.get_decoder()  # the body without the LM head
-        h = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
-        feats = features().to(torch.bfloat16)  # [n, width, n_sel*H]
-        per_row = [[feats[i, width - len(x):]] for i, x in enumerate(prompts)]
-        answers: list[list[int]] = [[] for _ in range(n)]
-        rows = torch.arange(n)  # batch row -> prompt index
-        pick = pick or greedy
-        nxt = pick(target.lm_head(h[:, -1]))
-        pos = pos[:, -1]
+    n = len(prompts)
+    pick = pick or greedy
+    cache = target.new_cache(slots=n, capacity=max(map(len, prompts)) + max_new_tokens)
+    per_row: list[list[torch.Tensor]] = []
+    answers: list[list[int]] = [[] for _ in range(n)]
+    with target.tapped(layer_ids):
+        last = []
+        for i, p in enumerate(prompts):
+            logits, feats = target.forward(torch.tensor([p]), 0, cache, capture=True, logits_to_keep=1, first_slot=i)
+            per_row.append([feats[0].to(torch.bfloat16)])
+            last.append(logits[0, -1])
+        nxt = pick(torch.stack(last))
+        rows, pos = list(range(n)), [len(p) for p in prompts]  # per slot: its prompt, the position of its next token
         for step in range(max_new_tokens):
-            for i, t in zip(rows.tolist(), nxt.tolist()):
-                answers[i].append(t)
-            if step + 1 == max_new_tokens:
+            for slot, t in enumerate(nxt.tolist()):
+                answers[rows[slot]].append(t)
+            live = [slot for slot, t in enumerate(nxt.tolist()) if t not in eos]
+            if step + 1 == max_new_tokens or not live:
                 break
-            alive = torch.tensor([t not in eos for t in nxt.tolist()])
-            if not alive.any():
-                break
-            if not alive.all():
-                keep = torch.nonzero(alive).flatten()
-                for layer in cache.layers:  # StaticLayer has no batch_select_indices (transformers 5.23)
-                    layer.keys, layer.values = layer.keys[keep], layer.values[keep]
-                rows, nxt, mask, pos = rows[keep], nxt[keep], mask[keep], pos[keep]
-            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-            pos = pos + 1
-            h = decoder(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], past_key_values=cache,
-                        cache_position=torch.tensor([width + step]), use_cache=True).last_hidden_state
-            for i, f in zip(rows.tolist(), features().to(torch.bfloat16)):
-                per_row[i].append(f)
-            nxt = pick(target.lm_head(h[:, -1]))
-    feats_out = [torch.cat(f + [f[0].new_zeros(1, f[0].shape[-1])]) for f in per_row]
-    return answers, feats_out
+            if len(live) < len(rows):  # live rows move down to the first slots: a forward's rows are contiguous slots
+                for dst, src in enumerate(live):
+                    if dst != src:
+                        cache.move(src, dst, pos[src])
+                rows, pos, nxt = [rows[s] for s in live], [pos[s] for s in live], nxt[live]
+            logits, feats = target.forward(nxt[:, None], pos, cache, capture=True)  # [rows, 1, V], [rows, 1, n_sel*H]
+            for slot, f in enumerate(feats[:, 0].to(torch.bfloat16)):
+                per_row[rows[slot]].append(f[None])
+            pos = [p + 1 for p in pos]
+            nxt = pick(logits[:, -1])
+    return answers, [torch.cat(f + [f[0].new_zeros(1, f[0].shape[-1])]) for f in per_row]
 
 
 @torch.inference_mode()
 def forward_features(target, ids: list[int], layer_ids: list[int]) -> torch.Tensor:
-    """Tapped features [len(ids), n_sel*H] (bf16) of one forward over a prompt and an answer known already."""
-    with target.tapped(layer_ids) as features:
-        target.model.get_decoder()(input_ids=torch.tensor([ids]), use_cache=False)
-        return features()[0].to(torch.bfloat16)
+    """Tapped features [len(ids), n_sel*H] (bf16) of one forward over a prompt and an answer known already: the
+    deployment's forward into a one-slot cache (in bf16 on one thread, 310 against 381 ms for HF's decoder over 252
+    tokens; Intel Xeon with AMX, 2026-11-27, informal)."""
+    with target.tapped(layer_ids):
+        _, feats = target.forward(torch.tensor([ids]), 0, target.new_cache(1, len(ids)), capture=True, logits_to_keep=1)
+    return feats[0].to(torch.bfloat16)
 
 
 def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, layer_ids: list[int], max_new_tokens: int = 256,
@@ -412,8 +436,6 @@ def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, laye
     done = {r["key"] for r in records}
     todo = remaining_prompts(prompts, done)
     engine = DFlashEngine(target, None, 1)  # its encode() is the deployment's prompt formatting
-    tok = target.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     answers = answers or {}
     t0, n_rec, n_tok = time.perf_counter(), 0, 0
     with open(path, "a") as f, open(feat_path, "ab") as ff:
@@ -426,7 +448,7 @@ def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, laye
             resps, feats = [None] * len(batch), [None] * len(batch)
             if new:
                 gen_answers, gen_feats = greedy_batch(target, [ids[j] for j in new], layer_ids=layer_ids, max_new_tokens=max_new_tokens,
-                                                      eos=engine.eos_token_ids, pad=pad)
+                                                      eos=engine.eos_token_ids)
                 for j, answer, feat in zip(new, gen_answers, gen_feats):
                     resps[j], feats[j] = answer, feat
             for j, (key, _) in enumerate(batch):
@@ -486,17 +508,22 @@ def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: 
     if not meta["done"]:
         prompts = load_prompts(sources, seed)[:num_samples]
         budget = None if minutes is None else max(0.0, minutes * 60 - meta["seconds"])
-        known = known_answers(target, sources)
+        known = known_answers(target, sources, prompts, max_new_tokens)
         r = generate_dataset(target, prompts, data_path, layer_ids=layer_ids, max_new_tokens=max_new_tokens,
                              batch_size=batch_size, time_budget=budget, progress=progress, answers=known)
         meta["seconds"] += r["seconds"]
         meta.update(done=True, max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=str(target.dtype).removeprefix("torch."))
-        if {"code", "docstring"} & set(sources):
+        if {"code", "docstring"} & source_names(sources):
             meta["code_packages"] = {**meta.get("code_packages", {}), **code_package_versions()}
-        if "magpie" in sources:
+        if "magpie" in source_names(sources):
             card = magpie_card()
             meta["magpie"] = {"card": {k: card[k] for k in ("target", "target_fingerprint", "dtype", "settings", "sampling", "stats")},
                               "answers": "the packaged greedy answers" if known else "generated in this data phase"}
+        packed = [k for k in known if not k.startswith("magpie:")]
+        if packed:
+            card = answers_card()
+            meta["packed_answers"] = {"card": {k: card[k] for k in ("target", "target_fingerprint", "dtype", "max_new_tokens")},
+                                      "prompts": len(packed)}
     records = read_dataset(data_path)
     if not records:
         raise DFlashError(f"No training records in {data_path}; raise --num-samples or the data time budget.")
@@ -513,17 +540,15 @@ def answer_tokens(target, sources: tuple[str, ...], *, per_source: int, max_new_
     from ..runtime import DFlashEngine
 
     engine = DFlashEngine(target, None, 1)
-    tok = target.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    known = known_answers(target, sources)
     out = []
     for source in sources:
         prompts = load_prompts((source,), seed)[:per_source]
+        known = known_answers(target, (source,), prompts, max_new_tokens)
         todo = [p for key, p in prompts if key not in known]
         out += [known[key][:max_new_tokens] for key, _ in prompts if key in known]
         for i in range(0, len(todo), batch_size):
             ids = [engine.encode(p) for p in todo[i : i + batch_size]]
-            answers, _ = greedy_batch(target, ids, layer_ids=[0], max_new_tokens=max_new_tokens, eos=engine.eos_token_ids, pad=pad)
+            answers, _ = greedy_batch(target, ids, layer_ids=[0], max_new_tokens=max_new_tokens, eos=engine.eos_token_ids)
             out += answers
             if progress:
                 progress(f"{source}: answered {min(i + batch_size, len(todo))}/{len(todo)} prompts")

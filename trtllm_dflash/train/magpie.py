@@ -165,7 +165,6 @@ def generate_magpie(target, run_dir: Path, settings: MagpieSettings, *, num_ques
     path.write_text("".join(json.dumps(b) + "\n" for b in batches))  # drops a torn last line
     engine = DFlashEngine(target, None, 1)
     tok, eos = target.tokenizer, engine.eos_token_ids
-    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
     seen = NearDuplicates(settings.near_duplicate_jaccard)
     for b in batches:
         for c in b["candidates"]:
@@ -184,7 +183,7 @@ def generate_magpie(target, run_dir: Path, settings: MagpieSettings, *, num_ques
                 if t not in prefixes:
                     prefixes[t] = user_prefix_ids(tok, TOPIC_SYSTEM.format(topic=t) if t else None)
             outs, _ = greedy_batch(target, [prefixes[t] for t in topics], layer_ids=[0], max_new_tokens=settings.question_max_tokens,  # features unused
-                                   eos=eos, pad=pad, pick=lambda logits: sample(sampling_probs(logits, sp), gen))
+                                   eos=eos, pick=lambda logits: sample(sampling_probs(logits, sp), gen))
             cands = []
             for i, (topic, ids) in enumerate(zip(topics, outs), start=first):
                 text = tok.decode([t for t in ids if t not in eos]).strip()
@@ -195,7 +194,7 @@ def generate_magpie(target, run_dir: Path, settings: MagpieSettings, *, num_ques
             keep = [c for c in cands if c["reject"] is None]
             if keep:
                 prompts = [engine.encode(c["question"]) for c in keep]
-                answers, _ = greedy_batch(target, prompts, layer_ids=[0], max_new_tokens=settings.answer_max_tokens, eos=eos, pad=pad)
+                answers, _ = greedy_batch(target, prompts, layer_ids=[0], max_new_tokens=settings.answer_max_tokens, eos=eos)
                 for c, ids, a in zip(keep, prompts, answers):
                     c.update(prompt_tokens=len(ids), answer_ids=a, finished=a[-1] in eos)
             batch = {"batch": b, "temperature": temperature, "top_p": top_p, "candidates": cands}
