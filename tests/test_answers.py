@@ -90,3 +90,15 @@ def test_the_data_phase_forwards_packaged_answers_instead_of_generating(target, 
         assert [t for t, m in zip(rec["input_ids"], rec["loss_mask"]) if m] == by_key[rec["key"]]["answer_ids"][:32]
     rows = (tmp_path / "data.features.bin").stat().st_size // (3 * target.hidden_size * 2)
     assert rows == sum(len(rec["input_ids"]) for rec in recs)
+
+
+@pytest.mark.parametrize("args, says", [(["--shard", "2/2"], "--shard 2/2: give i/n"), (["--data", "gsm9k:10"], "Unknown --data source"),
+                                        (["--until", "25:00"], "--until 25:00: give a UTC time")])
+def test_the_command_refuses_bad_input_in_one_sentence(tmp_path, args, says):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "trtllm_dflash.train.answers", "--output", str(tmp_path / "run"), *args],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith(f"Error: {says}") and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()  # nothing written

@@ -1,9 +1,9 @@
-"""The target's greedy answers to the training prompts, packed into the package so a data phase needs no generation.
+"""The target's greedy answers to the training prompts, packed into the package so a data phase only runs forwards.
 
-Generating answers is most of a training stage's cost on a CPU (about 335 tokens/s for SmolLM2-135M on one thread,
-an hour and a half for a stage's math, code and chat replay); a forward over a known answer for its features costs a
-few milliseconds. So the answers are generated once, resumably, and shipped beside the magpie chat set
-(`trtllm_dflash/data/answers-smollm2`). A packed answer is used only by the model that wrote it (the target's
+Generating answers was most of a training stage's data phase on a CPU, paid again in every session; one forward
+over a known answer for its features costs less than half as much (SmolLM2-135M in bf16 on one thread: 769 against
+345 answer tokens/s for our batched loop, benchmarks/bench_datagen.py, Intel Xeon with AMX, 2026-11-27). So the
+answers are generated once, resumably, and shipped beside the magpie chat set (`trtllm_dflash/data/answers-smollm2`). A packed answer is used only by the model that wrote it (the target's
 embedding fingerprint) and only for the prompt it answered (a hash of the prompt text: the code sources read the
 installed libraries' docstrings, which change with their versions).
 
@@ -103,38 +103,46 @@ def main() -> None:
     ap.add_argument("--pack", default=None, help="Write the answers and their card to this directory at the end.")
     ap.add_argument("--pack-only", action="store_true", help="Generate nothing; only write --pack from the run as it is.")
     a = ap.parse_args()
+    try:
+        run(a)
+    except DFlashError as e:
+        print(f"Error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
+
+def run(a: argparse.Namespace) -> None:
     from ..models.target import TargetModel
     from ..resolve import resolve_target
     from .data import code_package_versions, source_names
+    from .magpie import deadline_at
     from .trainer import machine_info
 
+    index, _, count = a.shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise DFlashError(f"--shard {a.shard}: give i/n with 0 <= i < n, e.g. 0/2 and 1/2 for two processes.")
+    deadline = deadline_at(a.until) if a.until else None
     specs = [s for s in a.data.split(",") if s]
-    index, count = map(int, a.shard.split("/"))
-    deadline = None
-    if a.until:
-        h, m = map(int, a.until.split(":"))
-        now = time.gmtime()
-        deadline = time.time() + ((h * 60 + m) - (now.tm_hour * 60 + now.tm_min)) * 60 - now.tm_sec
+    corpus = corpus_prompts(specs) if not a.pack_only else None  # refuses an unknown source before any work
     run_dir = Path(a.output)
-    run_dir.mkdir(parents=True, exist_ok=True)
     settings = {"data": specs, "max_new_tokens": a.max_new_tokens, "dtype": a.dtype}
     settings_path = run_dir / "settings.json"
-    if settings_path.is_file() and json.loads(settings_path.read_text()) != settings and not a.pack_only:
-        print(f"Error: {run_dir} holds answers made with other settings ({settings_path.read_text().strip()}); use another --output.",
-              file=sys.stderr)
-        raise SystemExit(2)
+    if settings_path.is_file():
+        made = json.loads(settings_path.read_text())
+        if a.pack_only:
+            settings, specs = made, made["data"]  # the card describes the run as it was made
+        elif made != settings:
+            raise DFlashError(f"{run_dir} holds answers made with other settings ({json.dumps(made)}); use another --output.")
+    run_dir.mkdir(parents=True, exist_ok=True)
     settings_path.write_text(json.dumps(settings) + "\n")
-    target = TargetModel.load(resolve_target(a.target, print), torch.bfloat16 if a.dtype == "bf16" else torch.float32)
+    target = TargetModel.load(resolve_target(a.target, print), torch.bfloat16 if settings["dtype"] == "bf16" else torch.float32)
     log = run_dir / "sessions.jsonl"
     if not a.pack_only:
-        prompts = corpus_prompts(specs)
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         t0 = time.time()
         try:
-            stats = generate_answers(target, prompts, run_dir / f"answers-{index}.jsonl", max_new_tokens=a.max_new_tokens,
-                                     batch_size=a.batch_size, shard=(index, count), deadline=deadline,
-                                     progress=lambda m: print(m, flush=True))
+            stats = generate_answers(target, corpus, run_dir / f"answers-{index}.jsonl", max_new_tokens=a.max_new_tokens,
+                                     batch_size=a.batch_size, shard=(int(index), int(count)),
+                                     deadline=deadline, progress=lambda m: print(m, flush=True))
         except KeyboardInterrupt:
             stats = {"stopped": True}
         with open(log, "a") as f:

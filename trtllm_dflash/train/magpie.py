@@ -249,6 +249,16 @@ def unpack(packed: Path, run_dir: Path) -> None:
     (run_dir / "magpie.jsonl").write_bytes(gzip.decompress((packed / "run.jsonl.gz").read_bytes()))
 
 
+def deadline_at(hhmm: str) -> float:
+    """The wall-clock time (time.time()) of HH:MM UTC today: when a run stops starting batches."""
+    h, _, m = hhmm.partition(":")
+    if not (h.isdigit() and m.isdigit() and int(h) < 24 and int(m) < 60):
+        raise DFlashError(f"--until {hhmm}: give a UTC time as HH:MM.")
+    h, m = int(h), int(m)
+    now = time.gmtime()
+    return time.time() + ((h * 60 + m) - (now.tm_hour * 60 + now.tm_min)) * 60 - now.tm_sec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="Generate (or continue) a magpie chat set with a target, then pack it.")
     ap.add_argument("--target", default="smollm2-135m")
@@ -267,11 +277,11 @@ def main() -> None:
     from ..resolve import resolve_target
     from .trainer import machine_info
 
-    deadline = None
-    if a.until:
-        h, m = map(int, a.until.split(":"))
-        now = time.gmtime()
-        deadline = time.time() + ((h * 60 + m) - (now.tm_hour * 60 + now.tm_min)) * 60 - now.tm_sec
+    try:
+        deadline = deadline_at(a.until) if a.until else None
+    except DFlashError as e:
+        print(f"Error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     run_dir, settings = Path(a.output), MagpieSettings(seed=a.seed, batch_size=a.batch_size)
     if a.resume_from:
         unpack(Path(a.resume_from), run_dir)
