@@ -70,24 +70,24 @@ def main() -> None:
         packed = [(ids, known[key][: a.max_new_tokens]) for ids, (key, _) in zip(prompts, keyed) if key in known]
         pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.tokenizer.eos_token_id
         eos = set(engine.eos_token_ids)
-        for bs in a.batch_sizes:
-            for method in ("generate", "greedy_batch", "packed"):
-                t0, tokens = time.perf_counter(), 0
-                if method == "packed":  # one forward per record; batch size does not apply
-                    for ids, answer in packed:
-                        forward_features(target, ids + answer, LAYERS)
-                        tokens += len(answer)
+        runs = [(m, bs) for bs in a.batch_sizes for m in ("generate", "greedy_batch")] + [("packed", 1)]  # packed: one forward per record
+        for method, bs in runs:
+            t0, tokens = time.perf_counter(), 0
+            if method == "packed":
+                for ids, answer in packed:
+                    forward_features(target, ids + answer, LAYERS)
+                    tokens += len(answer)
+            else:
                 for i in range(0, len(prompts), bs):
                     chunk = prompts[i : i + bs]
                     if method == "generate":
                         tokens += hf_generate(target, chunk, a.max_new_tokens, eos, pad)
-                    elif method == "greedy_batch":
+                    else:
                         tokens += sum(map(len, greedy_batch(target, chunk, layer_ids=LAYERS, max_new_tokens=a.max_new_tokens, eos=eos)[0]))
-                sec = time.perf_counter() - t0
-                rows.append({"method": method, "dtype": dtype, "batch_size": bs if method != "packed" else 1,
-                             "prompts": len(packed) if method == "packed" else len(prompts), "tokens": tokens, "seconds": round(sec, 2),
-                             "tok_per_s": round(tokens / sec, 1)})
-                print(json.dumps(rows[-1]), flush=True)
+            sec = time.perf_counter() - t0
+            rows.append({"method": method, "dtype": dtype, "batch_size": bs, "prompts": len(packed) if method == "packed" else len(prompts),
+                         "tokens": tokens, "seconds": round(sec, 2), "tok_per_s": round(tokens / sec, 1)})
+            print(json.dumps(rows[-1]), flush=True)
     best = max((r for r in rows if r["method"] == "generate"), key=lambda r: r["tok_per_s"])
     for r in rows:
         r["vs_fastest_generate"] = round(r["tok_per_s"] / best["tok_per_s"], 2)

@@ -49,10 +49,8 @@ def magpie_card() -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _answers_all() -> tuple[dict, ...]:
-    path = resources.files(__package__) / "answers-smollm2" / "answers.jsonl.gz"
-    if not path.is_file():
-        return ()
-    return tuple(json.loads(line) for line in gzip.decompress(path.read_bytes()).decode("utf-8").splitlines() if line.strip())
+    raw = (resources.files(__package__) / "answers-smollm2" / "answers.jsonl.gz").read_bytes()
+    return tuple(json.loads(line) for line in gzip.decompress(raw).decode("utf-8").splitlines() if line.strip())
 
 
 def answers_records() -> list[dict]:
@@ -60,6 +58,6 @@ def answers_records() -> list[dict]:
     return list(_answers_all())
 
 
-def answers_card() -> dict | None:
-    path = resources.files(__package__) / "answers-smollm2" / "card.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+def answers_card() -> dict:
+    """How the packaged answers were made: target and its fingerprint, settings, per-source counts, sessions."""
+    return json.loads((resources.files(__package__) / "answers-smollm2" / "card.json").read_text())

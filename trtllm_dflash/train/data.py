@@ -271,8 +271,7 @@ def known_answers(target, sources: tuple[str, ...], prompts: list[tuple[str, str
     out = {}
     if "magpie" in names and magpie_card()["target_fingerprint"] == fingerprint:
         out.update((r["key"], r["answer_ids"]) for r in magpie_records() if complete(r))
-    card = answers_card()
-    if card is not None and card["target_fingerprint"] == fingerprint and prompts is not None:
+    if prompts is not None and answers_card()["target_fingerprint"] == fingerprint:
         hashes = {key: prompt_hash(p) for key, p in prompts}
         out.update((r["key"], r["answer_ids"]) for r in answers_records()
                    if r["key"].split(":")[0] in names and hashes.get(r["key"]) == r["prompt_hash"] and complete(r))
