@@ -116,14 +116,16 @@ def test_data_phase_reuses_packaged_answers_with_their_features(target, tmp_path
     assert "magpie" in SOURCES
     known = known_answers(target, ("magpie",))
     assert len(known) == len(magpie_records()) and known_answers(target, ("gsm8k",)) == {}
-    prompts = load_prompts(("magpie", "gsm8k"))[:3]  # one batch: two packaged answers and one to generate
+    prompts = load_prompts(("magpie", "gsm8k"))[:3]  # one batch: packaged, to generate, packaged
     r = generate_dataset(target, prompts, tmp_path / "data.jsonl", layer_ids=[1, 14, 27], max_new_tokens=16,
                          batch_size=3, answers=known)
     assert r["records"] == 3
     recs = [json.loads(x) for x in (tmp_path / "data.jsonl").read_text().splitlines()]
-    for rec, (key, _) in zip(recs, prompts):
+    # the prompt to generate waits for a full generation batch (or the end), the known answers go first
+    assert [rec["key"] for rec in recs] == [prompts[0][0], prompts[2][0], prompts[1][0]]
+    for rec in recs:
         resp = [t for t, m in zip(rec["input_ids"], rec["loss_mask"]) if m]
-        assert resp == known[key][:16] if key in known else 1 <= len(resp) <= 16
+        assert resp == known[rec["key"]][:16] if rec["key"] in known else 1 <= len(resp) <= 16
     rows = (tmp_path / "data.features.bin").stat().st_size // (3 * target.hidden_size * 2)
     assert [rec["feat_offset"] for rec in recs] == [0, len(recs[0]["input_ids"]), len(recs[0]["input_ids"]) + len(recs[1]["input_ids"])]
     assert rows == sum(len(rec["input_ids"]) for rec in recs)  # one feature row per token, generated or known

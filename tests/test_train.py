@@ -122,6 +122,35 @@ def test_chunked_ce_matches_autograd_reference():
     assert correct.tolist() == (head(h2).argmax(-1) == y).tolist()
 
 
+def test_chunked_ce_with_kd_is_ce_against_the_mixed_label():
+    torch.manual_seed(0)
+    d, head = _tiny_draft(), nn.Linear(32, 50, bias=False).requires_grad_(False)
+    h = torch.randn(11, 32, requires_grad=True)
+    y, w = torch.randint(0, 50, (11,)), torch.rand(11)
+    probs = torch.softmax(3 * torch.randn(5, 50), -1)  # five distinct positions, shared by the slots as blocks overlap
+    rows = torch.randint(0, 5, (11,))
+    loss, _ = chunked_lm_head_ce(d, head, h, y, w, chunk=4, soft=(probs, rows, 0.3))
+    loss.backward()
+    h2 = h.detach().clone().requires_grad_()
+    label = 0.7 * F.one_hot(y, 50) + 0.3 * probs[rows]
+    ref = (-(label * F.log_softmax(head(h2), -1)).sum(-1) * w).sum()
+    ref.backward()
+    assert torch.allclose(loss, ref, atol=1e-5) and torch.allclose(h.grad, h2.grad, atol=1e-5)
+
+
+def test_target_distribution_is_the_targets_prediction_of_each_slots_token(target):
+    ids = target.tokenizer("The capital of France is Paris, and the capital of Italy is Rome.")["input_ids"]
+    last = target.num_layers - 1
+    with target.tapped([last]):
+        logits, feats = target.forward(torch.tensor([ids]), 0, target.new_cache(1, len(ids)), capture=True)
+    head = tr.frozen_head(target.lm_head.weight.data, target.lm_head.weight.dtype)
+    pos = torch.tensor([3, 4, 5, 4, 9])  # slots at these positions, labelled with the tokens there
+    probs, rows = tr.target_distribution(target.model.get_decoder().norm, head, feats[0], pos)
+    assert probs.shape[0] == 4  # position 4 twice: one distribution
+    want = torch.softmax(logits[0, pos - 1].float(), -1)  # what the target predicted for each slot's token
+    assert torch.allclose(probs[rows], want, atol=1e-4)
+
+
 def test_dpace_weights_are_the_acceptance_a_slot_can_still_add():
     q = torch.tensor([0.9, 0.8, 0.2, 0.6, 0.3, 0.5, 1.0, 0.4])  # one block of 4 and one of 4 (slot 0: the anchor)
     valid = torch.tensor([False, True, True, True, False, True, True, False])
@@ -312,6 +341,27 @@ def test_tiny_training_run_resumes_and_is_lossless(target_dir, tmp_path, monkeyp
     assert load_draft(tmp_path / "grown" / "draft").config.target_layer_ids == draft.config.target_layer_ids
     with pytest.raises(DFlashError, match="grow, not shrink"):
         tr.DraftTrainer(engine.target, warm, tr.TrainArgs(**{**args.__dict__, "init_from": str(tmp_path / "grown" / "draft")}))
+
+
+def test_kd_run_keeps_the_targets_last_layer_and_learns(target, target_dir, tmp_path, one_thread):
+    kw = dict(data=("gsm8k",), num_samples=2, gen_max_new_tokens=16, gen_batch_size=2, mask_token_id=SMOL_MASK_ID,
+              progress_bar=False, log=lambda m: None, num_layers=1, block_size=4, lr=3e-3, anchors_per_seq=16,
+              seqs_per_step=2, val_fraction=0.0, loss="dpace")
+    with pytest.raises(DFlashError, match="from 0 to 1"):
+        train_draft(str(target_dir), tmp_path / "bad", kd=1.5, steps=1, **kw)
+    card = train_draft(str(target_dir), tmp_path / "kd", kd=0.5, steps=8, **kw)
+    layers = card["hyperparameters"]["target_layer_ids"]
+    assert json.loads((tmp_path / "kd" / "data.json").read_text())["target_layer_ids"] == [*layers, 29]
+    assert load_draft(tmp_path / "kd" / "draft").config.target_layer_ids == layers  # the draft reads only its own layers
+    log = [json.loads(line) for line in (tmp_path / "kd" / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < log[0]["loss"] and all(math.isfinite(r["loss"]) for r in log)
+    plain = tmp_path / "plain"  # data captured without the last layer cannot feed a --kd run
+    card = train_draft(str(target_dir), plain, steps=1, **kw)
+    with pytest.raises(DFlashError, match="captured at target layers"):
+        train_draft(str(target_dir), plain, resume=True, kd=0.5, steps=1, **kw)
+    args = tr.TrainArgs(**{**card["hyperparameters"], "gamma": None, "kd": 0.5})
+    with pytest.raises(DFlashError, match="last layer"):
+        tr.DraftTrainer(target, plain, args)
 
 
 def test_shipped_draft_accepts_on_fixed_prompts(one_thread):

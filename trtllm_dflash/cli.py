@@ -259,6 +259,9 @@ def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
 @click.option("--loss", type=click.Choice(DRAFT_LOSSES), default="decay", show_default=True,
               help="Slot weights of the CE: a fixed exp(-(k-1)/gamma) decay, or D-PACE's dynamic weights from the draft's own "
                    "confidence (a slot after an uncertain one counts less).")
+@click.option("--kd", type=float, default=0.0, show_default=True,
+              help="Share of the target's own distribution in each slot's label, 0 to 1 (knowledge distillation; the data "
+                   "phase then also keeps the target's last layer, 576 more bf16 values a token for SmolLM2).")
 @click.option("--max-seq-len", type=int, default=1024, show_default=True)
 @click.option("--anchors-per-seq", type=int, default=64, show_default=True)
 @click.option("--seqs-per-step", type=int, default=4, show_default=True)
@@ -272,13 +275,13 @@ def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
 @click.option("--resume", is_flag=True, help="Continue the run in --output from its last checkpoint.")
 @user_errors
 def train_draft(target, output, data, num_samples, data_minutes, gen_max_new_tokens, gen_batch_size, num_layers, block_size, steps,
-                epochs, lr, loss, max_seq_len, anchors_per_seq, seqs_per_step, eval_every, mask_token_id, dtype, seed, init_from, resume):
+                epochs, lr, loss, kd, max_seq_len, anchors_per_seq, seqs_per_step, eval_every, mask_token_id, dtype, seed, init_from, resume):
     """Train a DFlash draft for a target on its own greedy answers (CPU is fine for small targets)."""
     from .train.trainer import train_draft as run
 
     run(target, output, data=data, num_samples=num_samples, data_minutes=data_minutes, gen_max_new_tokens=gen_max_new_tokens,
         gen_batch_size=gen_batch_size, mask_token_id=mask_token_id, resume=resume, command="trtdflash " + " ".join(sys.argv[1:]),
-        log=lambda m: click.echo(m, err=True), num_layers=num_layers, block_size=block_size, steps=steps, epochs=epochs, lr=lr, loss=loss,
+        log=lambda m: click.echo(m, err=True), num_layers=num_layers, block_size=block_size, steps=steps, epochs=epochs, lr=lr, loss=loss, kd=kd,
         max_seq_len=max_seq_len, anchors_per_seq=anchors_per_seq, seqs_per_step=seqs_per_step, eval_every=eval_every, bf16=dtype == "bf16", seed=seed, init_from=init_from)
 
 

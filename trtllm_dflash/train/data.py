@@ -416,7 +416,7 @@ def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, laye
     """Answer prompts with the target (greedy, batched) and append records to `path`.
 
     A prompt whose key is in `answers` keeps that answer (cut at max_new_tokens) and only needs one forward for
-    its features.
+    its features; the others are generated in full batches as they accumulate (the rest at the end).
 
     The tapped features of every token are captured during generation itself (it computes them anyway)
     and appended to `features_path(path)` as bf16 rows; a record's "feat_offset" is its first row and
@@ -437,36 +437,49 @@ def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, laye
     engine = DFlashEngine(target, None, 1)  # its encode() is the deployment's prompt formatting
     answers = answers or {}
     t0, n_rec, n_tok = time.perf_counter(), 0, 0
+    pending: list[tuple[str, list[int]]] = []  # unanswered prompts wait for a full batch: a step costs about the same
+    # for 8 rows as for 64, so a few new prompts in a batch of known answers would pay a whole generation each
+
+    def generate(rows):
+        answers_, feats_ = greedy_batch(target, [ids for _, ids in rows], layer_ids=layer_ids, max_new_tokens=max_new_tokens,
+                                        eos=engine.eos_token_ids)
+        return [(key, ids, answer, feat) for (key, ids), answer, feat in zip(rows, answers_, feats_)]
+
     with open(path, "a") as f, open(feat_path, "ab") as ff:
-        for i in range(0, len(todo), batch_size):
-            if time_budget is not None and time.perf_counter() - t0 > time_budget:
-                break
-            batch = todo[i : i + batch_size]
-            ids = [engine.encode(p) for _, p in batch]
-            new = [j for j, (key, _) in enumerate(batch) if key not in answers]
-            resps, feats = [None] * len(batch), [None] * len(batch)
-            if new:
-                gen_answers, gen_feats = greedy_batch(target, [ids[j] for j in new], layer_ids=layer_ids, max_new_tokens=max_new_tokens,
-                                                      eos=engine.eos_token_ids)
-                for j, answer, feat in zip(new, gen_answers, gen_feats):
-                    resps[j], feats[j] = answer, feat
-            for j, (key, _) in enumerate(batch):
-                if resps[j] is None:
-                    resps[j] = answers[key][:max_new_tokens]
-                    feats[j] = forward_features(target, ids[j] + resps[j], layer_ids)
+        def write(rows):
+            nonlocal offset, n_rec, n_tok
             lines = []
-            for (key, _), prompt_ids, resp in zip(batch, ids, resps):
+            for key, prompt_ids, resp, _ in rows:
                 lines.append(json.dumps({"source": key.split(":")[0], "key": key, "feat_offset": offset,
                                          "input_ids": prompt_ids + resp, "loss_mask": [0] * len(prompt_ids) + [1] * len(resp)}))
                 offset += len(prompt_ids) + len(resp)
                 n_rec, n_tok = n_rec + 1, n_tok + len(resp)
-            ff.write(torch.cat(feats).view(torch.int16).numpy().tobytes())
+            ff.write(torch.cat([feat for *_, feat in rows]).view(torch.int16).numpy().tobytes())
             ff.flush()  # rows before records: a record on disk always has its rows
             f.write("".join(line + "\n" for line in lines))
             f.flush()
             if progress:
                 progress(f"generated {len(prompts) - len(todo) + n_rec}/{len(prompts)} records, {n_tok} response tokens, "
                          f"{n_tok / (time.perf_counter() - t0):.0f} tok/s")
+
+        for i in range(0, len(todo), batch_size):
+            if time_budget is not None and time.perf_counter() - t0 > time_budget:
+                break
+            ready = []
+            for key, prompt in todo[i : i + batch_size]:
+                ids = engine.encode(prompt)
+                if key in answers:
+                    resp = answers[key][:max_new_tokens]
+                    ready.append((key, ids, resp, forward_features(target, ids + resp, layer_ids)))
+                else:
+                    pending.append((key, ids))
+            if len(pending) >= batch_size:
+                ready += generate(pending[:batch_size])
+                pending = pending[batch_size:]
+            if ready:
+                write(ready)
+        if pending:
+            write(generate(pending))
     return {"records": n_rec, "response_tokens": n_tok, "seconds": time.perf_counter() - t0}
 
 

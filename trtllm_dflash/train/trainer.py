@@ -3,7 +3,8 @@
 Per sequence: random anchors inside the response, blocks [token at anchor, MASK x (B-1)], all blocks
 in one draft forward under the inference mask rule (context strictly before the anchor, own block
 only), same-position labels for slots 1..B-1, CE through the frozen LM head weighted exp(-(k-1)/gamma), or
-(`loss="dpace"`) by D-PACE's dynamic weights (method notes, section 4.2 variants).
+(`loss="dpace"`) by D-PACE's dynamic weights (method notes, section 4.2 variants). With `kd`, each slot's label
+mixes in the target's own distribution there (knowledge distillation, as Model Optimizer trains its drafts).
 Target features come from the data phase (captured while the target generated the responses).
 """
 
@@ -48,6 +49,7 @@ class TrainArgs:
     grad_clip: float = 1.0
     gamma: float | None = None  # None: GAMMA[block_size], else block_size / 2
     loss: str = "decay"  # slot weights: fixed exp(-(k-1)/gamma), or "dpace" (dynamic, from the draft's own confidence)
+    kd: float = 0.0  # share of the target's distribution in each slot's label (0: its greedy token alone)
     max_seq_len: int = 1024
     anchors_per_seq: int = 64
     seqs_per_step: int = 4
@@ -150,16 +152,18 @@ def block_hidden(draft: DFlashDraftModel, embed_tokens, feats: torch.Tensor, noi
 
 class _ChunkedLMHeadCE(torch.autograd.Function):
     """Weighted CE through the frozen LM head, chunk by chunk: each chunk's logits are made, turned into the
-    loss and the input gradient (softmax - onehot, by hand: fewer passes over [chunk, V] than autograd), and
+    loss and the input gradient (softmax - label, by hand: fewer passes over [chunk, V] than autograd), and
     dropped, so N*B*V logits never exist at once and nothing is recomputed in backward. With `dpace_block`,
     each chunk's weights become D-PACE's (scaled to the chunk's given total; a chunk holds whole blocks).
+    With `soft` = (probs [U, V], rows [M], kd), slot m's label is (1 - kd) onehot + kd probs[rows[m]].
     """
 
     @staticmethod
-    def forward(ctx, hidden, labels, weights, draft, lm_head, chunk, need_grad, dpace_block):
+    def forward(ctx, hidden, labels, weights, draft, lm_head, chunk, need_grad, dpace_block, soft):
         total = hidden.new_zeros((), dtype=torch.float32)
         grads, correct = [], []
-        for h, y, w in zip(hidden.split(chunk), labels.split(chunk), weights.split(chunk)):
+        rows = soft[1].split(chunk) if soft else [None] * len(labels.split(chunk))
+        for h, y, w, r in zip(hidden.split(chunk), labels.split(chunk), weights.split(chunk), rows):
             with torch.set_grad_enabled(need_grad):
                 h = h.detach().requires_grad_(need_grad)
                 logits = draft.compute_logits(h, lm_head)  # [chunk, V]
@@ -171,9 +175,17 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
                 if dpace_block:
                     dyn = dpace_weights(q, w > 0, dpace_block)
                     w = dyn * (w.sum() / dyn.sum().clamp_min(1e-12))
-                total += (-q.clamp_min(1e-30).log() * w).sum()
+                ce = -q.clamp_min(1e-30).log()
+                if soft:
+                    pt, kd = soft[0][r], soft[2]  # the target's distribution at each slot [chunk, V]
+                    ce = (1 - kd) * ce + kd * (torch.logsumexp(z.float(), -1) - (pt * z).sum(-1))
+                total += (ce * w).sum()
                 if need_grad:
-                    p[torch.arange(len(y)), y] -= 1
+                    if soft:
+                        p.sub_(pt, alpha=kd)
+                        p[torch.arange(len(y)), y] -= 1 - kd
+                    else:
+                        p[torch.arange(len(y)), y] -= 1
                     g = p.mul_(w[:, None]).to(logits.dtype)
             if need_grad:
                 grads.append(torch.autograd.grad(logits, h, g)[0])
@@ -185,7 +197,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_correct):
         (g,) = ctx.saved_tensors
-        return g * grad_total, None, None, None, None, None, None, None
+        return g * grad_total, None, None, None, None, None, None, None, None
 
 
 def frozen_head(weight: torch.Tensor, dtype: torch.dtype) -> torch.nn.Linear:
@@ -213,12 +225,25 @@ def sampled_lm_head(lm_head, data_vocab: torch.Tensor, negatives: int, generator
     return head, row
 
 
-def chunked_lm_head_ce(draft, lm_head, hidden, labels, weights, chunk: int, dpace_block: int | None = None):
+def chunked_lm_head_ce(draft, lm_head, hidden, labels, weights, chunk: int, dpace_block: int | None = None, soft=None):
     """hidden [M, H], labels/weights [M] -> (sum_m weights*CE, correct [M] bool); `dpace_block`: D-PACE weights
-    instead of `weights` (whose per-chunk totals they keep), over blocks of that size."""
+    instead of `weights` (whose per-chunk totals they keep), over blocks of that size; `soft`: (probs [U, V] over
+    lm_head's rows, rows [M] into probs, kd) mixes the target's distribution into the labels."""
     if dpace_block and chunk % dpace_block:
         raise ValueError(f"D-PACE needs whole blocks per chunk: chunk {chunk} is not a multiple of block size {dpace_block}")
-    return _ChunkedLMHeadCE.apply(hidden, labels, weights, draft, lm_head, chunk, hidden.requires_grad, dpace_block)
+    return _ChunkedLMHeadCE.apply(hidden, labels, weights, draft, lm_head, chunk, hidden.requires_grad, dpace_block, soft)
+
+
+def target_distribution(final_norm, head, last_hidden: torch.Tensor, positions: torch.Tensor):
+    """The target's next-token distribution for each slot: (probs [U, V] over head's rows, rows [M] into them).
+
+    Slot m sits at positions[m] and is labelled with the token there, which the target predicted from its last
+    layer at positions[m] - 1; last_hidden [S, H] is that layer's output (before the final norm) for the sequence.
+    Blocks overlap, so each position's distribution is made once (U <= S).
+    """
+    at, rows = torch.unique((positions - 1).clamp(0, last_hidden.shape[0] - 1), return_inverse=True)
+    with torch.no_grad():
+        return torch.softmax(head(final_norm(last_hidden[at])).float(), -1), rows
 
 
 def acceptance_stats(correct: torch.Tensor, valid: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,6 +270,14 @@ class DraftTrainer:
         h = target.hidden_size
         whole = cols == list(range(len(self.feat_layer_ids)))  # the usual case: a slice, not a gather
         self.feat_cols = slice(None) if whole else torch.cat([torch.arange(c * h, (c + 1) * h) for c in cols])
+        self.last_cols = None
+        if args.kd:
+            last = target.num_layers - 1
+            if last not in self.feat_layer_ids:
+                raise DFlashError(f"--kd needs the target's last layer ({last}) in the data's features, which hold layers "
+                                  f"{self.feat_layer_ids}; start the run in a new --output.")
+            c = self.feat_layer_ids.index(last)
+            self.last_cols, self.final_norm = slice(c * h, (c + 1) * h), target.model.get_decoder().norm
         is_val = [held_out(r["key"], args.val_fraction) for r in self.records]
         self.val = [r for r, v in zip(self.records, is_val) if v]
         self.train = [r for r, v in zip(self.records, is_val) if not v and len(valid_anchors(torch.tensor(r["loss_mask"])))]
@@ -322,9 +355,10 @@ class DraftTrainer:
         ids, lm = torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"])
         anchors = sample_anchors(lm, anchors_n, generator)
         noise, pos, labels, valid = build_blocks(ids, lm, anchors, self.args.block_size, self.args.mask_token_id)
-        feats = self.features[r["feat_offset"] : r["feat_offset"] + len(ids)][:, self.feat_cols]
+        rows = self.features[r["feat_offset"] : r["feat_offset"] + len(ids)]
+        last = rows[:, self.last_cols] if self.last_cols is not None else None
         w = self.weights.repeat(len(anchors)) * valid
-        return feats, anchors, noise, pos, labels, valid, w
+        return rows[:, self.feat_cols], last, anchors, noise, pos, labels, valid, w
 
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.args.bf16)
@@ -339,12 +373,13 @@ class DraftTrainer:
         else:
             head, row = sampled_lm_head(self.full_head, self.data_vocab, self.args.train_vocab_negatives, self.generator)
         loss_sum, accepted = 0.0, []
-        for feats, anchors, noise, pos, labels, valid, w in seqs:
+        for feats, last, anchors, noise, pos, labels, valid, w in seqs:
             with self._autocast():
                 hidden = block_hidden(self.draft, self.target.embed_tokens, feats, noise, pos, anchors)
                 labels = labels if row is None else row[labels]
+                soft = (*target_distribution(self.final_norm, head, last, pos), self.args.kd) if last is not None else None
                 loss, correct = chunked_lm_head_ce(self.draft, head, hidden, labels, w / total_w, self.args.logits_chunk,
-                                                   self.args.block_size if self.args.loss == "dpace" else None)
+                                                   self.args.block_size if self.args.loss == "dpace" else None, soft)
             loss.backward()
             loss_sum += loss.item()
             accepted.append(acceptance_stats(correct, valid, self.args.block_size)[0])
@@ -365,7 +400,7 @@ class DraftTrainer:
         for r in self.val:
             if not len(valid_anchors(torch.tensor(r["loss_mask"]))):
                 continue
-            feats, anchors, noise, pos, labels, valid, w = self._sequence(r, self.args.anchors_per_seq, gen)
+            feats, _, anchors, noise, pos, labels, valid, w = self._sequence(r, self.args.anchors_per_seq, gen)
             with self._autocast():
                 hidden = block_hidden(self.draft, self.target.embed_tokens, feats, noise, pos, anchors)
                 loss, correct = chunked_lm_head_ce(self.draft, self.full_head, hidden, labels, w, self.args.logits_chunk)
@@ -515,6 +550,8 @@ def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gs
         raise DFlashError(f"--loss must be one of {', '.join(DRAFT_LOSSES)}, got {args.loss!r}.")
     if args.loss == "dpace" and args.logits_chunk % args.block_size:
         raise DFlashError(f"--loss dpace needs --block-size to divide {args.logits_chunk} (the LM-head chunk), got {args.block_size}.")
+    if not 0 <= args.kd <= 1:
+        raise DFlashError(f"--kd is the target distribution's share of each label, from 0 to 1; got {args.kd}.")
     if args.lr <= 0 or not math.isfinite(args.lr):
         raise DFlashError(f"--lr must be a positive number, got {args.lr}.")
     if args.max_seq_len < args.block_size + 2:
@@ -531,9 +568,12 @@ def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gs
     if not 0 <= mask_token_id < tm.vocab_rows:
         raise DFlashError(f"--mask-token-id must be a row of the target's embedding table (0..{tm.vocab_rows - 1}), got {mask_token_id}.")
     args.mask_token_id = mask_token_id
+    layer_ids = list(args.target_layer_ids)
+    if args.kd and tm.num_layers - 1 not in layer_ids:
+        layer_ids.append(tm.num_layers - 1)  # the target's distributions come from its last layer's features
     out_dir.mkdir(parents=True, exist_ok=True)
     log(f"Data phase: {', '.join(data)} answered by the target into {out_dir / 'data.jsonl'}")
-    meta = prepare_data(tm, tuple(data), out_dir, layer_ids=args.target_layer_ids, num_samples=num_samples, minutes=data_minutes,
+    meta = prepare_data(tm, tuple(data), out_dir, layer_ids=layer_ids, num_samples=num_samples, minutes=data_minutes,
                         max_new_tokens=gen_max_new_tokens, batch_size=gen_batch_size, seed=args.seed,
                         progress=log if progress_bar else None, frozen=(out_dir / STATE_FILE).is_file())
     log(f"Training on {sum(meta['records'].values())} records ({meta['response_tokens']} response tokens)")
