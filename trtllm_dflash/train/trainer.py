@@ -10,6 +10,7 @@ Target features come from the data phase (captured while the target generated th
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -162,7 +163,7 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
     def forward(ctx, hidden, labels, weights, draft, lm_head, chunk, need_grad, dpace_block, soft):
         total = hidden.new_zeros((), dtype=torch.float32)
         grads, correct = [], []
-        rows = soft[1].split(chunk) if soft else [None] * len(labels.split(chunk))
+        rows, kd = (soft[1].split(chunk), soft[2]) if soft else (itertools.repeat(None), 0.0)
         for h, y, w, r in zip(hidden.split(chunk), labels.split(chunk), weights.split(chunk), rows):
             with torch.set_grad_enabled(need_grad):
                 h = h.detach().requires_grad_(need_grad)
@@ -177,15 +178,13 @@ class _ChunkedLMHeadCE(torch.autograd.Function):
                     w = dyn * (w.sum() / dyn.sum().clamp_min(1e-12))
                 ce = -q.clamp_min(1e-30).log()
                 if soft:
-                    pt, kd = soft[0][r], soft[2]  # the target's distribution at each slot [chunk, V]
+                    pt = soft[0][r]  # the target's distribution at each slot [chunk, V]
                     ce = (1 - kd) * ce + kd * (torch.logsumexp(z.float(), -1) - (pt * z).sum(-1))
                 total += (ce * w).sum()
                 if need_grad:
                     if soft:
                         p.sub_(pt, alpha=kd)
-                        p[torch.arange(len(y)), y] -= 1 - kd
-                    else:
-                        p[torch.arange(len(y)), y] -= 1
+                    p[torch.arange(len(y)), y] -= 1 - kd
                     g = p.mul_(w[:, None]).to(logits.dtype)
             if need_grad:
                 grads.append(torch.autograd.grad(logits, h, g)[0])
