@@ -1,0 +1,235 @@
+"""Where a step's guesses could come from, and what choosing among them per step could give: the DFlash draft, prompt
+lookup, and a suffix index over the target's own earlier answers.
+
+Replays the target's greedy outputs on bench_acceptance.py's held-out sets. At every position of every output it
+counts the guesses each proposer would have had accepted:
+- the packaged draft: one target forward over prompt and output for its features, then the draft's block at every
+  position at once, teacher-forced as in training (its vocabulary file applied, as the runtime does);
+- prompt lookup: lookup.py's NgramIndex over the prompt and the output so far, as the runtime;
+- a suffix index over the target's answers that ship in the package (magpie and the packed answers of the training
+  sources, none to a held-out prompt): the longest suffix of the context found in them, continued by its most frequent
+  next token while that token's share stays above MIN_SHARE (vLLM's suffix decoding keeps such an index of earlier
+  outputs).
+It then walks each output a step at a time under rules for choosing a step's proposer, and under the oracle that
+takes whichever would accept most: what verifying all of them in one forward (a tree) could reach. The outputs come
+from a real run with the runtime's own rule (lookup where it matches, else the draft), whose measured tau checks the
+replay of that rule. The outputs are the target's whatever the draft (greedy decoding is lossless), so `--outputs FILE`
+keeps them for the next run, which then replays another `--draft` in a minute or two instead of decoding again: a
+quick screen of candidate drafts (bench_acceptance.py, which decodes, is the measurement that counts).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_proposers.py --math 40 --code 40 --chat 40
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_proposers.py --outputs /tmp/outputs.json --draft runs/my-draft/draft
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import numpy as np
+import torch
+
+MIN_SHARE = 0.1  # vLLM's suffix_decoding_min_token_prob default
+MAX_MATCH = 16  # longest context suffix looked up in the answers
+SURE = 0.9  # a rule takes the suffix index's guesses over the draft's when the first one's share is at least this
+
+
+class SuffixIndex:
+    """Suffix array over concatenated answers (-1 between them), sorted on each suffix's first DEPTH tokens."""
+
+    DEPTH = 32  # > MAX_MATCH + the guesses a step can take
+
+    def __init__(self, answers: list[list[int]]):
+        self.t = np.array([x for a in answers for x in (*a, -1)], dtype=np.int64)
+        n, rank = len(self.t), self.t + 1
+        sa, k = np.argsort(rank, kind="stable"), 1
+        while k < self.DEPTH:  # prefix doubling: order by the first 2k tokens from the order by the first k
+            second = np.full(n, -1, dtype=np.int64)
+            second[: n - k] = rank[k:]
+            sa = np.lexsort((second, rank))
+            new = np.r_[True, (rank[sa][1:] != rank[sa][:-1]) | (second[sa][1:] != second[sa][:-1])]
+            rank = np.empty(n, dtype=np.int64)
+            rank[sa] = np.cumsum(new) - 1
+            k *= 2
+        self.sa = sa
+
+    def _narrow(self, lo: int, hi: int, depth: int, token: int) -> tuple[int, int]:
+        """Of the suffixes sa[lo:hi] (sorted, sharing their first `depth` tokens), those whose next token is `token`."""
+        col = lambda i: self.t[p] if (p := self.sa[i] + depth) < len(self.t) else -2  # noqa: E731
+        a, b = lo, hi
+        while a < b:
+            m = (a + b) // 2
+            a, b = (m + 1, b) if col(m) < token else (a, m)
+        first, b = a, hi
+        while a < b:
+            m = (a + b) // 2
+            a, b = (m + 1, b) if col(m) <= token else (a, m)
+        return first, a
+
+    def _find(self, pattern: list[int]) -> tuple[int, int]:
+        lo, hi = 0, len(self.sa)
+        for j, x in enumerate(pattern):
+            lo, hi = self._narrow(lo, hi, j, x)
+            if lo == hi:
+                break
+        return lo, hi
+
+    def propose(self, context: list[int], limit: int) -> tuple[list[int], float]:
+        """Guesses, and the first one's share of what followed the matched suffix in the answers."""
+        for n in range(min(MAX_MATCH, len(context)), 0, -1):  # the longest suffix of the context the answers hold
+            lo, hi = self._find(context[-n:])
+            if hi > lo:
+                break
+        else:
+            return [], 0.0
+        out, share, first, depth = [], 1.0, 0.0, n
+        while len(out) < limit:
+            pos = self.sa[lo:hi] + depth
+            nxt = self.t[pos[pos < len(self.t)]]
+            nxt = nxt[nxt >= 0]
+            if not len(nxt):
+                break
+            values, counts = np.unique(nxt, return_counts=True)
+            best = int(counts.argmax())
+            share *= counts[best] / (hi - lo)
+            if share < MIN_SHARE:
+                break
+            out.append(int(values[best]))
+            first = first or share
+            lo, hi = self._narrow(lo, hi, depth, out[-1])
+            depth += 1
+        return out, first
+
+
+def accepted(guesses: list[int], truth: list[int]) -> int:
+    k = 0
+    while k < len(guesses) and k < len(truth) and guesses[k] == truth[k]:
+        k += 1
+    return k
+
+
+@torch.no_grad()
+def draft_accepted(target, draft, vocab, prompt: list[int], output: list[int]) -> list[int]:
+    """[i]: draft guesses accepted at the step that starts after output[:i+1] is committed (output[i] its first token)."""
+    from trtllm_dflash.train.data import forward_features
+    from trtllm_dflash.train.trainer import block_hidden, build_blocks
+
+    seq, b = prompt + output, draft.config.block_size
+    feats = forward_features(target, seq, draft.config.target_layer_ids).to(target.dtype)
+    anchors = torch.arange(len(prompt), len(seq) - 1)
+    response = torch.zeros(len(seq), dtype=torch.long)
+    response[len(prompt):] = 1
+    noise, pos, labels, valid = build_blocks(torch.tensor(seq), response, anchors, b, draft.config.mask_token_id)
+    hidden = block_hidden(draft, target.embed_tokens, feats, noise, pos, anchors)
+    weight = target.lm_head.weight if vocab is None else target.lm_head.weight[vocab]
+    guess = (hidden @ weight.T).argmax(-1)
+    guess = (guess if vocab is None else vocab[guess]).view(-1, b)
+    ok = ((guess == labels.view(-1, b)) & valid.view(-1, b))[:, 1:]
+    return torch.cumprod(ok.int(), 1).sum(1).tolist()
+
+
+def walk(n: int, accept) -> tuple[int, int]:
+    """(tokens, steps) of decoding an output of n tokens when the step after output[:i+1] accepts accept(i) guesses."""
+    i = tokens = steps = 0
+    while i < n - 1:
+        a = min(accept(i), n - 2 - i)
+        steps, tokens, i = steps + 1, tokens + a + 1, i + a + 1
+    return tokens, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--math", type=int, default=40)
+    ap.add_argument("--code", type=int, default=40)
+    ap.add_argument("--chat", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--draft", default=None, help="Draft directory to replay (default: the packaged draft).")
+    ap.add_argument("--outputs", default=None, help="JSON file of the target's outputs: read if there, else written.")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    from bench_acceptance import prompt_sets
+    from trtllm_dflash.cpu import machine_info
+    from trtllm_dflash.data import answers_records, magpie_records
+    from trtllm_dflash.lookup import NgramIndex
+    from trtllm_dflash.models.checkpoint import load_draft
+    from trtllm_dflash.models.draft_vocab import read_draft_vocab
+    from trtllm_dflash.resolve import resolve_draft
+    from trtllm_dflash.runtime import DFlashEngine
+
+    engine = DFlashEngine.load("smollm2-135m", a.draft, dtype="fp32", speculation="fixed", progress=lambda m: None)
+    draft_dir = resolve_draft(a.draft, "smollm2-135m")
+    cache_path = Path(a.outputs) if a.outputs else None
+    cached = json.loads(cache_path.read_text()) if cache_path and cache_path.is_file() else {}
+    draft = load_draft(draft_dir, torch.float32).eval()
+    vocab = read_draft_vocab(draft_dir, engine.target.lm_head.out_features)
+    limit = draft.config.block_size - 1
+    t0 = time.perf_counter()
+    corpus = SuffixIndex([r["answer_ids"] for r in magpie_records()] + [r["answer_ids"] for r in answers_records()])
+    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
+              "target": "smollm2-135m", "draft": str(a.draft or "packaged default"), "dtype": "fp32", "decoding": "greedy",
+              "max_new_tokens": a.max_new_tokens, "block_size": draft.config.block_size,
+              "corpus_tokens": int(len(corpus.t)), "corpus_seconds": round(time.perf_counter() - t0, 1),
+              "min_share": MIN_SHARE, "sets": {}}
+    for name, prompts in prompt_sets(a.math, a.code, a.chat).items():
+        if not prompts:
+            continue
+        runs, measured = [], []
+        for key, text in prompts:
+            prompt = engine.encode(text)
+            hit = cached.get(name, {}).get(key)
+            if hit and hit["prompt"] == prompt and hit["max_new_tokens"] == a.max_new_tokens:
+                out, tau = hit["output"], None
+            else:
+                r = engine.generate(text, max_new_tokens=a.max_new_tokens)  # the runtime's rule: lookup, else the draft
+                out, tau = r.token_ids, r.stats.acceptance_length
+                cached.setdefault(name, {})[key] = {"prompt": prompt, "output": out, "max_new_tokens": a.max_new_tokens}
+            d = draft_accepted(engine.target, draft, vocab, prompt, out)
+            history, look, suffix = NgramIndex(prompt + out[:1]), [], []
+            for i in range(len(out) - 1):
+                ctx, truth = history.tokens, out[i + 1:]
+                found = history.propose(limit)
+                look.append(accepted(found, truth) if found else None)
+                guesses, share = corpus.propose(ctx, limit)
+                suffix.append((accepted(guesses, truth), share))
+                history.extend([out[i + 1]])
+            runs.append((len(out), d, look, suffix))
+            measured.append(tau)
+            print(f"{name} {key}: " + ("output from " + str(cache_path) if tau is None else f"measured tau {tau:.2f}"), flush=True)
+        rules = {
+            "draft": lambda d, lk, s: d,
+            "suffix index": lambda d, lk, s: s[0],
+            "lookup, else draft (the runtime)": lambda d, lk, s: d if lk is None else lk,
+            f"lookup, else suffix index if its first share >= {SURE}, else draft":
+                lambda d, lk, s: lk if lk is not None else (s[0] if s[1] >= SURE else d),
+            "longest of draft and lookup (one tree verify)": lambda d, lk, s: max(d, lk or 0),
+            "longest of draft, lookup and suffix index (one tree verify)": lambda d, lk, s: max(d, lk or 0, s[0]),
+        }
+        taus = [t for t in measured if t is not None]  # a measured tau only where this run decoded
+        result = {"prompts": len(runs), "measured_tau_mean": round(statistics.mean(taus), 3) if len(taus) == len(runs) else None,
+                  "replay": {}}
+        for rule_name, rule in rules.items():
+            per = [walk(n, lambda i: rule(d[i], lk[i], s[i])) for n, d, lk, s in runs]
+            result["replay"][rule_name] = {"tau_mean": round(statistics.mean(t / max(st, 1) for t, st in per), 3),
+                                           "tau_pooled": round(sum(t for t, _ in per) / max(sum(st for _, st in per), 1), 3)}
+        report["sets"][name] = result
+        print(f"== {name}: measured {result['measured_tau_mean']}; "
+              + "; ".join(f"{k} {v['tau_mean']:.2f}" for k, v in result["replay"].items()), flush=True)
+    if cache_path:
+        cache_path.write_text(json.dumps(cached) + "\n")
+    out = Path(a.out or Path(__file__).parent / "results" / f"proposers-smollm2-135m-{time.strftime('%Y%m%d-%H%M')}.json")
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
