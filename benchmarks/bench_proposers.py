@@ -3,18 +3,18 @@ lookup, and a suffix index over the target's own earlier answers.
 
 Replays the target's greedy outputs on bench_acceptance.py's held-out sets. At every position of every output it
 counts the guesses each proposer would have had accepted:
-- the packaged draft: one target forward over prompt and output for its features, then the draft's block at every
+- the draft (the packaged one, or `--draft`): one target forward over prompt and output for its features, then the draft's block at every
   position at once, teacher-forced as in training (its vocabulary file applied, as the runtime does);
 - prompt lookup: lookup.py's NgramIndex over the prompt and the output so far, as the runtime;
 - a suffix index over the target's answers that ship in the package (magpie and the packed answers of the training
   sources, none to a held-out prompt): the longest suffix of the context found in them, continued by its most frequent
-  next token while that token's share stays above MIN_SHARE (vLLM's suffix decoding keeps such an index of earlier
-  outputs).
+  next token while the product of those tokens' shares stays at or above MIN_SHARE (vLLM's suffix decoding keeps such
+  an index of earlier outputs; unlike it, the guesses here are not capped at the matched suffix's length).
 It then walks each output a step at a time under rules for choosing a step's proposer, and under the oracle that
 takes whichever would accept most: what verifying all of them in one forward (a tree) could reach. The outputs come
 from a real run with the runtime's own rule (lookup where it matches, else the draft), whose measured tau checks the
 replay of that rule. The outputs are the target's whatever the draft (greedy decoding is lossless), so `--outputs FILE`
-keeps them for the next run, which then replays another `--draft` in a minute or two instead of decoding again: a
+keeps them for the next run, which then replays another `--draft` in about 4 minutes instead of decoding again: a
 quick screen of candidate drafts (bench_acceptance.py, which decodes, is the measurement that counts).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_proposers.py --math 40 --code 40 --chat 40
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import numpy as np
 import torch
 
-MIN_SHARE = 0.1  # vLLM's suffix_decoding_min_token_prob default
+MIN_SHARE = 0.1  # the default of vLLM's suffix_decoding_min_token_prob (vllm/config/speculative.py)
 MAX_MATCH = 16  # longest context suffix looked up in the answers
 SURE = 0.9  # a rule takes the suffix index's guesses over the draft's when the first one's share is at least this
 
