@@ -124,6 +124,8 @@ def draft_accepted(target, draft, vocab, prompt: list[int], output: list[int]) -
     from trtllm_dflash.train.trainer import block_hidden, build_blocks
 
     seq, b = prompt + output, draft.config.block_size
+    # features rounded to bf16, as train-draft stores them (the fp32 runtime keeps them in fp32): the replay's draft-only
+    # tau was within 0.01 of bench_acceptance's for the drafts compared (TRAINING.md)
     feats = forward_features(target, seq, draft.config.target_layer_ids).to(target.dtype)
     anchors = torch.arange(len(prompt), len(seq) - 1)
     response = torch.zeros(len(seq), dtype=torch.long)
