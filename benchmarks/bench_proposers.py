@@ -118,10 +118,10 @@ def accepted(guesses: list[int], truth: list[int]) -> int:
 
 
 @torch.no_grad()
-def draft_accepted(target, draft, vocab, prompt: list[int], output: list[int]) -> list[int]:
+def draft_accepted(target, draft, prompt: list[int], output: list[int]) -> list[int]:
     """[i]: draft guesses accepted at the step that starts after output[:i+1] is committed (output[i] its first token)."""
     from trtllm_dflash.train.data import forward_features
-    from trtllm_dflash.train.trainer import block_hidden, build_blocks
+    from trtllm_dflash.train.trainer import acceptance_stats, block_hidden, build_blocks
 
     seq, b = prompt + output, draft.config.block_size
     # features rounded to bf16, as train-draft stores them (the fp32 runtime keeps them in fp32): the replay's draft-only
@@ -132,11 +132,8 @@ def draft_accepted(target, draft, vocab, prompt: list[int], output: list[int]) -
     response[len(prompt):] = 1
     noise, pos, labels, valid = build_blocks(torch.tensor(seq), response, anchors, b, draft.config.mask_token_id)
     hidden = block_hidden(draft, target.embed_tokens, feats, noise, pos, anchors)
-    weight = target.lm_head.weight if vocab is None else target.lm_head.weight[vocab]
-    guess = (hidden @ weight.T).argmax(-1)
-    guess = (guess if vocab is None else vocab[guess]).view(-1, b)
-    ok = ((guess == labels.view(-1, b)) & valid.view(-1, b))[:, 1:]
-    return torch.cumprod(ok.int(), 1).sum(1).tolist()
+    guess = draft.compute_logits(hidden, target.lm_head).argmax(-1)  # -inf outside the draft's vocabulary
+    return acceptance_stats(guess == labels, valid, b)[0].tolist()
 
 
 def walk(n: int, accept) -> tuple[int, int]:
@@ -172,8 +169,8 @@ def main() -> None:
     draft_dir = resolve_draft(a.draft, "smollm2-135m")
     cache_path = Path(a.outputs) if a.outputs else None
     cached = json.loads(cache_path.read_text()) if cache_path and cache_path.is_file() else {}
-    draft = load_draft(draft_dir, torch.float32).eval()
-    vocab = read_draft_vocab(draft_dir, engine.target.lm_head.out_features)
+    draft = load_draft(draft_dir, torch.float32).eval()  # unpacked: block_hidden runs its training-time forward
+    draft.use_vocab(read_draft_vocab(draft_dir, engine.target.lm_head.out_features), engine.target.lm_head)
     limit = draft.config.block_size - 1
     t0 = time.perf_counter()
     corpus = SuffixIndex([r["answer_ids"] for r in magpie_records()] + [r["answer_ids"] for r in answers_records()])
@@ -195,7 +192,7 @@ def main() -> None:
                 r = engine.generate(text, max_new_tokens=a.max_new_tokens)  # the runtime's rule: lookup, else the draft
                 out, tau = r.token_ids, r.stats.acceptance_length
                 cached.setdefault(name, {})[key] = {"prompt": prompt, "output": out, "max_new_tokens": a.max_new_tokens}
-            d = draft_accepted(engine.target, draft, vocab, prompt, out)
+            d = draft_accepted(engine.target, draft, prompt, out)
             history, look, suffix = NgramIndex(prompt + out[:1]), [], []
             for i in range(len(out) - 1):
                 ctx, truth = history.tokens, out[i + 1:]
