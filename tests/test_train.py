@@ -364,31 +364,6 @@ def test_kd_run_keeps_the_targets_last_layer_and_learns(target, target_dir, tmp_
         tr.DraftTrainer(target, plain, args)
 
 
-def test_draft_layers_can_start_as_the_targets_own(target, target_dir, tmp_path, one_thread):
-    kw = dict(data=("gsm8k",), num_samples=2, gen_max_new_tokens=16, gen_batch_size=2, mask_token_id=SMOL_MASK_ID,
-              progress_bar=False, log=lambda m: None, num_layers=2, block_size=4, lr=3e-3, anchors_per_seq=16,
-              seqs_per_step=2, val_fraction=0.0)
-    out = tmp_path / "copied"
-    card = train_draft(str(target_dir), out, init_target_layers=[28, 29], steps=2, **kw)
-    assert card["hyperparameters"]["init_target_layers"] == [28, 29]
-    args = tr.TrainArgs(**{**card["hyperparameters"], "gamma": None})
-    draft = tr.DraftTrainer(target, out, args).draft.eval()  # as it starts, before any step
-    x = torch.randn(1, 5, target.hidden_size)
-    with torch.no_grad():
-        for mine, theirs in zip(draft.layers, (target.layers[28], target.layers[29])):
-            assert torch.allclose(mine.mlp(x), theirs.mlp(x), rtol=1e-4, atol=1e-3)  # outputs reach ~700
-            assert torch.equal(mine.post_attention_layernorm.weight, theirs.post_attention_layernorm.weight)
-            assert torch.equal(mine.self_attn.q_norm.weight, torch.ones(64))  # a Llama layer has no q/k norm
-        assert torch.allclose(draft.norm(x), target.model.get_decoder().norm(x), atol=1e-5)
-    random = tr.DraftTrainer(target, out, tr.TrainArgs(**{**args.__dict__, "init_target_layers": None})).draft
-    assert not torch.allclose(random.layers[0].mlp.down_proj.weight, draft.layers[0].mlp.down_proj.weight)
-    for ids in ([29], [28, 30]):
-        with pytest.raises(DFlashError, match="one per draft layer"):
-            tr.DraftTrainer(target, out, tr.TrainArgs(**{**args.__dict__, "init_target_layers": ids}))
-    with pytest.raises(DFlashError, match="pass one"):
-        train_draft(str(target_dir), out, resume=True, init_from=str(out / "draft"), init_target_layers=[28, 29], steps=2, **kw)
-
-
 def test_shipped_draft_accepts_on_fixed_prompts(one_thread):
     """Smoke check of the packaged artefact (the quality bar is benchmarks/bench_acceptance.py)."""
     from trtllm_dflash.resolve import DRAFTS_DIR

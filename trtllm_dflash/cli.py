@@ -272,28 +272,17 @@ def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
 @click.option("--init-from", type=click.Path(exists=True, file_okay=False), default=None,
               help="Start from this draft's weights, e.g. to continue on more data. Same block size and target layers; "
                    "with fewer layers than --num-layers it grows (new layers start as the identity).")
-@click.option("--init-target-layers", default=None, metavar="IDS",
-              help="Start a new draft's layers as these decoder layers of the target, one id per draft layer, e.g. 0,1,2 "
-                   "(the target's layers must have the draft's shapes; its final norm is copied too).")
 @click.option("--resume", is_flag=True, help="Continue the run in --output from its last checkpoint.")
 @user_errors
 def train_draft(target, output, data, num_samples, data_minutes, gen_max_new_tokens, gen_batch_size, num_layers, block_size, steps,
-                epochs, lr, loss, kd, max_seq_len, anchors_per_seq, seqs_per_step, eval_every, mask_token_id, dtype, seed, init_from,
-                init_target_layers, resume):
+                epochs, lr, loss, kd, max_seq_len, anchors_per_seq, seqs_per_step, eval_every, mask_token_id, dtype, seed, init_from, resume):
     """Train a DFlash draft for a target on its own greedy answers (CPU is fine for small targets)."""
     from .train.trainer import train_draft as run
-
-    try:
-        layer_ids = [int(x) for x in init_target_layers.split(",")] if init_target_layers else None
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated layer ids such as 0,1,2, got {init_target_layers!r}",
-                                 param_hint="--init-target-layers") from None
 
     run(target, output, data=data, num_samples=num_samples, data_minutes=data_minutes, gen_max_new_tokens=gen_max_new_tokens,
         gen_batch_size=gen_batch_size, mask_token_id=mask_token_id, resume=resume, command="trtdflash " + " ".join(sys.argv[1:]),
         log=lambda m: click.echo(m, err=True), num_layers=num_layers, block_size=block_size, steps=steps, epochs=epochs, lr=lr, loss=loss, kd=kd,
-        max_seq_len=max_seq_len, anchors_per_seq=anchors_per_seq, seqs_per_step=seqs_per_step, eval_every=eval_every, bf16=dtype == "bf16", seed=seed, init_from=init_from,
-        init_target_layers=layer_ids)
+        max_seq_len=max_seq_len, anchors_per_seq=anchors_per_seq, seqs_per_step=seqs_per_step, eval_every=eval_every, bf16=dtype == "bf16", seed=seed, init_from=init_from)
 
 
 @main.command("draft-vocab")

@@ -62,7 +62,6 @@ class TrainArgs:
     bf16: bool = True
     seed: int = 0
     init_from: str | None = None  # a draft of the same architecture to start from (warm start on new data)
-    init_target_layers: list[int] | None = None  # draft layer i starts as target layer init_target_layers[i]
 
     @property
     def loss_gamma(self) -> float:
@@ -291,8 +290,6 @@ class DraftTrainer:
         torch.manual_seed(args.seed)
         self.draft = DFlashDraftModel(config)
         self.draft.init_weights(generator=torch.Generator().manual_seed(args.seed))
-        if args.init_target_layers:
-            self._copy_target_layers(args.init_target_layers)
         self.init_card = self._warm_start(Path(args.init_from)) if args.init_from else None
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         warmup = max(1, int(args.warmup_ratio * self.total_steps))
@@ -304,33 +301,6 @@ class DraftTrainer:
         self.generator = torch.Generator().manual_seed(args.seed + 1)
         self.step, self.epoch, self.cursor, self.train_seconds = 0, 0, 0, 0.0
         self.last_eval: dict = {}
-
-    def _copy_target_layers(self, layer_ids: list[int]) -> None:
-        """Start draft layer i as the target's decoder layer layer_ids[i] and the final norm as the target's: a random
-        draft must learn the language from its own data, a copied one starts from what the target knows of it. The
-        context projection `fc` stays random; the draft's q/k norms (which a Llama layer lacks) start as the identity.
-        Weights come from the target's checkpoint files, not its loaded modules (fused and prepacked for inference)."""
-        from safetensors import safe_open
-
-        c, n = self.draft.config, self.target.num_layers
-        if len(layer_ids) != c.num_hidden_layers or not all(0 <= i < n for i in layer_ids):
-            raise DFlashError(f"--init-target-layers needs {c.num_hidden_layers} layer ids (one per draft layer) among the "
-                              f"target's 0..{n - 1}, got {layer_ids}.")
-        files = sorted(Path(self.target.path).glob("*.safetensors"))
-        names = {f"layers.{d}.{rest}": f"model.layers.{t}.{rest}" for d, t in enumerate(layer_ids)
-                 for rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                              "input_layernorm.weight", "post_attention_layernorm.weight")}
-        names["norm.weight"] = "model.norm.weight"
-        own, found = self.draft.state_dict(), {}
-        for f in files:
-            with safe_open(str(f), "pt") as st:
-                found.update({k: st.get_tensor(v) for k, v in names.items() if v in st.keys()})
-        bad = [k for k in names if k not in found or found[k].shape != own[k].shape]
-        if bad:
-            raise DFlashError(f"The target's checkpoint has no tensor shaped like the draft's {bad[0]} "
-                              f"({names[bad[0]]}); --init-target-layers needs a draft of the target's own layer shapes.")
-        self.draft.load_state_dict(found, strict=False)
 
     def _warm_start(self, path: Path) -> dict:
         """Load an earlier draft's weights; returns its training card (or {}) for the new card's provenance.
@@ -583,8 +553,6 @@ def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gs
         raise DFlashError(f"--kd is the target distribution's share of each label, from 0 to 1; got {args.kd}.")
     if args.lr <= 0 or not math.isfinite(args.lr):
         raise DFlashError(f"--lr must be a positive number, got {args.lr}.")
-    if args.init_target_layers and args.init_from:
-        raise DFlashError("--init-target-layers starts a new draft from the target's layers; --init-from continues a draft: pass one.")
     if args.max_seq_len < args.block_size + 2:
         raise DFlashError(f"--max-seq-len must exceed the block size, got {args.max_seq_len}.")
     tm = TargetModel.load(resolve_target(target, log), torch.bfloat16 if args.bf16 else torch.float32)
