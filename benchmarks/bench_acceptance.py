@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--draft-vocab", action=argparse.BooleanOptionalAction, default=True,
                     help="Use the draft's vocabulary file where it has one (as the runtime does).")
+    ap.add_argument("--draft-ngram", action=argparse.BooleanOptionalAction, default=True,
+                    help="Re-weight the draft's greedy guesses with its n-gram prior (draft_ngram.npz) where it has one.")
     ap.add_argument("--lookup", action="store_true",
                     help="Also verify prompt-lookup guesses where the text repeats (lookup.py), as the runtime does by default; "
                          "without it tau is the draft's alone.")
@@ -84,13 +86,14 @@ def main() -> None:
     from trtllm_dflash.cpu import machine_info
 
     engine = DFlashEngine.load(a.target, a.draft, dtype=a.dtype, block_size=a.block_size, speculation="fixed",  # tau of the full block
-                               draft_vocab=a.draft_vocab, lookup=a.lookup, progress=lambda m: None)
+                               draft_vocab=a.draft_vocab, draft_ngram=a.draft_ngram, lookup=a.lookup, progress=lambda m: None)
     if engine.draft is None:
         raise SystemExit(f"Target {a.target} has no draft to measure; pass --draft.")
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(), "target": a.target,
               "draft": str(a.draft or "packaged default"), "block_size": engine.block_size, "dtype": a.dtype,
               "draft_vocab": None if engine.draft.vocab_token_ids is None else len(engine.draft.vocab_token_ids),
-              "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "lookup": a.lookup, "sets": {}}
+              "draft_ngram": engine.draft.ngram is not None, "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "lookup": a.lookup,
+              "sets": {}}
     for name, prompts in prompt_sets(a.math, a.code, a.chat, a.magpie_held_out).items():
         if not prompts:
             continue

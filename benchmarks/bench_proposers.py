@@ -4,7 +4,7 @@ lookup, and a suffix index over the target's own earlier answers.
 Replays the target's greedy outputs on bench_acceptance.py's held-out sets. At every position of every output it
 counts the guesses each proposer would have had accepted:
 - the draft (the packaged one, or `--draft`): one target forward over prompt and output for its features, then the draft's block at every
-  position at once, teacher-forced as in training (its vocabulary file applied, as the runtime does);
+  position at once, teacher-forced as in training (its vocabulary file and n-gram prior applied, as the runtime does);
 - prompt lookup: lookup.py's NgramIndex over the prompt and the output so far, as the runtime;
 - a suffix index over the target's answers that ship in the package (magpie and the packed answers of the training
   sources, none to a held-out prompt): the longest suffix of the context found in them, continued by its most frequent
@@ -132,7 +132,12 @@ def draft_accepted(target, draft, prompt: list[int], output: list[int]) -> list[
     response[len(prompt):] = 1
     noise, pos, labels, valid = build_blocks(torch.tensor(seq), response, anchors, b, draft.config.mask_token_id)
     hidden = block_hidden(draft, target.embed_tokens, feats, noise, pos, anchors)
-    guess = draft.compute_logits(hidden, target.lm_head).argmax(-1)  # -inf outside the draft's vocabulary
+    if draft.ngram is None:
+        guess = draft.compute_logits(hidden, target.lm_head).argmax(-1)  # -inf outside the draft's vocabulary
+    else:  # as the runtime: slot by slot, each re-weighted by the n-gram prior given the guesses before it
+        logits = draft.compute_logits(hidden, target.lm_head, full=False).view(len(anchors), b, -1)
+        guess = torch.tensor([[-1] + draft.ngram.greedy(logits[i, 1:], seq[: a + 1], draft.vocab_token_ids)
+                              for i, a in enumerate(anchors.tolist())]).flatten()
     return acceptance_stats(guess == labels, valid, b)[0].tolist()
 
 
@@ -153,6 +158,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--draft", default=None, help="Draft directory to replay (default: the packaged draft).")
     ap.add_argument("--outputs", default=None, help="JSON file of the target's outputs: read if there, else written.")
+    ap.add_argument("--no-draft-ngram", dest="draft_ngram", action="store_false",
+                    help="Replay the draft's own argmax, without its n-gram prior (models/draft_ngram.py).")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -161,16 +168,21 @@ def main() -> None:
     from trtllm_dflash.data import answers_records, magpie_records
     from trtllm_dflash.lookup import NgramIndex
     from trtllm_dflash.models.checkpoint import load_draft
+    from trtllm_dflash.models.draft_ngram import read_draft_ngram
     from trtllm_dflash.models.draft_vocab import read_draft_vocab
     from trtllm_dflash.resolve import resolve_draft
     from trtllm_dflash.runtime import DFlashEngine
 
-    engine = DFlashEngine.load("smollm2-135m", a.draft, dtype="fp32", speculation="fixed", progress=lambda m: None)
+    engine = DFlashEngine.load("smollm2-135m", a.draft, dtype="fp32", speculation="fixed", draft_ngram=a.draft_ngram,
+                               progress=lambda m: None)
     draft_dir = resolve_draft(a.draft, "smollm2-135m")
     cache_path = Path(a.outputs) if a.outputs else None
     cached = json.loads(cache_path.read_text()) if cache_path and cache_path.is_file() else {}
     draft = load_draft(draft_dir, torch.float32).eval()  # unpacked: block_hidden runs its training-time forward
     draft.use_vocab(read_draft_vocab(draft_dir, engine.target.lm_head.out_features), engine.target.lm_head)
+    draft.ngram = read_draft_ngram(draft_dir, engine.target.lm_head.out_features) if a.draft_ngram else None
+    if draft.ngram is not None:
+        draft.ngram.use_vocab(draft.vocab_token_ids)
     limit = draft.config.block_size - 1
     t0 = time.perf_counter()
     corpus = SuffixIndex([r["answer_ids"] for r in magpie_records()] + [r["answer_ids"] for r in answers_records()])

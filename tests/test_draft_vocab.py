@@ -6,9 +6,11 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models.draft_ngram import FILE as NGRAM_FILE
 from trtllm_dflash.models.draft_vocab import FILE, rank_tokens, read_draft_vocab, write_draft_vocab
 from trtllm_dflash.resources import package_dir
 from trtllm_dflash.runtime import DFlashEngine
@@ -55,7 +57,7 @@ def vocab_draft(tmp_path_factory):
                            "--data", "gsm8k", "--prompts", "3", "--max-new-tokens", "48", "--dtype", "fp32"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    assert "40 tokens, covering" in done.stdout
+    assert "40 tokens, covering" in done.stdout and "n-grams of" in done.stdout
     return draft
 
 
@@ -64,6 +66,8 @@ def test_the_command_writes_a_vocabulary_the_engine_uses(vocab_draft):
     assert len(card["token_ids"]) == 40 and card["source"]["data"] == ["gsm8k"] and 0 < card["source"]["coverage"] <= 1
     engine = DFlashEngine.load("smollm2-135m", str(vocab_draft), dtype="fp32", progress=lambda m: None)
     assert engine.draft.vocab_token_ids.tolist() == card["token_ids"]
+    ngram = json.loads(str(np.load(vocab_draft / NGRAM_FILE)["meta"]))  # the same answers' n-grams, beside it
+    assert ngram["source"]["answer_tokens"] == card["source"]["answer_tokens"] and engine.draft.ngram is not None
     plain = DFlashEngine.load("smollm2-135m", str(vocab_draft), dtype="fp32", draft_vocab=False, progress=lambda m: None)
     assert plain.draft.vocab_token_ids is None
 

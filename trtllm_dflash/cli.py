@@ -92,10 +92,12 @@ def sampling_options(fn):
 @lookup_option
 @click.option("--draft-vocab/--no-draft-vocab", default=True, show_default=True,
               help="Guess only among the draft's vocabulary (its draft_vocab.json) where it has one; output is the same either way.")
+@click.option("--draft-ngram/--no-draft-ngram", default=True, show_default=True,
+              help="Re-weight greedy guesses with the draft's n-gram prior (its draft_ngram.npz) where it has one; output is the same either way.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @user_errors
 def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, temperature, top_p, top_k, seed, stop_strings, dtype, speculation,
-             lookup, draft_vocab, as_json):
+             lookup, draft_vocab, draft_ngram, as_json):
     """Generate text from a prompt with DFlash speculative decoding on the embedded PyTorch backend."""
     from .config import SamplingParams
     from .generate import GenerationStats
@@ -103,7 +105,7 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
 
     sampling = SamplingParams(temperature, top_p, top_k, seed)
     engine = DFlashEngine.load(target, draft, no_draft=no_draft, dtype=dtype, block_size=block_size, speculation=speculation,
-                               draft_vocab=draft_vocab, lookup=lookup, progress=lambda m: click.echo(m, err=True))
+                               draft_vocab=draft_vocab, draft_ngram=draft_ngram, lookup=lookup, progress=lambda m: click.echo(m, err=True))
     stats = GenerationStats()
     ids, text = [], []
     for new_ids, delta in engine.stream(engine.encode(prompt, chat), max_new_tokens=max_new_tokens, sampling=sampling,
@@ -295,15 +297,21 @@ def train_draft(target, output, data, num_samples, data_minutes, gen_max_new_tok
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True)
+@click.option("--ngram/--no-ngram", default=True, show_default=True,
+              help="Also count the answers' n-grams into draft_ngram.npz beside it (the n-gram prior on greedy guesses).")
 @user_errors
-def draft_vocab(target, output, size, data, per_source, max_new_tokens, batch_size, dtype):
+def draft_vocab(target, output, size, data, per_source, max_new_tokens, batch_size, dtype, ngram):
     """Write a draft vocabulary: the draft then guesses only among the SIZE tokens the target writes most (a smaller
-    draft LM head; verification still sees every token, so output is unchanged)."""
+    draft LM head; verification still sees every token, so output is unchanged), and the n-gram prior its greedy
+    guesses are re-weighted with."""
     from .models.draft_vocab import build_draft_vocab
 
     stats = build_draft_vocab(target, output, sources=tuple(data), size=size, per_source=per_source, max_new_tokens=max_new_tokens,
-                              batch_size=batch_size, dtype=dtype, progress=lambda m: click.echo(m, err=True))
+                              batch_size=batch_size, dtype=dtype, ngram=ngram, progress=lambda m: click.echo(m, err=True))
     click.echo(f"wrote {stats['path']}: {stats['size']} tokens, covering {stats['coverage']:.2%} of {stats['answer_tokens']} answer tokens")
+    if ngram:
+        n = stats["ngram"]
+        click.echo(f"wrote {n['path']}: {sum(n['entries'].values())} n-grams of {n['answer_tokens']} answer tokens")
 
 
 @main.command()

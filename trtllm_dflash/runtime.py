@@ -16,6 +16,7 @@ from .errors import DFlashError
 from .generate import Batch, GenerationStats, Request, speculative_stream
 from .models.checkpoint import held_out_tau, load_draft, read_draft_config
 from .models.draft import DFlashDraftModel
+from .models.draft_ngram import read_draft_ngram
 from .models.draft_vocab import read_draft_vocab
 from .models.target import TargetModel
 from .policy import OPTIMISTIC, BlockPolicy
@@ -149,8 +150,9 @@ class DFlashEngine:
     @classmethod
     def load(cls, target: str, draft: str | None = None, *, no_draft: bool = False, dtype: str = "auto",
              block_size: int | None = None, speculation: str = "adaptive", draft_vocab: bool = True,
-             lookup: bool = True, progress=print) -> "DFlashEngine":
-        """`draft_vocab`: use the draft's vocabulary file (models/draft_vocab.py) where it has one."""
+             lookup: bool = True, draft_ngram: bool = True, progress=print) -> "DFlashEngine":
+        """`draft_vocab`: use the draft's vocabulary file (models/draft_vocab.py) where it has one; `draft_ngram` its
+        n-gram prior on greedy guesses (models/draft_ngram.py)."""
         dtype = resolve_dtype(dtype)
         target_path = resolve_target(target, progress)
         draft_path = None if no_draft else resolve_draft(draft, target)
@@ -166,6 +168,10 @@ class DFlashEngine:
             dm.pack()
             if draft_vocab:
                 dm.use_vocab(read_draft_vocab(draft_path, tm.lm_head.out_features), tm.lm_head)
+            if draft_ngram:
+                dm.ngram = read_draft_ngram(draft_path, tm.lm_head.out_features)
+                if dm.ngram is not None:
+                    dm.ngram.use_vocab(dm.vocab_token_ids)
             tm.set_taps(draft_cfg.target_layer_ids)
         return cls(tm, dm, block, speculation, held_out_tau(draft_path) if dm is not None else None, lookup)
 

@@ -35,6 +35,7 @@ from ..atomic import locked, recover, replace_dir
 from ..config import DTYPE_CHOICES, SPECULATION, rope_of
 from ..errors import DFlashError
 from ..models.checkpoint import CARD_FILE, check_draft
+from ..models.draft_ngram import FILE as NGRAM_FILE, read_draft_ngram
 from ..models.draft_vocab import FILE as VOCAB_FILE, read_draft_vocab
 from ..prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from ..repository import TEMPLATE_DIR, RepoParams, emit_repository, template_files
@@ -284,10 +285,11 @@ def resolve_sources(opts: BuildOptions, progress: Callable[[str], None]) -> Sour
         draft_weights = sorted(draft_dir.glob("*.safetensors"))
         if not draft_weights:
             raise DFlashError(f"Draft checkpoint {draft_dir} has no model.safetensors.")
-        # the card and the draft vocabulary (both optional) travel with the draft: the card's held-out tau guides the
-        # server's probes; the vocabulary is checked here, so a bad one fails the build, not the server
+        # the card, the draft vocabulary and the n-gram prior (all optional) travel with the draft: the card's held-out tau
+        # guides the server's probes; the other two are checked here, so a bad one fails the build, not the server
         read_draft_vocab(draft_dir, vocab_rows)
-        draft_files = [draft_dir / "config.json"] + draft_weights + [draft_dir / n for n in ("model.safetensors.index.json", CARD_FILE, VOCAB_FILE)
+        read_draft_ngram(draft_dir, vocab_rows)
+        draft_files = [draft_dir / "config.json"] + draft_weights + [draft_dir / n for n in ("model.safetensors.index.json", CARD_FILE, VOCAB_FILE, NGRAM_FILE)
                                                               if (draft_dir / n).is_file()]
         draft_params, _ = _safetensors_facts(draft_weights)
         validate_pair(draft_cfg, hidden_size=hidden, num_layers=n_layers, vocab_rows=vocab_rows, rope_parameters=rope_of(text))

@@ -254,6 +254,7 @@ class DFlashDraftModel(nn.Module):
         self.final_logit_softcapping = float(dflash.get("final_logit_softcapping") or 0.0)
         self._stacked = None  # stacked context K/V projection of all layers: (linear callable, k_norm weights [L, hd])
         self._vocab = None  # inference-time draft vocabulary (models/draft_vocab.py): (token ids [N], head over their rows)
+        self.ngram = None  # inference-time n-gram prior on greedy guesses (models/draft_ngram.py)
         self.packed = False
         self._kernel = None  # our bf16 kernel module for RMSNorm and the MLP's activation at inference (`pack`), or None:
         # the torch ops

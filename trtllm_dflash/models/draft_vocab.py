@@ -75,9 +75,10 @@ def write_draft_vocab(path: str | Path, ranked: list[tuple[int, int]], size: int
 
 
 def build_draft_vocab(target: str, output: str | Path, *, sources: tuple[str, ...], size: int, per_source: int,
-                      max_new_tokens: int, batch_size: int, dtype: str = "bf16", progress=print) -> dict:
+                      max_new_tokens: int, batch_size: int, dtype: str = "bf16", ngram: bool = True, progress=print) -> dict:
     """Count the target's greedy answers to the sources' prompts and write the `size` most frequent tokens to
-    `output` (a draft directory, or a file path). Returns the file's source record."""
+    `output` (a draft directory, or a file path); `ngram`: their n-grams too, into the n-gram prior's file beside it
+    (models/draft_ngram.py). Returns the vocabulary file's source record."""
     from ..cpu import resolve_dtype
     from ..resolve import resolve_target
     from ..runtime import DTYPES
@@ -94,4 +95,10 @@ def build_draft_vocab(target: str, output: str | Path, *, sources: tuple[str, ..
                             progress=progress)
     source = {"target": target, "dtype": dtype, "data": list(sources), "prompts_per_source": per_source,
               "max_new_tokens": max_new_tokens, "decoding": "greedy answers, chat template"}
-    return write_draft_vocab(path, rank_tokens(answers), size, tm.lm_head.out_features, source) | {"path": str(path)}
+    stats = write_draft_vocab(path, rank_tokens(answers), size, tm.lm_head.out_features, source) | {"path": str(path)}
+    if ngram:
+        from .draft_ngram import FILE as NGRAM_FILE, write_draft_ngram
+
+        ngram_path = path.parent / NGRAM_FILE
+        stats["ngram"] = write_draft_ngram(ngram_path, answers, tm.lm_head.out_features, source) | {"path": str(ngram_path)}
+    return stats
