@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..errors import DFlashError
+from .draft_vocab import optional_file
 
 FILE = "draft_ngram.npz"  # not .safetensors: a draft's *.safetensors are its weights to converters and builds
 FORMAT = 1
@@ -151,11 +152,9 @@ def write_draft_ngram(path: str | Path, answers: list[list[int]], vocab_rows: in
 
 def read_draft_ngram(draft_dir: str | Path, vocab_rows: int) -> NgramPrior | None:
     """The prior of a draft's n-gram file, or None if it has none; a file that is there but malformed is an error."""
-    path = Path(draft_dir) / FILE
-    if not path.is_file():
+    path = optional_file(draft_dir, FILE)
+    if path is None:
         return None
-    if path.is_symlink():
-        raise DFlashError(f"{path} is a symbolic link; copy the file into the draft directory.")
     try:
         with np.load(path, allow_pickle=False) as f:
             meta = json.loads(str(f["meta"]))

@@ -28,14 +28,22 @@ FILE = "draft_vocab.json"
 FORMAT = 1
 
 
-def read_draft_vocab(draft_dir: str | Path, vocab_rows: int) -> torch.Tensor | None:
-    """The token ids of a draft's vocabulary file [N] (int64), or None if it has none. A file that is there but
-    malformed is an error: silently guessing over another vocabulary would hide it."""
-    path = Path(draft_dir) / FILE
+def optional_file(draft_dir: str | Path, name: str) -> Path | None:
+    """A file a draft may carry beside its weights, or None; a symbolic link is refused, as for the weights."""
+    path = Path(draft_dir) / name
     if not path.is_file():
         return None
     if path.is_symlink():
         raise DFlashError(f"{path} is a symbolic link; copy the file into the draft directory.")
+    return path
+
+
+def read_draft_vocab(draft_dir: str | Path, vocab_rows: int) -> torch.Tensor | None:
+    """The token ids of a draft's vocabulary file [N] (int64), or None if it has none. A file that is there but
+    malformed is an error: silently guessing over another vocabulary would hide it."""
+    path = optional_file(draft_dir, FILE)
+    if path is None:
+        return None
     try:
         raw = json.loads(path.read_text())
         ids = raw["token_ids"]
