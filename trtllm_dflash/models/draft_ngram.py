@@ -53,7 +53,7 @@ class NgramPrior:
         self.totals = {n: np.add.reduceat(c, o[:-1]).astype(np.float64) if len(k) else np.zeros(0) for n, (k, o, _, c) in tables.items()}
         self.trust = {n: t / (t + smoothing * np.diff(tables[n][1])) for n, t in self.totals.items()}
         self.weight, self.floor, self.smoothing = weight, floor, smoothing
-        self.columns: torch.Tensor | None = None  # full token id -> column of the draft's vocabulary (-1: not in it)
+        self.columns: np.ndarray | None = None  # full token id -> column of the draft's vocabulary (-1: not in it)
 
     def use_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Guesses are columns of the draft vocabulary's logits (models/draft_vocab.py), or token ids without one."""
