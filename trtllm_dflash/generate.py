@@ -20,7 +20,7 @@ import torch
 from .config import SamplingParams
 from .lookup import NgramIndex
 from .models.draft import DFlashDraftModel, DraftKVCache
-from .models.draft_ngram import CONTEXT as RECENT
+from .models.draft_ngram import RequestCounts
 from .models.target import TargetModel
 from .policy import BlockPolicy
 from .prefix_cache import BLOCK, Entry, PrefixCache, chunk_ends, chunk_keys
@@ -96,7 +96,7 @@ class Request:
         self.chunk_ends: list[int] = []  # where its canonical prefill chunks end, and their prefix-cache keys
         self.chunk_keys: list[bytes] = []
         self.history: NgramIndex | None = None  # prompt and committed tokens, where the batch looks guesses up
-        self.recent = self.prompt_ids[-RECENT:]  # the last tokens committed (the draft's n-gram prior reads them)
+        self.counts: RequestCounts | None = None  # prompt and committed tokens' n-grams, where the draft's prior reads them
 
     @property
     def remaining(self) -> int:
@@ -119,7 +119,8 @@ class Request:
                 stats.finish_reason = "stop"
                 break
         stats.num_tokens += len(out)
-        self.recent = (self.recent + out)[-RECENT:]
+        if self.counts is not None:
+            self.counts.extend(out)
         if self.history is not None:
             self.history.extend(out)
         if not stats.finish_reason and stats.num_tokens >= self.max_new_tokens:
@@ -168,6 +169,8 @@ class Batch:
             self.rows.append(req)
             if self.lookup:
                 req.history = NgramIndex(req.prompt_ids)
+            if self.draft is not None and self.draft.ngram is not None and req.sampling.greedy:
+                req.counts = RequestCounts(req.prompt_ids)
             if self.dcache is not None:
                 self.dcache.lengths[len(self.rows) - 1] = 0
             p = len(self.prefix)
@@ -319,8 +322,8 @@ class Batch:
             draft_logits = draft.compute_logits(guesses[None], target.lm_head, full=False)[0].split([ks[i] - 1 for i in drafting])
             for i, logits in zip(drafting, draft_logits):
                 r = rows[i]
-                if r.sampling.greedy and draft.ngram is not None:  # re-weighted by what the target writes after them
-                    drafts[i] = draft.ngram.greedy(logits, r.recent, vocab)
+                if r.counts is not None:  # greedy, re-weighted by what the target writes after them (n-gram prior)
+                    drafts[i] = draft.ngram.greedy(logits, r.counts, vocab)
                 elif r.sampling.greedy:  # argmax over the vocabulary's columns (a stop token held back is rejected in verify)
                     guess = greedy(logits)
                     drafts[i] = (guess if vocab is None else vocab[guess]).tolist()
