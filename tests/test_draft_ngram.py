@@ -76,6 +76,9 @@ def test_a_first_format_file_without_the_requests_share_reads_as_the_answers_alo
     del meta["own"]
     np.savez(tmp_path / FILE, **(arrays | {"meta": np.array(json.dumps(meta))}))
     assert read_draft_ngram(tmp_path, 10).own == 0.0
+    np.savez(tmp_path / FILE, **(arrays | {"meta": np.array(json.dumps(meta | {"own": 1.5}))}))  # not a share
+    with pytest.raises(DFlashError, match="not a draft n-gram file"):
+        read_draft_ngram(tmp_path, 10)
 
 
 def test_with_a_draft_vocabulary_guesses_are_its_columns(prior):

@@ -15,10 +15,10 @@ committed ones, then the guesses before this slot. Tokens never seen after the c
 
 Chosen on a development set, prompts 40-79 of MT-Bench's first turns and of held-out GSM8K and HumanEval
 (bench_acceptance.py measures prompts 0-39): `benchmarks/bench_proposers.py --first 40` replays the target's greedy
-outputs with the shipped draft and the runtime's prompt lookup (fp32, 128 tokens, 2026-11-27): tokens per step chat /
-math / code 2.36 / 3.27 / 3.30 with the answers'
-counts at weight 0.35 (shipped until then), 2.41 / 3.40 / 3.35 with the request's counts at OWN 0.5, 2.48 / 3.49 /
-3.35 at WEIGHT 0.75 (2.40 / 3.19 / 3.28 at 0.75 without the request's counts); no prior 2.28 / 3.16 / 3.19.
+outputs with the shipped draft and the runtime's prompt lookup (fp32, 128 tokens, 2026-11-27). Tokens per step, chat
+/ math / code: no prior 2.28 / 3.16 / 3.19; the answers' counts at weight 0.35 (shipped until then) 2.36 / 3.27 /
+3.30, at 0.75 2.40 / 3.19 / 3.28; with the request's counts at OWN 0.5, 2.41 / 3.40 / 3.35 at weight 0.35 and
+2.48 / 3.49 / 3.35 at WEIGHT 0.75.
 
 Verification is untouched, so the output is the target's own; sampled rows draft from the draft alone (their
 proposal distribution would have to be the re-weighted one, slot by slot). TensorRT-LLM's DFlash path has no such
@@ -226,10 +226,10 @@ def read_draft_ngram(draft_dir: str | Path, vocab_rows: int) -> NgramPrior | Non
             meta = json.loads(str(f["meta"]))
             tables = {n: tuple(f[f"n{n}.{name}"].astype(np.int64) for name in ("keys", "offsets", "tokens", "counts"))
                       for n in range(1, CONTEXT + 1)}
-        ok = meta.get("format") == FORMAT and all(k.ndim == 1 and len(o) == len(k) + 1 and o[-1] == len(t) == len(c)
-                                                  for k, o, t, c in tables.values())
         rows, weight, floor, smoothing = int(meta["vocab_rows"]), float(meta["weight"]), float(meta["floor"]), float(meta["smoothing"])
         own = float(meta.get("own", 0.0))
+        ok = meta.get("format") == FORMAT and 0.0 <= own <= 1.0 and all(
+            k.ndim == 1 and len(o) == len(k) + 1 and o[-1] == len(t) == len(c) for k, o, t, c in tables.values())
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
         ok = False
     if not ok:
