@@ -18,6 +18,7 @@ from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.sampling import greedy
 
 V, N_NEW, BLOCK, SAMPLES = 8, 4, 4, 2000  # token 1 from the prefill, tokens 2-3 drafted, token 4 bonus/resample
+ROWS = 50  # sampled requests decoding side by side
 PROMPT = [1, 5, 3]
 
 
@@ -77,13 +78,21 @@ def exact_joint(target, sp, prompt=PROMPT):
 
 
 def samples(target, draft, sp, prompt=PROMPT, stats=None):
+    """SAMPLES continuations of `prompt`, each its own request with its own seed, ROWS of them decoding side by side:
+    one step advances them all (a request alone takes the same step with one row; test_seed_reproducible runs it)."""
     out = []
-    for seed in range(SAMPLES):
-        sampling = SamplingParams(sp.temperature, sp.top_p, sp.top_k, seed)
-        steps = speculative_stream(target, draft, prompt, N_NEW, BLOCK, sampling, frozenset(), s := GenerationStats())
-        out.append(tuple(t for step in steps for t in step))
+    for first in range(0, SAMPLES, ROWS):
+        batch = Batch(target, draft, BLOCK, slots=ROWS)
+        rows = [Request(prompt, N_NEW, SamplingParams(sp.temperature, sp.top_p, sp.top_k, seed)) for seed in range(first, first + ROWS)]
+        got = {id(r): batch.add(r) for r in rows}
+        while batch.ready:
+            for r, tokens in batch.step().items():
+                got[id(r)] += tokens
+            for r in [r for r in batch.rows if r.stats.finish_reason]:
+                batch.remove(r)
+        out += [tuple(got[id(r)]) for r in rows]
         if stats is not None:
-            stats.append(s)
+            stats += [r.stats for r in rows]
     return out
 
 
@@ -137,12 +146,12 @@ def test_distribution_matches_target(tiny_target, sp):
 
 
 def batched_samples(target, draft, sp):
-    """Two sampled requests for PROMPT per batch, beside a greedy neighbour at other positions that joined first."""
-    out = []
-    for run in range(SAMPLES // 2):
-        batch = Batch(target, draft, BLOCK, slots=3)
+    """Ten sampled requests for PROMPT per batch, beside a greedy neighbour at other positions that joined first."""
+    out, per = [], 10
+    for run in range(SAMPLES // per):
+        batch = Batch(target, draft, BLOCK, slots=per + 1)
         neighbour = Request([1, 5, 3, 2, 6, 4, 7, 2], 6)
-        rows = [Request(PROMPT, N_NEW, SamplingParams(sp.temperature, sp.top_p, sp.top_k, 2 * run + i)) for i in range(2)]
+        rows = [Request(PROMPT, N_NEW, SamplingParams(sp.temperature, sp.top_p, sp.top_k, per * run + i)) for i in range(per)]
         got = {id(r): batch.add(r) for r in [neighbour, *rows]}
         while batch.ready:
             for r, tokens in batch.step().items():

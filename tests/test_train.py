@@ -184,7 +184,19 @@ def test_chunked_ce_with_dpace_is_ce_under_detached_dynamic_weights():
         chunked_lm_head_ce(d, head, h, y, w, chunk=6, dpace_block=4)
 
 
-def test_code_prompts_keep_stdlib_keys_first_and_add_installed_libraries():
+@pytest.fixture(scope="module")
+def few_code_packages():
+    """Four of CODE_PACKAGES, in their order: parsing all of them (torch, sympy, ...) takes a minute, these about 10 s."""
+    from trtllm_dflash.train import data
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(data, "CODE_PACKAGES", tuple(p for p in CODE_PACKAGES if p in ("networkx", "numpy", "jinja2", "click")))
+        data._library_functions.cache_clear()
+        yield
+    data._library_functions.cache_clear()
+
+
+def test_code_prompts_keep_stdlib_keys_first_and_add_installed_libraries(few_code_packages):
     prompts = code_prompts()
     keys = [k for k, _ in prompts]
     first_site = next(i for i, k in enumerate(keys) if k.startswith("code:site:"))
@@ -220,7 +232,7 @@ def test_gsm8k_variants_cover_training_questions_only():
     assert not {v for _, v in variants} & {r["question"] for r in held_out}
 
 
-def test_doctest_stubs_are_humaneval_shaped_and_never_humaneval():
+def test_doctest_stubs_are_humaneval_shaped_and_never_humaneval(few_code_packages):
     doc = "Add two numbers.\n\nMore text.\n\n>>> from m import add\n>>> add(1, 2)\n3\n>>> for x in y:\n...     add(x, 1)\n"
     assert doctest_stub("add(a, b)", doc) == 'def add(a, b):\n    """Add two numbers.\n\n    >>> add(1, 2)\n    3\n    """\n'
     assert doctest_stub("add(a, b)", "Add two numbers together.\n\nNo examples.") is None
