@@ -84,8 +84,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
-    from trtllm_dflash.runtime import DFlashEngine
     from trtllm_dflash.cpu import machine_info
+    from trtllm_dflash.runtime import DFlashEngine
 
     engine = DFlashEngine.load(a.target, a.draft, dtype=a.dtype, block_size=a.block_size, speculation="fixed",  # tau of the full block
                                draft_vocab=a.draft_vocab, draft_ngram=a.draft_ngram, lookup=a.lookup, progress=lambda m: None)
@@ -97,7 +97,7 @@ def main() -> None:
               "draft_ngram": engine.draft.ngram is not None,
               "draft_ngram_prior": None if engine.draft.ngram is None else {"weight": engine.draft.ngram.weight, "own": engine.draft.ngram.own},
               "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "lookup": a.lookup,
-              "sets": {}}
+              "lookup_guesses": None, "sets": {}}
     for name, prompts in prompt_sets(a.math, a.code, a.chat, a.magpie_held_out).items():
         if not prompts:
             continue
@@ -111,15 +111,17 @@ def main() -> None:
             print(f"{name} {key}: tau {s.acceptance_length:.2f} ({s.num_tokens} tokens, {s.steps} steps, {s.tokens_per_second:.1f} tok/s)", flush=True)
         taus = [x["tau"] for x in rows]
         decoded, steps = sum(x["tokens"] - 1 for x in rows), sum(x["steps"] for x in rows)  # as GenerationStats: prefill token excluded
-        # P(draft slot j accepted) over all verify steps: tau_pooled = 1 + sum of these
-        per_position = [round(sum(x["accepted_per_position"][j] for x in rows) / max(steps, 1), 4) for j in range(engine.block_size - 1)]
+        # P(guess j accepted) over all verify steps: tau_pooled = 1 + sum of these (beyond the draft's block: lookup's)
+        slots = len(rows[0]["accepted_per_position"])  # the draft's block, or a lookup row's (Batch.max_guesses)
+        report["lookup_guesses"] = slots if a.lookup else 0
+        per_position = [round(sum(x["accepted_per_position"][j] for x in rows) / max(steps, 1), 4) for j in range(slots)]
         report["sets"][name] = {"prompts": len(rows), "tau_mean": round(statistics.mean(taus), 3), "tau_median": round(statistics.median(taus), 3),
                                 "lookup_step_share": round(sum(x["lookup_steps"] for x in rows) / max(steps, 1), 4),
                                 "tau_pooled": round(decoded / max(steps, 1), 3), "acceptance_per_position": per_position,
                                 "tok_per_s_mean": round(statistics.mean(x["tok_per_s"] for x in rows), 2),
                                 "rows": rows}
         print(f"== {name}: mean tau {report['sets'][name]['tau_mean']:.2f}, median {report['sets'][name]['tau_median']:.2f}, "
-              f"per draft slot {' '.join(f'{p:.2f}' for p in per_position)}", flush=True)
+              f"per draft slot {' '.join(f'{p:.2f}' for p in per_position[:engine.block_size - 1])}", flush=True)
     sets = "-".join(report["sets"]) + ("-lookup" if a.lookup else "")
     out = Path(a.out or Path(__file__).parent / "results" / f"acceptance-{a.target}-{sets}-{time.strftime('%Y%m%d-%H%M')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

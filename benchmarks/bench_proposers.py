@@ -169,13 +169,15 @@ def main() -> None:
                          "for tuning (the n-gram prior's weights were chosen there).")
     ap.add_argument("--ngram-weight", type=float, default=None, help="Replay the prior at this weight instead of its file's.")
     ap.add_argument("--ngram-own", type=float, default=None, help="... and with this share for the request's own counts.")
+    ap.add_argument("--lookup-guesses", type=int, default=None,
+                    help="Replay prompt lookup with up to this many guesses a step (default: the runtime's, lookup.MAX_GUESSES).")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
     from bench_acceptance import prompt_sets
     from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.data import answers_records, magpie_records
-    from trtllm_dflash.lookup import NgramIndex
+    from trtllm_dflash.lookup import MAX_GUESSES, NgramIndex
     from trtllm_dflash.models.checkpoint import load_draft
     from trtllm_dflash.models.draft_ngram import read_draft_ngram
     from trtllm_dflash.models.draft_vocab import read_draft_vocab
@@ -194,14 +196,15 @@ def main() -> None:
         draft.ngram.use_vocab(draft.vocab_token_ids)
         draft.ngram.weight = draft.ngram.weight if a.ngram_weight is None else a.ngram_weight
         draft.ngram.own = draft.ngram.own if a.ngram_own is None else a.ngram_own
-    limit = draft.config.block_size - 1
+    limit = draft.config.block_size - 1  # the draft's and the suffix index's guesses a step
+    lookup_limit = MAX_GUESSES if a.lookup_guesses is None else a.lookup_guesses  # ... and lookup's
     t0 = time.perf_counter()
     corpus = SuffixIndex([r["answer_ids"] for r in magpie_records()] + [r["answer_ids"] for r in answers_records()])
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
               "target": "smollm2-135m", "draft": str(a.draft or "packaged default"), "dtype": "fp32", "decoding": "greedy",
               "max_new_tokens": a.max_new_tokens, "block_size": draft.config.block_size,
               "corpus_tokens": int(len(corpus.t)), "corpus_seconds": round(time.perf_counter() - t0, 1),
-              "min_share": MIN_SHARE, "first_prompt": a.first,
+              "min_share": MIN_SHARE, "first_prompt": a.first, "lookup_guesses": lookup_limit,
               "draft_ngram_prior": None if draft.ngram is None else {"weight": draft.ngram.weight, "own": draft.ngram.own},
               "sets": {}}
     for name, prompts in prompt_sets(a.math, a.code, a.chat, first=a.first).items():
@@ -221,7 +224,7 @@ def main() -> None:
             history, look, suffix = NgramIndex(prompt + out[:1]), [], []
             for i in range(len(out) - 1):
                 ctx, truth = history.tokens, out[i + 1:]
-                found = history.propose(limit)
+                found = history.propose(lookup_limit)
                 look.append(accepted(found, truth) if found else None)
                 guesses, share = corpus.propose(ctx, limit)
                 suffix.append((accepted(guesses, truth), share))

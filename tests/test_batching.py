@@ -331,7 +331,8 @@ def test_bf16_dflash_writes_what_bf16_plain_decoding_writes_alone_and_batched(ta
     attention (slot_attention.h) each take one fixed order per token. So bf16 DFlash, alone with full blocks and in
     a batch whose rows verify blocks of every length, lookup guesses and single tokens side by side, writes exactly
     what bf16 plain decoding writes (the shipped draft, the real target). With AMX, forwards of more than
-    `TILE_ROWS` rows take oneDNN's tile kernel, so there this holds alone, not batched."""
+    `TILE_ROWS` rows take oneDNN's tile kernel, so there this holds alone, not batched (and a lookup row's block stays
+    within TILE_ROWS alone, where it could reach 1 + lookup.MAX_GUESSES)."""
     from trtllm_dflash.models.target import TargetModel
 
     bf16 = TargetModel.load(target_dir, torch.bfloat16)

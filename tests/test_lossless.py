@@ -170,3 +170,4 @@ def test_lookup_guesses_are_lossless_where_the_text_loops(target, draft):
                for t in s]
         assert out == ref
         assert (stats.lookup_steps >= 3 and stats.lookup_accepted >= 10) if lookup else stats.lookup_steps == 0
+        assert (max(stats.block_lengths) > 8) == lookup  # lookup guesses beyond the draft's block were verified

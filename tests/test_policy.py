@@ -215,3 +215,20 @@ def test_lookup_guesses_cost_no_draft_and_keep_their_own_record():
     for _ in range(24):  # this row's lookups never pay: a block of them is not worth its verify
         busy.observe([other], [6], [0], draft_seconds=0.0, verify_seconds=0.180, looked=[True])
     assert busy.choose([other], [5]) == ([1], [False])
+
+
+def test_a_lookup_row_may_verify_beyond_the_drafts_block():
+    """A loop, once matched, goes on: a lookup row's block is bounded by its guesses (lookup.MAX_GUESSES), not by the
+    draft's block, and the policy takes a long block once that row's lookups have paid at every slot."""
+    fixed = BlockPolicy(8)
+    assert fixed.choose([Row()], [20]) == ([21], [True]) and fixed.choose([Row()], [0]) == ([8], [False])
+    p = BlockPolicy(8, adaptive=True)
+    p.verify_cost.update({1: 0.030, 8: 0.034, 16: 0.040, 32: 0.060})
+    p.draft_cost.update({8: 0.030})
+    row = Row()
+    assert p.choose([row], [31])[0][0] < 32  # unmeasured lookups are priced with the prior: 32 tokens would not pay
+    for _ in range(40):
+        p.observe([row], [32], [31], draft_seconds=0.0, verify_seconds=0.060, looked=[True])
+    ks, looked = p.choose([row], [31])
+    assert ks[0] > 16 and looked == [True]
+    assert p.lookup_population.accepted[30] == 40 and len(p.population.accepted) == 7

@@ -18,7 +18,8 @@ from typing import Iterator
 import torch
 
 from .config import SamplingParams
-from .lookup import NgramIndex
+from .lookup import MAX_GUESSES, NgramIndex
+from .models import bf16_gemm
 from .models.draft import DFlashDraftModel, DraftKVCache
 from .models.draft_ngram import RequestCounts
 from .models.target import TargetModel
@@ -146,6 +147,11 @@ class Batch:
         self.target, self.draft = target, (draft if block_size > 1 else None)
         self.block_size = block_size if self.draft is not None else 1
         self.lookup = lookup and self.draft is not None
+        # With AMX, bf16 linears of more than TILE_ROWS rows take oneDNN's tiles (models/packed.py), which round apart
+        # from a decode step: there a lookup block stays within TILE_ROWS, so a request alone writes what plain
+        # decoding writes (as the draft's blocks of 8 do).
+        tiled = target.dtype == torch.bfloat16 and bf16_gemm.tiles()
+        self.max_guesses = min(MAX_GUESSES, bf16_gemm.TILE_ROWS - 1) if tiled else MAX_GUESSES
         self.policy = policy or BlockPolicy(self.block_size)
         self.rows: list[Request] = []  # row i is slot i
         self.cache = target.new_cache(slots)
@@ -165,7 +171,7 @@ class Batch:
             assert len(self.rows) < self.slots, "no free slot"
             req.max_new_tokens = min(req.max_new_tokens, self.target.max_positions - n)
             req.stats.prompt_tokens = n
-            req.stats.accepted_per_position = [0] * (self.block_size - 1)
+            req.stats.accepted_per_position = [0] * max(self.block_size - 1, self.max_guesses if self.lookup else 0)
             self.rows.append(req)
             if self.lookup:
                 req.history = NgramIndex(req.prompt_ids)
@@ -235,21 +241,24 @@ class Batch:
 
     @torch.inference_mode()
     def calibrate(self, max_rows: int) -> None:
-        """Measure draft and verify forwards of 1, 2, 4, ... tokens up to a full step of `max_rows` rows, for the policy.
+        """Measure draft and verify forwards of 1, 2, 4, ... tokens up to a full step of `max_rows` rows (verify: or a
+        row's lookup guesses, if longer), for the policy.
 
         Runs in slot 0 before any request is admitted (whatever it writes there is overwritten by the next prefill).
         """
         assert not self.rows, "calibrate before admitting requests"
-        tokens = 1
+        tokens, full = 1, max_rows * self.block_size
+        top = max(full, 1 + self.max_guesses if self.lookup else 0)
         while True:
-            n = min(tokens, max_rows * self.block_size)
+            n = min(tokens, top)
             ids = torch.zeros(1, n, dtype=torch.long)
             verify, draft = [], []
+            drafts = self.draft is not None and self.block_size <= n <= full
             for _ in range(3):  # the first run of a shape pays one-off setup; the fastest is the machine's cost
                 t0 = time.perf_counter()
                 self.target.forward(ids, 0, self.cache, capture=self.draft is not None)
                 t1 = time.perf_counter()
-                if self.draft is not None and n >= self.block_size:  # as a step drafts: whole blocks, n - rows guesses to the LM head
+                if drafts:  # as a step drafts: whole blocks, n - rows guesses to the LM head
                     rows = n // self.block_size
                     x = self.draft.embed_block(self.target.embed_tokens, torch.zeros(rows, self.block_size, dtype=torch.long))
                     c = self.dcache.k[:, :1, :, :0].expand(-1, rows, -1, -1, -1)
@@ -257,9 +266,8 @@ class Batch:
                     self.draft.compute_logits(hidden[:, 1:].reshape(1, -1, hidden.shape[-1]), self.target.lm_head, full=False)
                 verify.append(t1 - t0)
                 draft.append(time.perf_counter() - t1)
-            self.policy.record_cost(n, min(draft) if self.draft is not None and n >= self.block_size else None, min(verify),
-                                    draft_tokens=n // self.block_size * self.block_size)
-            if n == max_rows * self.block_size:
+            self.policy.record_cost(n, min(draft) if drafts else None, min(verify), draft_tokens=n // self.block_size * self.block_size)
+            if n == top:
                 break
             tokens *= 2
 
@@ -293,7 +301,7 @@ class Batch:
         assert rows == self.rows[: len(rows)], "ready rows must lead the slots"
         n, draft, target = len(rows), self.draft, self.target
         # Lookup guesses: what followed the last few tokens where they occurred before (none without a draft).
-        found = [r.history.propose(self.block_size - 1) if r.history is not None else [] for r in rows]
+        found = [r.history.propose(self.max_guesses) if r.history is not None else [] for r in rows]
         ks, looked = self.policy.choose(rows, [len(f) for f in found])  # block length per row, within its budget
         drafting = [i for i, k in enumerate(ks) if k > 1 and not looked[i]]
         drafts, q = [[] for _ in rows], [None] * n  # row i's guesses for positions start+1..start+k_i-1 (and their probs)

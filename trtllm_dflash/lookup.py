@@ -14,6 +14,15 @@ from __future__ import annotations
 # (fp32, 128 tokens; lookup where it matches, the draft elsewhere; measured figures: bench_acceptance --lookup), 3-6 beat 2-4 on GSM8K (3.23 against 3.12 tokens per step) and
 # HumanEval (3.33 against 3.06) for a little on MT-Bench (2.57 against 2.64); the draft alone: 3.05, 2.76, 1.78.
 MIN_NGRAM, MAX_NGRAM = 3, 6
+# Guesses a row may verify at once, beyond the draft's block: a loop, once matched, tends to go on for a long while, and
+# there every guess is accepted. Replayed on prompts 40-79 of bench_acceptance's sets (prompts it does not measure;
+# `bench_proposers.py --first 40 --lookup-guesses N`, fp32, 128 tokens, the draft's block of 8 elsewhere), chat / math
+# / code tau: 7 guesses (the draft's block) 2.48 / 3.49 / 3.35, 15: 2.65 / 3.56 / 3.52, 31: 2.82 / 3.58 / 3.60, 63:
+# 2.95 / 3.58 / 3.66. 31 keeps a verify at 32 tokens (a 16-token one costs about 2x a plain step on a 2-core Xeon in
+# bf16, little on a GPU; vLLM's suffix decoding bounds match plus guesses at 24 by default); the block policy prices every
+# length, so a row verifies that many only where its lookups have been paying. In bf16 on a CPU with AMX a batch
+# keeps them within its exact kernel's rows (Batch.max_guesses).
+MAX_GUESSES = 31
 
 
 class NgramIndex:

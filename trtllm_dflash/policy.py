@@ -12,8 +12,8 @@ plainly is still probed with a full block so its acceptance stays measured: once
 often as PROBE_BUDGET of its share of the plain steps covers the probe's extra cost, and only when the block could
 pay were the row as good as its evidence allows and as the draft is known to be (its card's held-out acceptance).
 A row whose recent tokens occurred before (lookup.py) may verify the tokens that followed them instead of drafting:
-such a row costs only its verify tokens, and its block length is priced with its own and all rows' record of lookup
-guesses, kept apart from the draft's.
+such a row costs only its verify tokens, and its block length (up to 1 + lookup.MAX_GUESSES, beyond the draft's block)
+is priced with its own and all rows' record of lookup guesses, kept apart from the draft's.
 TensorRT-LLM's `DFlashDecodingConfig` switches the whole batch on fixed thresholds (`draft_len_schedule` by batch
 size, `acceptance_rate_threshold`); here both sides of the trade are measured on the machine it runs on, per request.
 """
@@ -23,6 +23,8 @@ from __future__ import annotations
 import bisect
 import weakref
 from dataclasses import dataclass
+
+from .lookup import MAX_GUESSES
 
 PRIOR = 0.6  # conditional acceptance assumed before anything is measured
 PRIOR_WEIGHT = 4.0  # a row's own counts outweigh the population's after a few steps
@@ -60,7 +62,7 @@ class BlockPolicy:
         self.verify_cost: dict[int, float] = {}  # tokens verified -> seconds (FALL/RISE average of measurements)
         self.draft_cost: dict[int, float] = {}  # drafting rows * block size -> seconds
         self.population = self._new_counts()
-        self.lookup_population = self._new_counts()  # the same counts for lookup guesses (lookup.py)
+        self.lookup_population = self._new_counts(lookup=True)  # the same counts for lookup guesses (lookup.py)
         # drafting step? -> measured / estimated cost (moving average). Drafting steps take the plain steps' factor until
         # one is measured: many rows cost more than the one-row calibration forwards either way, and a drafting factor
         # left at 1.0 beside a learned plain 1.3 made the first steps of a busy server draft every row (8 rows, fp32).
@@ -70,18 +72,22 @@ class BlockPolicy:
         self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> RowCounts
         self._lookup_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> RowCounts of its lookups
 
-    def _new_counts(self) -> RowCounts:
-        return RowCounts([0.0] * (self.max_block - 1), [0.0] * (self.max_block - 1))
+    def _new_counts(self, lookup: bool = False) -> RowCounts:
+        slots = MAX_GUESSES if lookup else self.max_block - 1
+        return RowCounts([0.0] * slots, [0.0] * slots)
 
     def _counts(self, req) -> RowCounts:
         return self._rows.get(req) or self._new_counts()
 
     def _conditional(self, counts: RowCounts, optimistic: bool = False, pop: RowCounts | None = None) -> list[float]:
         """P(slot j accepted | slots before it were): the row's counts shrunk toward the population's (or, optimistic,
-        toward the ceiling: what the row could still be, given its evidence)."""
-        pop, out = pop or self.population, []
-        for j in range(self.max_block - 1):
-            prior = self.ceiling if optimistic else (pop.accepted[j] + PRIOR * PRIOR_WEIGHT) / (pop.reached[j] + PRIOR_WEIGHT)
+        toward the ceiling: what the row could still be, given its evidence). The population's slots are shrunk toward
+        the slot before them: a slot never reached (a lookup row's beyond the draft's block, until one is verified)
+        is taken to do as the last one measured, as a loop that held so far goes on, rather than as a fresh guess."""
+        pop, out, before = pop or self.population, [], PRIOR
+        for j in range(len(counts.accepted)):
+            before = (pop.accepted[j] + before * PRIOR_WEIGHT) / (pop.reached[j] + PRIOR_WEIGHT)
+            prior = self.ceiling if optimistic else before
             out.append((counts.accepted[j] + prior * PRIOR_WEIGHT) / (counts.reached[j] + PRIOR_WEIGHT))
         return out
 
@@ -160,14 +166,15 @@ class BlockPolicy:
     def choose(self, rows: list, lookup: list[int] | None = None) -> tuple[list[int], list[bool]]:
         """Block length per row (1 = plain decoding), never beyond what the row may still generate, and whether the
         row verifies lookup guesses rather than drafting. `lookup[i]`: how many lookup guesses row i has this step
-        (0: none); a row that has them uses them, which measured better than the draft on every set (lookup.py)."""
+        (0: none); a row that has them uses them, which measured better than the draft on every set (lookup.py). A
+        lookup row's block may be longer than the draft's: up to all its guesses."""
         caps = [min(self.max_block, max(r.remaining, 1)) for r in rows]
         looked = [bool(lookup and lookup[i] and cap > 1) for i, cap in enumerate(caps)]
-        caps = [min(cap, 1 + lookup[i]) if looked[i] else cap for i, cap in enumerate(caps)]
+        caps = [min(max(r.remaining, 1), 1 + lookup[i]) if looked[i] else cap for i, (r, cap) in enumerate(zip(rows, caps))]
         if not self.adaptive or not self.verify_cost or not self.draft_cost:
             return caps, looked
         levels = (self._levels(self.verify_cost), self._levels(self.draft_cost))
-        conditional = [self._conditional(self._lookup_rows.get(r) or self._new_counts(), pop=self.lookup_population)
+        conditional = [self._conditional(self._lookup_rows.get(r) or self._new_counts(lookup=True), pop=self.lookup_population)
                        if looked[i] else self._conditional(self._counts(r)) for i, r in enumerate(rows)]
         n, y = len(rows), self.realized
         ks, gain, tokens, drafting, kmax = [1] * n, float(n), n, 0, 1  # tokens, drafting rows, longest block: of ks
@@ -263,7 +270,7 @@ class BlockPolicy:
             table, pop = (self._lookup_rows, self.lookup_population) if lk else (self._rows, self.population)
             counts = table.get(r)
             if counts is None:
-                counts = table[r] = self._new_counts()
+                counts = table[r] = self._new_counts(lookup=lk)
             if not lk:  # time since the row last drafted: lookup steps are not drafting
                 counts.plain_seconds = counts.plain_seconds + share if b == 1 else 0.0
             elif r in self._rows:

@@ -181,7 +181,7 @@ class DFlashEngine:
     def calibrate(self, max_rows: int = 1) -> None:
         """Measure step costs for the adaptive policy (once per engine, up to `max_rows` rows)."""
         if self.policy.adaptive and max_rows > self._calibrated_rows:
-            Batch(self.target, self.draft, self.block_size, slots=1, policy=self.policy).calibrate(max_rows)
+            Batch(self.target, self.draft, self.block_size, slots=1, policy=self.policy, lookup=self.lookup).calibrate(max_rows)
             self._calibrated_rows = max_rows
 
     def scheduler(self, max_batch_size: int, slot_tokens: int, on_step=None, log=print,
