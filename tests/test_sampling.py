@@ -77,14 +77,15 @@ def exact_joint(target, sp, prompt=PROMPT):
     return joint
 
 
-def samples(target, draft, sp, prompt=PROMPT, stats=None):
-    """SAMPLES continuations of `prompt`, each its own request with its own seed, ROWS of them decoding side by side:
-    one step advances them all (a request alone takes the same step with one row; test_seed_reproducible runs it)."""
+def samples(target, draft, sp, prompt=PROMPT, stats=None, per=ROWS, neighbour=None):
+    """SAMPLES continuations of `prompt`, each its own request with its own seed, `per` of them decoding side by side
+    (a request alone takes the same step with one row; test_seed_reproducible runs it), after a greedy request for
+    `neighbour`, at other positions, where one is given."""
     out = []
-    for first in range(0, SAMPLES, ROWS):
-        batch = Batch(target, draft, BLOCK, slots=ROWS)
-        rows = [Request(prompt, N_NEW, SamplingParams(sp.temperature, sp.top_p, sp.top_k, seed)) for seed in range(first, first + ROWS)]
-        got = {id(r): batch.add(r) for r in rows}
+    for first in range(0, SAMPLES, per):
+        batch = Batch(target, draft, BLOCK, slots=per + 1)
+        rows = [Request(prompt, N_NEW, SamplingParams(sp.temperature, sp.top_p, sp.top_k, seed)) for seed in range(first, first + per)]
+        got = {id(r): batch.add(r) for r in [*([Request(neighbour, 6)] if neighbour else []), *rows]}
         while batch.ready:
             for r, tokens in batch.step().items():
                 got[id(r)] += tokens
@@ -145,27 +146,11 @@ def test_distribution_matches_target(tiny_target, sp):
     assert_matches(samples(tiny_target, draft, sp), exact_joint(tiny_target, sp))
 
 
-def batched_samples(target, draft, sp):
-    """Ten sampled requests for PROMPT per batch, beside a greedy neighbour at other positions that joined first."""
-    out, per = [], 10
-    for run in range(SAMPLES // per):
-        batch = Batch(target, draft, BLOCK, slots=per + 1)
-        neighbour = Request([1, 5, 3, 2, 6, 4, 7, 2], 6)
-        rows = [Request(PROMPT, N_NEW, SamplingParams(sp.temperature, sp.top_p, sp.top_k, per * run + i)) for i in range(per)]
-        got = {id(r): batch.add(r) for r in [neighbour, *rows]}
-        while batch.ready:
-            for r, tokens in batch.step().items():
-                got[id(r)] += tokens
-            for r in [r for r in batch.rows if r.stats.finish_reason]:
-                batch.remove(r)
-        out += [tuple(got[id(r)]) for r in rows]
-    return out
-
-
 def test_distribution_matches_target_under_batching(tiny_target):
     sp = SamplingParams(1.0, top_k=3)
     draft = make_draft(tiny_target, scale=0.3, seed=1)
-    assert_matches(batched_samples(tiny_target, draft, sp), exact_joint(tiny_target, sp))
+    # ten sampled requests a batch, beside a greedy neighbour at other positions that joined first
+    assert_matches(samples(tiny_target, draft, sp, per=10, neighbour=[1, 5, 3, 2, 6, 4, 7, 2]), exact_joint(tiny_target, sp))
 
 
 def test_lookup_guesses_keep_sampling_exact(tiny_target, monkeypatch):
