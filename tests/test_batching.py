@@ -105,7 +105,7 @@ def test_rows_join_leave_stop_and_cancel_without_changing_output(engine, referen
             assert out[i] == ref, f"request {i} differs from its batch-1 output"
     if engine.policy.adaptive:
         chosen = {k for r in reqs for k in r.stats.block_lengths}
-        assert chosen and max(chosen) <= engine.block_size
+        assert chosen and max(chosen) <= 1 + batch.max_guesses  # a lookup row's block may pass the draft's
 
 
 class CyclingPolicy(BlockPolicy):
