@@ -14,7 +14,7 @@ from ..config import DraftConfig
 from ..errors import DFlashError
 from ..kernels import block_attention
 from . import bf16_gemm
-from .packed import PackedLinear, can_pack, pack_linears
+from .packed import PackedLinear, pack_linears, packs
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -372,7 +372,7 @@ class DFlashDraftModel(nn.Module):
         head.weight = nn.Parameter(lm_head.weight.detach()[token_ids].clone(), requires_grad=False)
         if lm_head.bias is not None:
             head.bias = nn.Parameter(lm_head.bias.detach()[token_ids].clone(), requires_grad=False)
-        self._vocab = (token_ids, PackedLinear(head) if can_pack(head.weight.dtype) else head, lm_head.out_features)
+        self._vocab = (token_ids, PackedLinear(head) if packs(head.weight) else head, lm_head.out_features)
 
     @property
     def vocab_token_ids(self) -> torch.Tensor | None:

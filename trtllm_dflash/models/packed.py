@@ -46,17 +46,21 @@ class PackedLinear(nn.Module):
             self.kernel_bias = None if linear.bias is None else linear.bias.detach().float().contiguous()  # converted once
             self.one_token_dense = False
             self.tiles = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()) if bf16_gemm.tiles() else None
-        else:
+        elif can_pack(linear.weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
             self.one_token_dense = aten_decodes_faster(linear.weight.dtype)
             self.tiles = None
-        self.weight = linear.weight if keep_weight or self.one_token_dense else None
+        else:  # bf16 where oneDNN packs none (AVX2 alone) and ours does not take this weight: ATen's kernel, dense
+            self.packed, self.one_token_dense, self.tiles = None, False, None
+        self.weight = linear.weight if keep_weight or self.one_token_dense or self.packed is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             if self.tiles is None or x.numel() <= bf16_gemm.TILE_ROWS * self.in_features:
                 return self.kernel.linear(x, self.packed, self.kernel_bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.tiles, self.bias, "none", [], "")
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
         if self.one_token_dense and x.numel() == self.in_features:
             enabled = torch._C._get_mkldnn_enabled()
             torch._C._set_mkldnn_enabled(False)  # F.linear would otherwise route bf16 to oneDNN, repacking the weight
@@ -108,6 +112,11 @@ def can_pack(dtype: torch.dtype) -> bool:
     return True
 
 
+def packs(weight: torch.Tensor) -> bool:
+    """Whether a PackedLinear of this weight runs a packed kernel here (oneDNN's or ours) rather than ATen's."""
+    return weight.device.type == "cpu" and (can_pack(weight.dtype) or (bf16_gemm.fits(weight) and bf16_gemm.kernel() is not None))
+
+
 @torch.no_grad()
 def pack_linears(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
     """Swap every plain nn.Linear of `model` (not subclasses: quantized layers keep their own forward) for a
@@ -115,8 +124,7 @@ def pack_linears(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and (
-                    can_pack(child.weight.dtype) or (bf16_gemm.fits(child.weight) and bf16_gemm.kernel() is not None)):
+            if type(child) is nn.Linear and packs(child.weight):
                 setattr(parent, name, PackedLinear(child, keep_weight=any(child is m for m in keep)))
                 packed += 1
     return packed
