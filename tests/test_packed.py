@@ -436,8 +436,8 @@ def test_bf16_kernel_leaves_unfit_shapes_and_fp32_to_the_library():
 
 def test_a_bf16_drafts_vocabulary_head_takes_a_packed_kernel_wherever_one_runs():
     """The draft vocabulary's head (rows of the target's LM head) is packed as the other linears are: on a CPU with AVX2
-    alone ATen's emulated bf16 kernel took 9 ms for a block's 7 guesses over 16,384 rows (AMD EPYC Zen 3,
-    2026-11-28), several times what our kernel takes."""
+    alone ATen's emulated bf16 kernel took 13.2 ms for a block's 7 guesses over 16,384 rows, ours 3.0 (AMD EPYC Zen 3,
+    2026-11-28)."""
     draft = DFlashEngine.load("smollm2-135m", dtype="bf16", progress=lambda m: None).draft
     ids, head, _ = draft._vocab
     assert isinstance(head, PackedLinear) == packs(torch.empty(len(ids), head.in_features, dtype=torch.bfloat16))

@@ -33,8 +33,8 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 class PackedLinear(nn.Module):
     """nn.Linear's forward over a oneDNN-reordered weight. `weight` stays only where other code reads it (the LM
-    head, often tied to the embeddings) or where one-token calls use it (`aten_decodes_faster`); elsewhere the dense
-    copy is dropped, so memory does not double."""
+    head, often tied to the embeddings), where one-token calls use it (`aten_decodes_faster`) or where no packed kernel
+    takes it (`packs`); elsewhere the dense copy is dropped, so memory does not double."""
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False):
         super().__init__()
