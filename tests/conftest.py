@@ -1,6 +1,8 @@
 """Shared fixtures: the real SmolLM2-135M target (converted once into the cache) and small real drafts."""
 
+import hashlib
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -13,7 +15,7 @@ from trtllm_dflash.config import DraftConfig
 from trtllm_dflash.models.checkpoint import save_draft
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.resolve import resolve_target
+from trtllm_dflash.resolve import DRAFTS_DIR, resolve_target
 
 SMOL_MASK_ID = 16  # <empty_output>: a special token chat never produces
 
@@ -42,6 +44,31 @@ def make_random_draft(target: TargetModel, path, num_layers=2, block_size=16, se
 @pytest.fixture(scope="session")
 def random_draft_dir(target, tmp_path_factory):
     return make_random_draft(target, tmp_path_factory.mktemp("drafts") / "random")
+
+
+@pytest.fixture(scope="session")
+def quantized(request):
+    """quantized(quant, role="target", kv_cache_quant="none", offload=False) -> a `trtdflash convert` output of the
+    SmolLM2 target or the packaged draft, calibrated on 2 chat samples. Each is converted once and kept in pytest's
+    cache, keyed by the converter's source and ModelOpt's version: the conversion tests and the runtime tests read the
+    same checkpoints (calibration is a third of the suite's quantization time), and only the first run pays."""
+    import modelopt
+
+    from trtllm_dflash.convert import ConvertOptions, convert_checkpoint
+
+    src = sorted((Path(__file__).parents[1] / "trtllm_dflash" / "convert").glob("*.py"))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in src) + modelopt.__version__.encode()).hexdigest()[:12]
+    root = request.config.cache.mkdir("quantized-smollm2")
+
+    def get(quant: str, role: str = "target", kv_cache_quant: str = "none", offload: bool = False) -> Path:
+        out = root / f"{role}-{quant}-kv-{kv_cache_quant}{'-offload' if offload else ''}-{key}"
+        if not (out / "hf_quant_config.json").is_file():
+            model = "smollm2-135m" if role == "target" else str(DRAFTS_DIR / "smollm2-135m")
+            convert_checkpoint(ConvertOptions(model=model, quant=quant, output=out, role=role, kv_cache_quant=kv_cache_quant,
+                                              calib_data="chat", calib_samples=2, offload=offload), progress=lambda m: None)
+        return out
+
+    return get
 
 
 @pytest.fixture

@@ -132,18 +132,14 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def converted(quantized):
     """{name: output dir}: the SmolLM2 target in FP8 with an FP8 KV cache and in NVFP4, each whole and offloaded
     (layer by layer), the packaged draft in each FP4 format."""
-    root = tmp_path_factory.mktemp("convert")
-    runs = {
-        **{f"target-{q}{tag}": ConvertOptions(model="smollm2-135m", quant=q, kv_cache_quant=kv, calib_data="chat",
-                                              calib_samples=2, offload=offload, output=root / f"target-{q}{tag}")
+    return {
+        **{f"target-{q}{tag}": quantized(q, kv_cache_quant=kv, offload=offload)
            for q, kv in (("fp8", "fp8"), ("nvfp4", "none")) for tag, offload in (("", False), ("-offload", True))},
-        **{f"draft-{q}": ConvertOptions(model=str(DRAFT), quant=q, calib_data="chat", calib_samples=2, output=root / f"draft-{q}")
-           for q in ("nvfp4", "mxfp4", "w4a8_mxfp4_fp8")},
+        **{f"draft-{q}": quantized(q, role="draft") for q in ("nvfp4", "mxfp4", "w4a8_mxfp4_fp8")},
     }
-    return {name: convert_checkpoint(opts, progress=QUIET) for name, opts in runs.items()}
 
 
 def test_target_fp8_decodes_bit_exact_and_within_bound(converted, target_dir):

@@ -13,7 +13,7 @@ PROMPTS = [
     ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?", True),
     ("The capital of France is", False),
 ]
-MAX_NEW = 48
+MAX_NEW = 32  # two blocks of 16: every block size below crops and carries over at least once
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_oracle_draft_long_acceptances_are_lossless(target, draft, references, b
         oracle = OracleDraft(draft, ids + ref)
         out, stats = run(target, oracle, ids, block_size)
         assert out == ref, prompt
-        if len(ref) > 2 * block_size:
+        if len(ref) >= 2 * block_size:
             assert stats.acceptance_length > 1.5  # long accepted runs really happened
             assert stats.accepted_tokens < stats.drafted_tokens  # and so did rejections
 

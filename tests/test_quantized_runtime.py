@@ -1,13 +1,12 @@
 """ModelOpt-quantized SmolLM2 checkpoints (written by `trtdflash convert`) on the embedded runtime: decoded and rounded
 as the format means, greedy DFlash token-identical to greedy decoding of the same quantized target, served unchanged.
 
-Conversions are cached in pytest's cache directory, keyed by the converter's source and ModelOpt version, so only
-the first run pays for calibration.
+The checkpoints are conftest's `quantized` ones, which test_convert.py decodes bit by bit (the FP8 target with its
+FP8 KV cache).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_quantized_runtime.py
 """
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -19,7 +18,6 @@ from safetensors.torch import load_file, save_file
 
 from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.client import CompletionRequest, complete
-from trtllm_dflash.convert import ConvertOptions, convert_checkpoint
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.generate import GenerationStats, speculative_stream
 from trtllm_dflash.config import SamplingParams
@@ -35,26 +33,14 @@ MAX_NEW = 24
 TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")
 
 
-def _converted(request, model: str, quant: str, role: str, **kw) -> Path:
-    import modelopt
-
-    src = sorted((Path(__file__).parents[1] / "trtllm_dflash" / "convert").glob("*.py"))
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in src) + modelopt.__version__.encode()).hexdigest()[:12]
-    extra = "".join(f"-{k}-{v}" for k, v in sorted(kw.items()))
-    out = request.config.cache.mkdir("quantized-smollm2") / f"{role}-{quant}{extra}-{key}"
-    if not (out / "hf_quant_config.json").is_file():
-        convert_checkpoint(ConvertOptions(model=model, quant=quant, output=out, role=role, calib_samples=4, **kw))
-    return out
-
-
 @pytest.fixture(scope="module")
 def packaged_draft():
     return resolve_draft(None, "smollm2-135m")
 
 
 @pytest.fixture(scope="module", params=["fp8", "nvfp4", "mxfp4"])
-def quantized_target(request, packaged_draft):
-    tm = TargetModel.load(_converted(request, "smollm2-135m", request.param, "target"))
+def quantized_target(request, quantized, packaged_draft):
+    tm = TargetModel.load(quantized(request.param, kv_cache_quant="fp8" if request.param == "fp8" else "none"))
     tm.set_taps(load_draft(packaged_draft).config.target_layer_ids)
     return request.param, tm
 
@@ -122,11 +108,11 @@ def test_a_layer_equals_dequantized_weight_times_fake_quantized_input(quantized_
     assert torch.isfinite(logits).all()
 
 
-def test_fp8_kv_cache_and_quantized_draft(request, packaged_draft):
+def test_fp8_kv_cache_and_quantized_draft(quantized, packaged_draft):
     """An FP8 target with an FP8 KV cache and an NVFP4 draft (convert --role draft): loads, drafts, stays lossless."""
-    tm = TargetModel.load(_converted(request, "smollm2-135m", "fp8", "target", kv_cache_quant="fp8"))
+    tm = TargetModel.load(quantized("fp8", kv_cache_quant="fp8"))
     assert read_quant_spec(tm.path).kv_cache_quant_algo == "FP8" and tm.model.model.layers[0].self_attn.k_scale > 0
-    draft = load_draft(_converted(request, str(packaged_draft), "nvfp4", "draft"))
+    draft = load_draft(quantized("nvfp4", role="draft"))
     assert sum(isinstance(m, QuantLinear) for m in draft.modules()) == 7 * draft.config.num_hidden_layers
     tm.set_taps(draft.config.target_layer_ids)
     ids = DFlashEngine(tm, None, 1).encode(PROMPT)
@@ -135,8 +121,8 @@ def test_fp8_kv_cache_and_quantized_draft(request, packaged_draft):
     assert out == ref and stats.accepted_tokens > 0
 
 
-def test_bad_quantized_checkpoints_are_one_sentence(request, tmp_path):
-    src = _converted(request, "smollm2-135m", "nvfp4", "target")
+def test_bad_quantized_checkpoints_are_one_sentence(quantized, tmp_path):
+    src = quantized("nvfp4")
 
     def broken(name, edit_config=None, edit_state=None):
         d = tmp_path / name
@@ -166,9 +152,9 @@ def test_bad_quantized_checkpoints_are_one_sentence(request, tmp_path):
         assert "\n" not in str(e.value)
 
 
-def test_quantized_target_served_by_triton_equals_generate(request, packaged_draft, tmp_path):
+def test_quantized_target_served_by_triton_equals_generate(quantized, packaged_draft, tmp_path):
     """build (torch backend) + the real tritonserver + one gRPC completion == `trtdflash generate` on the same NVFP4 target."""
-    target = _converted(request, "smollm2-135m", "nvfp4", "target")
+    target = quantized("nvfp4")
     build = run_build(BuildOptions(output=tmp_path / "build", target=str(target), draft=str(packaged_draft), block_size=4,
                                    max_seq_len=256, max_batch_size=1, speculation="fixed", dtype="fp32"), progress=lambda m: None)
     ref = json.loads(subprocess.run(

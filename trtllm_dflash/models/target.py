@@ -144,8 +144,10 @@ def fuse_projections(layers: nn.ModuleList) -> None:
             parts = [getattr(owner, n) for n in names]
             if any(type(p) is not nn.Linear for p in parts) or len({p.bias is None for p in parts}) > 1:
                 continue
+            # On the meta device: a real one would first draw random weights (kaiming) only to drop them, a quarter
+            # of a SmolLM2 load (0.5 of 2.1 s, AMD EPYC Zen 3, 2026-11-28).
             linear = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                               device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+                               device="meta", dtype=parts[0].weight.dtype)
             linear.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
             if linear.bias is not None:
                 linear.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
