@@ -208,3 +208,13 @@ def test_fuzz_any_request_is_parsed_or_refused_in_one_sentence(arrays):
         assert "\n" not in str(e) and str(e).endswith(".")
     else:
         assert 1 <= r.max_tokens and len(r.prompt_ids) + r.max_tokens <= 256 and all(0 <= i < 100 for i in r.prompt_ids)
+
+
+def test_postprocessing_imports_no_torch():
+    """Triton starts the postprocessing stub beside the dflash model's: importing torch there (about 3.5 s of CPU)
+    slowed every server start on a 2-core machine."""
+    import subprocess
+    import sys
+
+    code = "import sys, trtllm_dflash.protocol, trtllm_dflash.cancel; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"

@@ -19,13 +19,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from .config import SamplingParams
 from .errors import DFlashError
-from .generate import GenerationStats
+
+if TYPE_CHECKING:  # a type only: Triton's postprocessing stub imports this module, and generate.py imports torch
+    from .generate import GenerationStats
 
 Getter = Callable[[str], "np.ndarray | None"]  # input name -> its array (batch dim first), None if absent
 
