@@ -6,10 +6,15 @@ where ours does not run) and, for one row, ATen's kernel (oneDNN off: what `Pack
 tokens before ours). With `--isa avx2` (a child process with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2:
 torch as on a CPU with AVX2 alone) ours is the FMA variant, against ATen's emulated bf16 kernel (what bf16 linears
 ran there before) and oneDNN's packed fp32 kernel (what the fp32 default runs there). Random weights of the target's
-shapes; the kernels take turns per round and each figure is the fastest of `--reps` rounds. The CLI's thread settings.
+shapes; the kernels take turns per round and each figure is the fastest of `--reps` rounds (`median_ms`: their
+median). The CLI's thread settings.
+
+`--against REV` also builds our kernel as it was at git revision REV (its source and headers, `git show`) and times it
+in the same rounds, `ours@REV`, checking that both give the same bits: a kernel change measured side by side.
 
     python benchmarks/bench_bf16_kernel.py --rows 1 2 4 8 16 32 80 256
     python benchmarks/bench_bf16_kernel.py --isa avx2 --rows 1 2 4 8 16 32 80 256
+    OMP_NUM_THREADS=1 python benchmarks/bench_bf16_kernel.py --rows 1 2 8 16 --reps 15 --against HEAD~1
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +38,25 @@ from trtllm_dflash.threads import configure_threads
 configure_threads()  # before torch loads (threads.py)
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 RESULTS = Path(__file__).parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def kernel_at(rev: str, name: str):
+    """Our kernel variant `name` as its source stood at git revision `rev`, built apart from the current one."""
+    from torch.utils.cpp_extension import load
+
+    from trtllm_dflash.models import bf16_gemm
+
+    filename, flags = bf16_gemm.VARIANTS[name]
+    build = Path(tempfile.mkdtemp(prefix="bf16-kernel-"))
+    for f in (filename, *bf16_gemm.HEADERS):
+        shown = subprocess.run(["git", "show", f"{rev}:trtllm_dflash/models/{f}"], cwd=REPO, capture_output=True)
+        if shown.returncode:
+            raise SystemExit(f"--against {rev}: git cannot show trtllm_dflash/models/{f} there ({shown.stderr.decode().strip()}).")
+        (build / f).write_bytes(shown.stdout)
+    print(f"building our {name} kernel as of {rev} in {build}...", file=sys.stderr, flush=True)
+    return load(name=f"trtdflash_bf16_gemm_{name}_against", sources=[str(build / filename)], build_directory=str(build),
+                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def main(argv=None):
@@ -39,6 +65,7 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 80, 256])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--isa", choices=["native", "avx2"], default="native")
+    ap.add_argument("--against", metavar="REV", help="also time our kernel as of this git revision (e.g. HEAD~1)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/bf16-kernel.json (native), bf16-kernel-avx2.json")
     args = ap.parse_args(argv)
     args.out = args.out or str(RESULTS / ("bf16-kernel.json" if args.isa == "native" else "bf16-kernel-avx2.json"))
@@ -69,6 +96,9 @@ def main(argv=None):
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
     kernels = {"ours": ([ours.pack(w) for w in weights], lambda x, w: ours.linear(x, w, None))}
+    if args.against:
+        old = kernel_at(args.against, bf16_gemm.variant())
+        kernels[f"ours@{args.against}"] = ([old.pack(w) for w in weights], lambda x, w: old.linear(x, w, None))
     if can_pack(torch.bfloat16):
         kernels["onednn"] = ([torch.ops.mkldnn._reorder_linear_weight(w) for w in weights], onednn)
     else:  # AVX2 alone: the fp32 default's kernel, fed the same inputs in fp32
@@ -84,21 +114,29 @@ def main(argv=None):
     result = {"benchmark": "bench_bf16_kernel", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine_info(), "isa": args.isa, "kernel": bf16_gemm.variant(),
               "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "target": args.target, "linears": len(shapes),
-              "weight_mb": round(sum(n * k for n, k in shapes) * 2 / 2**20, 1), "reps": args.reps, "ms": {}}
+              "weight_mb": round(sum(n * k for n, k in shapes) * 2 / 2**20, 1), "reps": args.reps, "against": args.against,
+              "ms": {}, "median_ms": {}, "same_bits_as_against": {}}
     with torch.inference_mode():
         for m in args.rows:
             xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for k in {k for _, k in shapes}}
             runs = dict(kernels) | ({"aten": (weights, aten)} if m == 1 or args.isa == "avx2" else {})
-            best = {name: float("inf") for name in runs}
+            times = {name: [] for name in runs}
             for rep in range(args.reps + 1):  # round 0 warms every kernel up and is not counted
                 for name, (packed, f) in runs.items():
                     t0 = time.perf_counter()
                     for w, (_, k) in zip(packed, shapes):
                         f(xs[k], w)
                     if rep:
-                        best[name] = min(best[name], time.perf_counter() - t0)
-            result["ms"][str(m)] = {name: round(t * 1000, 2) for name, t in best.items()}
-            print(f"{m:4d} rows: " + ", ".join(f"{name} {ms} ms" for name, ms in result["ms"][str(m)].items()), flush=True)
+                        times[name].append(time.perf_counter() - t0)
+            result["ms"][str(m)] = {name: round(min(t) * 1000, 2) for name, t in times.items()}
+            result["median_ms"][str(m)] = {name: round(statistics.median(t) * 1000, 2) for name, t in times.items()}
+            if args.against:
+                (new_w, f_new), (old_w, f_old) = kernels["ours"], kernels[f"ours@{args.against}"]
+                result["same_bits_as_against"][str(m)] = all(torch.equal(f_new(xs[k], a), f_old(xs[k], b))
+                                                            for a, b, (_, k) in zip(new_w, old_w, shapes))
+            print(f"{m:4d} rows: " + ", ".join(f"{name} {ms} ms (median {result['median_ms'][str(m)][name]})"
+                                              for name, ms in result["ms"][str(m)].items())
+                  + (f", same bits: {result['same_bits_as_against'][str(m)]}" if args.against else ""), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
