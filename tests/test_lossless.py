@@ -6,6 +6,7 @@ import torch
 from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.generate import GenerationStats, speculative_stream
 from trtllm_dflash.models.checkpoint import load_draft
+from trtllm_dflash.policy import BlockPolicy
 from trtllm_dflash.runtime import DFlashEngine
 
 PROMPTS = [
@@ -99,6 +100,43 @@ def test_oracle_draft_long_acceptances_are_lossless(target, draft, references, b
         if len(ref) >= 2 * block_size:
             assert stats.acceptance_length > 1.5  # long accepted runs really happened
             assert stats.accepted_tokens < stats.drafted_tokens  # and so did rejections
+
+
+class VerifiesOneGuess(BlockPolicy):
+    """An adaptive policy held at k=2 that records what each step tells it: (k, accepted, the oracle's call, beyond)."""
+
+    def __init__(self, block_size, oracle):
+        super().__init__(block_size, adaptive=True)
+        self.oracle, self.seen = oracle, []
+
+    def choose(self, rows, lookup=None):
+        return [min(2, max(r.remaining, 1)) for r in rows], [False] * len(rows)
+
+    def observe(self, rows, ks, accepted, draft_seconds, verify_seconds, looked=None, beyond=None):
+        self.seen.append((ks[0], accepted[0], self.oracle.calls, beyond[0]))
+        super().observe(rows, ks, accepted, draft_seconds, verify_seconds, looked, beyond)
+
+
+def test_a_step_checks_the_drafts_guess_one_slot_beyond_its_block(target, draft, references):
+    """The draft computes its whole block, so a step that verifies one guess also takes the next one (not verified,
+    not committed): where the verified guess is accepted, the bonus token says whether that spare guess was right,
+    and the policy counts it as the second slot's. The oracle's guesses are wrong exactly where its pattern says."""
+    prompt = PROMPTS[1][0]
+    ids, ref = references[prompt]
+    oracle = OracleDraft(draft, ids + ref, wrong_every=3)
+    policy = VerifiesOneGuess(16, oracle)
+    stats = GenerationStats()
+    out = [t for s in speculative_stream(target, oracle, ids, MAX_NEW, 16, SamplingParams(), frozenset({2}), stats,
+                                         policy=policy, lookup=False) for t in s]
+    assert out == ref
+    known = 0
+    for k, accepted, call, beyond in policy.seen:
+        first_right, spare_right = call % 3 != 2, (call + 1) % 3 != 2  # the oracle's guess j is wrong at (calls + j) % 3 == 2
+        assert accepted == (first_right if k == 2 else 0)
+        assert beyond == (spare_right if k == 2 and first_right else None)
+        known += beyond is not None
+    assert 0 < known < len(policy.seen)
+    assert policy.population.reached[1] == known and policy.population.accepted[1] == sum(b is True for *_, b in policy.seen)
 
 
 def test_autoregressive_baseline_matches_hf(target, references):

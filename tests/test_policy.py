@@ -232,3 +232,26 @@ def test_a_lookup_row_may_verify_beyond_the_drafts_block():
     ks, looked = p.choose([row], [31])
     assert ks[0] > 16 and looked == [True]
     assert p.lookup_population.accepted[30] == 40 and len(p.population.accepted) == 7
+
+
+def test_a_row_held_at_short_blocks_learns_the_next_slot_from_its_spare_guess():
+    """Requests before it have taught the population that the draft's second guess fails, so a row whose every first
+    guess is right is held at k=2: verifying only its first guess, it never measures its second. The step's spare
+    guess (the draft's guess one slot beyond the block, checked against the bonus token where every guess was
+    accepted) measures it: a row whose spare guesses are right moves on to longer blocks, one without stays at 2."""
+    chosen = {}
+    for spare in (None, True):
+        p = BlockPolicy(8, adaptive=True)
+        p.verify_cost.update({1: 0.030, 2: 0.031, 4: 0.036, 8: 0.046})
+        p.draft_cost.update({8: 0.008})
+        chat = Row()
+        feed(p, chat, [1, 0] * 12)  # first guess right half the time, second never
+        row = Row()
+        for _ in range(12):
+            ks = p.choose([row])[0]
+            realized = p.realized
+            p.observe([row], ks, [ks[0] - 1], draft_seconds=0.008, verify_seconds=p._estimate(p.verify_cost, ks[0]),
+                      beyond=[spare if ks[0] > 1 else None])
+            p.realized = realized
+        chosen[spare] = p.choose([row])[0][0]
+    assert chosen[None] == 2 and chosen[True] > 2, chosen

@@ -305,6 +305,13 @@ class Batch:
         ks, looked = self.policy.choose(rows, [len(f) for f in found])  # block length per row, within its budget
         drafting = [i for i, k in enumerate(ks) if k > 1 and not looked[i]]
         drafts, q = [[] for _ in rows], [None] * n  # row i's guesses for positions start+1..start+k_i-1 (and their probs)
+        # A greedy drafting row also guesses one slot beyond its block (the draft computes the whole block anyway): not
+        # verified, but where every guess is accepted the bonus token tells whether it was right, and the policy learns
+        # that slot's acceptance from it instead of from other requests' (a row held at k=2 learns whether k=3 pays).
+        learns = self.policy.adaptive
+        spare = [int(learns and i in drafting and ks[i] < self.block_size and rows[i].sampling.greedy) for i in range(n)]
+        spare_guess: list[int | None] = [None] * n
+        beyond: list[bool | None] = [None] * n  # whether row i's spare guess was right, where all its guesses were
         for i in (i for i, lk in enumerate(looked) if lk):
             drafts[i] = found[i][: ks[i] - 1]
             if not rows[i].sampling.greedy:  # a fixed guess is a draft distribution with all its mass on it
@@ -325,9 +332,9 @@ class Batch:
             if len(drafting) < n:
                 ck, cv = ck[:, idx], cv[:, idx]
             hidden = draft.draft_block(draft.embed_block(target.embed_tokens, block), starts[:, None] + torch.arange(self.block_size), ck, cv, starts)
-            guesses = torch.cat([hidden[d, 1 : ks[i]] for d, i in enumerate(drafting)])  # [sum(k_i - 1), H]
+            guesses = torch.cat([hidden[d, 1 : ks[i] + spare[i]] for d, i in enumerate(drafting)])  # [sum(k_i - 1 + spare_i), H]
             vocab = draft.vocab_token_ids  # the draft guesses among these tokens (None: all)
-            draft_logits = draft.compute_logits(guesses[None], target.lm_head, full=False)[0].split([ks[i] - 1 for i in drafting])
+            draft_logits = draft.compute_logits(guesses[None], target.lm_head, full=False)[0].split([ks[i] - 1 + spare[i] for i in drafting])
             for i, logits in zip(drafting, draft_logits):
                 r = rows[i]
                 if r.counts is not None:  # greedy, re-weighted by what the target writes after them (n-gram prior)
@@ -338,6 +345,8 @@ class Batch:
                 else:
                     q[i] = sampling_probs(r.hold_stops(draft.to_full_vocab(logits), r.stats.num_tokens), r.sampling)
                     drafts[i] = sample(q[i], r.gen).tolist()
+                if spare[i]:
+                    spare_guess[i] = drafts[i].pop()
         t1 = time.perf_counter()
         # Verify [token, d_1..d_{k_i-1}] of every row at positions start..start+k_i-1, all rows in one target forward.
         logits, feats = target.forward_rows([[r.token] + drafts[i] for i, r in enumerate(rows)], [r.start for r in rows],
@@ -359,6 +368,8 @@ class Batch:
                 a, bonus = rejection_sample(torch.tensor(drafts[i], dtype=torch.long), sampling_probs(row_logits[i], r.sampling),
                                             q[i] if q[i] is not None else torch.empty(0, 0), r.gen)
             accepted.append(a)
+            if spare_guess[i] is not None and a == k - 1:
+                beyond[i] = spare_guess[i] == bonus
             s.steps += 1
             s.drafted_tokens += k - 1
             s.accepted_tokens += a
@@ -376,7 +387,8 @@ class Batch:
         if feats is not None:
             slot, position, index = torch.tensor(kept).unbind(1)
             self.dcache.stage(slot, position, feats[index])
-        self.policy.observe(rows, ks, accepted, draft_seconds=t1 - t0, verify_seconds=time.perf_counter() - t1, looked=looked)
+        self.policy.observe(rows, ks, accepted, draft_seconds=t1 - t0, verify_seconds=time.perf_counter() - t1, looked=looked,
+                            beyond=beyond)
         # for metrics: block lengths, guesses verified and accepted, rows that verified lookup guesses and theirs accepted
         self.last_step = (ks, sum(ks) - n, sum(accepted), sum(looked), sum(a for a, lk in zip(accepted, looked) if lk))
         return out

@@ -11,6 +11,9 @@ the measured cost of verifying its tokens and drafting its drafting rows, and ke
 plainly is still probed with a full block so its acceptance stays measured: once when it is new, then only as
 often as PROBE_BUDGET of its share of the plain steps covers the probe's extra cost, and only when the block could
 pay were the row as good as its evidence allows and as the draft is known to be (its card's held-out acceptance).
+A greedy drafting row also learns the slot after its block: the draft guesses the whole block anyway, and where every
+verified guess is accepted the bonus token says whether the next guess was right (generate.py), so a row held at short
+blocks by other requests' record measures whether a longer one would pay, without paying to verify it.
 A row whose recent tokens occurred before (lookup.py) may verify the tokens that followed them instead of drafting:
 such a row costs only its verify tokens, and its block length (up to 1 + lookup.MAX_GUESSES, beyond the draft's block)
 is priced with its own and all rows' record of lookup guesses, kept apart from the draft's.
@@ -246,9 +249,10 @@ class BlockPolicy:
                 costs[t] *= scale
 
     def observe(self, rows: list, ks: list[int], accepted: list[int], draft_seconds: float, verify_seconds: float,
-                looked: list[bool] | None = None) -> None:
+                looked: list[bool] | None = None, beyond: list[bool | None] | None = None) -> None:
         """Learn from a finished step: its measured costs and each row's accepted run (`looked[i]`: row i verified
-        lookup guesses)."""
+        lookup guesses; `beyond[i]`: where row i's guesses were all accepted, whether its guess for the slot after its
+        block was the target's token too, None where not known)."""
         if not self.adaptive:
             return
         looked = looked or [False] * len(rows)
@@ -266,7 +270,7 @@ class BlockPolicy:
         self.record_cost(self.verified_tokens(ks), draft_seconds if drafting else None, verify_seconds,
                          draft_tokens=drafting * self.max_block)
         share = (draft_seconds + verify_seconds) / len(rows)
-        for r, b, a, lk in zip(rows, ks, accepted, looked):
+        for i, (r, b, a, lk) in enumerate(zip(rows, ks, accepted, looked)):
             table, pop = (self._lookup_rows, self.lookup_population) if lk else (self._rows, self.population)
             counts = table.get(r)
             if counts is None:
@@ -275,9 +279,12 @@ class BlockPolicy:
                 counts.plain_seconds = counts.plain_seconds + share if b == 1 else 0.0
             elif r in self._rows:
                 self._rows[r].plain_seconds += share
-            for j in range(min(a + 1, b - 1)):
+            hits = [j < a for j in range(min(a + 1, b - 1))]  # slot j reached, and accepted
+            if beyond and beyond[i] is not None and not lk and a == b - 1 and 1 < b < self.max_block:
+                hits.append(beyond[i])
+            for j, hit in enumerate(hits):
                 counts.reached[j] += 1
                 pop.reached[j] += 1
-                if j < a:
+                if hit:
                     counts.accepted[j] += 1
                     pop.accepted[j] += 1
