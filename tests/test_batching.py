@@ -3,6 +3,7 @@ beside it, on the real SmolLM2-135M target and the shipped draft; requests join,
 mid-stream; the engine loop queues, admits and retires them."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -48,6 +49,25 @@ def references(engine):
 
 def request(engine, ids, max_new, stop_token_ids=()):
     return Request(ids, max_new, stop_token_ids=engine.eos_token_ids | frozenset(stop_token_ids))
+
+
+def test_a_burst_of_contention_during_calibration_inflates_no_size(engine, monkeypatch):
+    """A neighbour that takes the CPU for a few consecutive forwards (a server's other models loading beside this one)
+    must not leave some sizes looking dearer than the rest: the policy learns a size's cost relative to the others
+    only by choosing it. Calibration's sizes take turns, so the burst meets each size at most once and the fastest
+    of its rounds is clean."""
+    target, forward, sizes = engine.target, engine.target.forward, []
+
+    def beside_a_neighbour(ids, *args, **kwargs):
+        sizes.append(ids.shape[1])
+        if 4 <= len(sizes) < 4 + 6:  # six consecutive forwards, each 0.3 s slower
+            time.sleep(0.3)
+        return forward(ids, *args, **kwargs)
+    monkeypatch.setattr(target, "forward", beside_a_neighbour)
+    policy = BlockPolicy(engine.block_size, adaptive=True)
+    Batch(target, engine.draft, engine.block_size, slots=1, policy=policy).calibrate(1)
+    assert sorted(policy.verify_cost) == sorted(set(sizes)) and len(set(sizes)) == 6  # 1, 2, ... 32 (lookup's longest)
+    assert max(policy.verify_cost.values()) < 0.3, policy.verify_cost
 
 
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])

@@ -28,6 +28,8 @@ from .prefix_cache import BLOCK, Entry, PrefixCache, chunk_ends, chunk_keys
 from .sampling import greedy, rejection_sample, sample, sampling_probs
 from .threads import widened
 
+CALIBRATION_ROUNDS = 3  # Batch.calibrate: rounds over every size, the fastest of each kept
+
 
 @dataclass
 class GenerationStats:
@@ -244,32 +246,35 @@ class Batch:
         """Measure draft and verify forwards of 1, 2, 4, ... tokens up to a full step of `max_rows` rows (verify: or a
         row's lookup guesses, if longer), for the policy.
 
+        The sizes take turns, CALIBRATION_ROUNDS rounds of all of them, and each keeps its fastest: the policy learns a
+        size's cost relative to the others only by choosing it, so a burst of contention that inflated some sizes
+        alone (a server's other models loading beside this one) would hold it at short blocks for good (seen: a fresh
+        install's quickstart, whose preprocessing model compiled the package's bytecode while this one calibrated, ran
+        GSM8K at 2-token blocks, acceptance 1.3 against 2.5).
         Runs in slot 0 before any request is admitted (whatever it writes there is overwritten by the next prefill).
         """
         assert not self.rows, "calibrate before admitting requests"
-        tokens, full = 1, max_rows * self.block_size
+        full = max_rows * self.block_size
         top = max(full, 1 + self.max_guesses if self.lookup else 0)
-        while True:
-            n = min(tokens, top)
-            ids = torch.zeros(1, n, dtype=torch.long)
-            verify, draft = [], []
-            drafts = self.draft is not None and self.block_size <= n <= full
-            for _ in range(3):  # the first run of a shape pays one-off setup; the fastest is the machine's cost
+        sizes = sorted({min(2**i, top) for i in range(top.bit_length() + 1)})
+        verify, draft = ({n: float("inf") for n in sizes} for _ in range(2))
+        for _ in range(CALIBRATION_ROUNDS):  # the first run of a shape pays one-off setup; the fastest is the machine's cost
+            for n in sizes:
+                ids = torch.zeros(1, n, dtype=torch.long)
                 t0 = time.perf_counter()
                 self.target.forward(ids, 0, self.cache, capture=self.draft is not None)
                 t1 = time.perf_counter()
-                if drafts:  # as a step drafts: whole blocks, n - rows guesses to the LM head
+                verify[n] = min(verify[n], t1 - t0)
+                if self.draft is not None and self.block_size <= n <= full:  # as a step drafts: whole blocks, n - rows guesses to the LM head
                     rows = n // self.block_size
                     x = self.draft.embed_block(self.target.embed_tokens, torch.zeros(rows, self.block_size, dtype=torch.long))
                     c = self.dcache.k[:, :1, :, :0].expand(-1, rows, -1, -1, -1)
                     hidden = self.draft.draft_block(x, torch.arange(self.block_size).expand(rows, -1), c, c, torch.zeros(rows, dtype=torch.long))
                     self.draft.compute_logits(hidden[:, 1:].reshape(1, -1, hidden.shape[-1]), self.target.lm_head, full=False)
-                verify.append(t1 - t0)
-                draft.append(time.perf_counter() - t1)
-            self.policy.record_cost(n, min(draft) if drafts else None, min(verify), draft_tokens=n // self.block_size * self.block_size)
-            if n == top:
-                break
-            tokens *= 2
+                    draft[n] = min(draft[n], time.perf_counter() - t1)
+        for n in sizes:
+            drafted = draft[n] if draft[n] < float("inf") else None
+            self.policy.record_cost(n, drafted, verify[n], draft_tokens=n // self.block_size * self.block_size)
 
     @property
     def ready(self) -> list[Request]:
