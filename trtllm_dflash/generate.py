@@ -248,9 +248,8 @@ class Batch:
 
         The sizes take turns, CALIBRATION_ROUNDS rounds of all of them, and each keeps its fastest: the policy learns a
         size's cost relative to the others only by choosing it, so a burst of contention that inflated some sizes
-        alone (a server's other models loading beside this one) would hold it at short blocks for good (a fresh
-        install's quickstart ran GSM8K at 2-token blocks, acceptance 1.3 against 2.5; pricing 4 tokens and more 1.5x
-        after calibration does the same in-process).
+        alone (a server's other models loading beside this one) would hold it at short blocks for good (in-process,
+        4 tokens and more priced 1.5x after calibration held GSM8K at 2-token blocks, acceptance 1.3 against 2.5).
         Runs in slot 0 before any request is admitted (whatever it writes there is overwritten by the next prefill).
         """
         assert not self.rows, "calibrate before admitting requests"
