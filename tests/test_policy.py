@@ -10,11 +10,11 @@ class Row:
 def feed(policy: BlockPolicy, row, accepted_runs: list[int]) -> None:
     """Full-block steps in which `row` got these numbers of drafts accepted, each costing what the policy expects: a
     history of the row's acceptance (the realized share, learned from the steps the policy chose, is left alone)."""
-    k, realized = policy.max_block, policy.realized
+    k, realized = policy.max_block, list(policy._yield)
     for a in accepted_runs:
         policy.observe([row], [k], [a], draft_seconds=policy._estimate(policy.draft_cost, k),
                        verify_seconds=policy._estimate(policy.verify_cost, k))
-    policy.realized = realized
+    policy._yield = realized
 
 
 def test_a_noise_spike_cannot_make_a_short_forward_dearer_than_a_longer_one():
@@ -79,9 +79,10 @@ def test_a_draft_that_misses_decodes_plainly_and_probes_one_row_within_its_budge
     for r in rows:
         feed(p, r, [0] * 10)
     assert p.choose(rows)[0] == [1, 1]
-    # Probing one row verifies 9 tokens and drafts one block: 0.041 s against a 0.030 s plain step. 3 % of each
-    # row's share of the plain steps (15 ms) pays for the difference after 25 of them.
-    plain_steps(p, rows, 24, 0.030)
+    # Probing one row verifies 9 tokens and drafts one block: 0.041 s for an expected 2.03 tokens, which a plain step
+    # commits at 0.015 s a token: an expected loss of 10.6 ms. 3 % of each row's share of the plain steps (15 ms)
+    # covers it after 24 of them.
+    plain_steps(p, rows, 23, 0.030)
     assert p.choose(rows)[0] == [1, 1]
     plain_steps(p, rows, 1, 0.030)
     assert p.choose(rows)[0] == [8, 1]
@@ -91,6 +92,34 @@ def test_a_draft_that_misses_decodes_plainly_and_probes_one_row_within_its_budge
     assert p.choose(rows)[0] == [1, 1]
     # A new request is measured at once, whatever the population says: it may be one the draft serves.
     assert p.choose([rows[0], Row()])[0] == [1, 8]
+
+
+def test_a_row_near_break_even_is_probed_sooner_than_one_the_draft_never_serves():
+    """A probe is paid for by its expected loss, not its gross cost: one that commits a few extra tokens costs less
+    than one that commits none, so a row the draft serves a third of the time is re-measured sooner."""
+    due = {}
+    for history in ([0] * 12, [1, 0, 0] * 4):
+        p = BlockPolicy(8, adaptive=True)
+        p.verify_cost.update({1: 0.030, 2: 0.031, 4: 0.036, 8: 0.046})
+        p.draft_cost.update({8: 0.010})
+        row = Row()
+        feed(p, row, history)
+        assert p.choose([row])[0] == [1]
+        due[history[0]] = next(n for n in range(1, 200) if plain_steps(p, [row], 1, 0.030) or p.choose([row])[0] != [1])
+    assert due[1] < 0.7 * due[0], due
+
+
+def test_a_probe_takes_the_block_that_could_pay_where_a_full_one_could_not():
+    """Verifying 16 tokens costs three plain steps (one thread, AVX2): a full-block probe could never repay itself
+    even at the draft card's acceptance, but 4 tokens could. After requests the draft did not serve, a new one is
+    still measured, with the block that would serve it best were it as good as the card says."""
+    p = BlockPolicy(16, adaptive=True, ceiling=BlockPolicy.conditional_for_tau(3.1, 16))
+    p.verify_cost.update({1: 0.030, 2: 0.031, 4: 0.040, 8: 0.060, 16: 0.090})
+    p.draft_cost.update({16: 0.009})
+    feed(p, Row(), [0] * 20)
+    row = Row()
+    ks = p.choose([row])[0]
+    assert p._probed is row and 1 < ks[0] < 16, ks
 
 
 def test_a_new_request_is_probed_only_where_the_draft_at_its_known_best_could_pay():
@@ -189,6 +218,10 @@ def test_rows_that_accept_less_than_estimated_teach_the_policy_to_draft_less():
         feed(p, math, [3, 3])  # keeps math's counts where they were (about 2 of its 7 accepted)
     assert p.realized < 0.6
     assert p.choose([math, chat])[0] == [1, 1]
+    # Nothing drafts by choice now, so nothing measures the share: it fades back, and the row drafts again.
+    plain_steps(p, [math, chat], 200, 0.030)
+    ks = p.choose([math, chat])[0]
+    assert p.realized > 0.9 and ks[0] > 1 and p._probed is None
 
 
 def test_lookup_guesses_cost_no_draft_and_keep_their_own_record():
@@ -249,9 +282,9 @@ def test_a_row_held_at_short_blocks_learns_the_next_slot_from_its_spare_guess():
         row = Row()
         for _ in range(12):
             ks = p.choose([row])[0]
-            realized = p.realized
+            realized = list(p._yield)
             p.observe([row], ks, [ks[0] - 1], draft_seconds=0.008, verify_seconds=p._estimate(p.verify_cost, ks[0]),
                       beyond=[spare if ks[0] > 1 else None])
-            p.realized = realized
+            p._yield = realized
         chosen[spare] = p.choose([row])[0][0]
     assert chosen[None] == 2 and chosen[True] > 2, chosen

@@ -8,9 +8,11 @@ decoding everywhere, the policy adds one slot at a time to the row whose next sl
 (each row's own acceptance, position by position, shrunk toward the population's, times the share of such
 estimates that rows drafting by choice went on to accept), prices each allocation with
 the measured cost of verifying its tokens and drafting its drafting rows, and keeps the best. A row decoding
-plainly is still probed with a full block so its acceptance stays measured: once when it is new, then only as
-often as PROBE_BUDGET of its share of the plain steps covers the probe's extra cost, and only when the block could
-pay were the row as good as its evidence allows and as the draft is known to be (its card's held-out acceptance).
+plainly is still probed so its acceptance stays measured, with the block that would serve it best were it as good as
+its evidence allows and as the draft is known to be (its card's held-out acceptance; the full block where verifying is
+cheap), and only where that block could pay: once when the row is new, then only as often as PROBE_BUDGET of its share
+of the plain steps covers the probe's expected loss (its cost less what its expected tokens would take at the best
+allocation's rate: a row near break-even is probed often, one the draft never serves rarely).
 A greedy drafting row also learns the slot after its block: the draft guesses the whole block anyway, and where every
 verified guess is accepted the bonus token says whether the next guess was right (generate.py), so a row held at short
 blocks by other requests' record measures whether a longer one would pay, without paying to verify it.
@@ -45,8 +47,11 @@ FALL, RISE = 0.5, 0.05
 FACTOR_RATE = 0.1
 # A row drafts when its estimated acceptance is among the highest, so on average its estimate was lucky: drafting rows
 # accept less than estimated (about 7-14 % fewer extra tokens at 4 rows, AMD EPYC, 2026-11-24). The realized share
-# of the expected extra tokens is learned like the cost factor, from rows that drafted by choice (not probes).
-YIELD_RATE = 0.05
+# of the expected extra tokens is learned from rows that drafted by choice (not probes): their accepted and expected
+# extra tokens, summed with weights fading by YIELD_MEMORY a step, drafting or not, from YIELD_PRIOR expected tokens at
+# a share of 1. A share learned low stops being measured (nothing then drafts by choice), so it must fade: held, one
+# learned from a chat answer kept every later request plain (the quickstart's math row at acceptance 1.3, not 2.4).
+YIELD_MEMORY, YIELD_PRIOR = 0.97, 2.0
 MARGIN = 1.02  # a longer block must beat the best shorter one by this much: ties go to less speculation
 
 
@@ -70,7 +75,7 @@ class BlockPolicy:
         # one is measured: many rows cost more than the one-row calibration forwards either way, and a drafting factor
         # left at 1.0 beside a learned plain 1.3 made the first steps of a busy server draft every row (8 rows, fp32).
         self.factor: dict[bool, float | None] = {False: 1.0, True: None}
-        self.realized = 1.0  # accepted / expected extra tokens of chosen drafting rows (moving average)
+        self._yield = [0.0, 0.0]  # accepted and expected extra tokens of chosen drafting rows (fading sums)
         self._probed = None  # the row the last choice probed
         self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> RowCounts
         self._lookup_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> RowCounts of its lookups
@@ -78,6 +83,12 @@ class BlockPolicy:
     def _new_counts(self, lookup: bool = False) -> RowCounts:
         slots = MAX_GUESSES if lookup else self.max_block - 1
         return RowCounts([0.0] * slots, [0.0] * slots)
+
+    @property
+    def realized(self) -> float:
+        """The share of their expected extra tokens that rows drafting by choice accept."""
+        accepted, expected = self._yield
+        return min(1.5, max(0.5, (accepted + YIELD_PRIOR) / (expected + YIELD_PRIOR)))
 
     def _counts(self, req) -> RowCounts:
         return self._rows.get(req) or self._new_counts()
@@ -202,33 +213,40 @@ class BlockPolicy:
             elif most / cost <= best_rate * MARGIN:
                 break  # costs only grow from here: not even every slot accepted could beat the best
         probe = self._probe(rows, best, best_gain, caps, levels, looked)
-        self._probed = rows[probe] if probe is not None else None
-        if probe is not None:
-            best[probe] = caps[probe]
+        self._probed = rows[probe[0]] if probe else None
+        if probe:
+            best[probe[0]] = probe[1]
         return best, [lk and k > 1 for lk, k in zip(looked, best)]
 
-    def _probe(self, rows: list, ks: list[int], gain: float, caps: list[int], levels, looked: list[bool]) -> int | None:
-        """The plain row that is due a full block, if any: a row never measured (one block in its life tells the
-        policy what the population's average cannot: whether this request is one the draft serves), else the one
-        longest plain whose share of the plain steps' time covers the probe within PROBE_BUDGET."""
+    def _probe(self, rows: list, ks: list[int], gain: float, caps: list[int], levels, looked: list[bool]) -> tuple[int, int] | None:
+        """The plain row that is due a probe, and its block, if any: a row never measured (one block in its life tells
+        the policy what the population's average cannot: whether this request is one the draft serves), else the one
+        longest plain whose share of the plain steps' time covers the probe's expected loss within PROBE_BUDGET. The
+        block is the one that would serve the row best were it as good as its evidence allows and the draft is known
+        to be: the full block where verifying is cheap, a shorter one where a full one could never pay."""
         counts = {i: self._counts(rows[i]) for i, k in enumerate(ks) if k == 1 and caps[i] > 1 and not looked[i]}
         if not counts:
             return None
         n, tokens, kmax = len(ks), self.verified_tokens(ks), max(ks)
         drafting = sum(k > 1 and not lk for k, lk in zip(ks, looked))
         base = self._cost(tokens, drafting, levels)
-        pays: dict[tuple, bool] = {}  # rows never measured all have the same evidence: priced once per cap
+        plans: dict[tuple, tuple[float, int, float]] = {}  # evidence -> (best case's rate, block, cost): rows never
+        # measured all have the same evidence, priced once per cap
         for i in sorted(counts, key=lambda i: (counts[i].reached[0] > 0, -counts[i].plain_seconds)):
             c, cap = counts[i], caps[i]
-            cost = self._cost(tokens + cap - 1 if self.ragged else n * max(kmax, cap), drafting + 1, levels)
-            if c.reached[0] > 0 and c.plain_seconds * PROBE_BUDGET < cost - base:
-                return None  # the rows after it have less plain time behind them
             key = (cap, *c.reached, *c.accepted)
-            if key not in pays:
-                could = gain - 1 + self._tokens(self._conditional(c, optimistic=True), cap)
-                pays[key] = could / cost > PROBE_MARGIN * gain / base
-            if pays[key]:
-                return i
+            if key not in plans:
+                could = self._conditional(c, optimistic=True)
+                plans[key] = max(((gain - 1 + self._tokens(could, k)) / cost, k, cost) for k in range(2, cap + 1)
+                                 for cost in [self._cost(tokens + k - 1 if self.ragged else n * max(kmax, k), drafting + 1, levels)])
+            rate, k, cost = plans[key]
+            if rate <= PROBE_MARGIN * gain / base:
+                continue
+            if c.reached[0] > 0:  # measured before: the probe's cost less what its expected tokens take at the best rate
+                expected = gain + self.realized * (self._tokens(self._conditional(c), k) - 1)
+                if c.plain_seconds * PROBE_BUDGET < cost - expected * base / gain:
+                    continue
+            return i, k
         return None
 
     def record_cost(self, tokens: int, draft_seconds: float | None, verify_seconds: float, draft_tokens: int | None = None) -> None:
@@ -259,10 +277,9 @@ class BlockPolicy:
         drafting = sum(k > 1 and not lk for k, lk in zip(ks, looked))
         chosen = [(r, k, a) for r, k, a, lk in zip(rows, ks, accepted, looked) if k > 1 and not lk and r is not self._probed]
         self._probed = None  # not kept: a retired request would stay alive until the next choice
-        expected = sum(self.expected_tokens(r, k) - 1 for r, k, _ in chosen)
-        if expected > 0:
-            ratio = sum(a for _, _, a in chosen) / expected
-            self.realized = min(1.5, max(0.5, self.realized + YIELD_RATE * (ratio - self.realized)))
+        got, expected = self._yield
+        self._yield = [got * YIELD_MEMORY + sum(a for _, _, a in chosen),
+                       expected * YIELD_MEMORY + sum(self.expected_tokens(r, k) - 1 for r, k, _ in chosen)]
         if self.verify_cost and (self.draft_cost or not drafting):
             f = self._factor(drafting > 0)
             ratio = (draft_seconds + verify_seconds) / max(self._curve(self.verified_tokens(ks), drafting), 1e-9)
