@@ -246,7 +246,7 @@ class BlockPolicy:
             if c.reached[0] > 0:  # measured before: the probe's cost less what its expected tokens take at the best rate
                 expected = gain + self.realized * (self._tokens(self._conditional(c), k) - 1)
                 if c.plain_seconds * PROBE_BUDGET < cost - expected * base / gain:
-                    continue
+                    return None  # the rows after it have less plain time behind them
             return i, k
         return None
 
