@@ -232,21 +232,24 @@ class BlockPolicy:
         n, tokens, kmax = len(ks), self.verified_tokens(ks), max(ks)
         drafting = sum(k > 1 and not lk for k, lk in zip(ks, looked))
         base = self._cost(tokens, drafting, levels)
-        plans: dict[tuple, tuple[float, int, float]] = {}  # evidence -> (best case's rate, block, cost): rows never
-        # measured all have the same evidence, priced once per cap
+
+        def cost_with(k: int) -> float:  # the step with one more row drafting, at block k
+            return self._cost(tokens + k - 1 if self.ragged else n * max(kmax, k), drafting + 1, levels)
+
+        plans: dict[tuple, tuple[float, int]] = {}  # evidence -> (best case's rate, block): rows never measured all
+        # have the same evidence, priced once per cap
         for i in sorted(counts, key=lambda i: (counts[i].reached[0] > 0, -counts[i].plain_seconds)):
             c, cap = counts[i], caps[i]
             key = (cap, *c.reached, *c.accepted)
             if key not in plans:
                 could = self._conditional(c, optimistic=True)
-                plans[key] = max(((gain - 1 + self._tokens(could, k)) / cost, k, cost) for k in range(2, cap + 1)
-                                 for cost in [self._cost(tokens + k - 1 if self.ragged else n * max(kmax, k), drafting + 1, levels)])
-            rate, k, cost = plans[key]
+                plans[key] = max(((gain - 1 + self._tokens(could, k)) / cost_with(k), k) for k in range(2, cap + 1))
+            rate, k = plans[key]
             if rate <= PROBE_MARGIN * gain / base:
                 continue
             if c.reached[0] > 0:  # measured before: the probe's cost less what its expected tokens take at the best rate
                 expected = gain + self.realized * (self._tokens(self._conditional(c), k) - 1)
-                if c.plain_seconds * PROBE_BUDGET < cost - expected * base / gain:
+                if c.plain_seconds * PROBE_BUDGET < cost_with(k) - expected * base / gain:
                     return None  # the rows after it have less plain time behind them
             return i, k
         return None
