@@ -12,6 +12,7 @@ from torch import nn
 
 from conftest import SMOL_MASK_ID
 from trtllm_dflash.config import DraftConfig
+from trtllm_dflash.cpu import trains_in_bf16
 from trtllm_dflash.data import gsm8k_records
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import load_draft
@@ -106,6 +107,31 @@ def test_training_forward_equals_inference_block_by_block():
             x = d.embed_block(emb, noise.view(3, b)[i][None])
             alone = d(x, pos.view(3, b)[i][None], k, v, None)[0]
             assert torch.allclose(together[i], alone, atol=1e-5), a
+
+
+def test_short_blocks_train_as_the_runtime_drafts_them():
+    """A block cut to width w (--short-blocks) is trained as the runtime drafts a block of w slots: its slots beyond w
+    are no keys to anyone and carry no label, and every kept slot's hidden state equals the w-slot block drafted alone
+    (while a full block in the same forward is unchanged)."""
+    torch.manual_seed(0)
+    d, emb = _tiny_draft(), nn.Embedding(50, 32)
+    s, b = 12, 4
+    feats, ids = torch.randn(s, 64), torch.randint(0, 49, (s,))
+    anchors, widths = torch.tensor([2, 5, 9]), torch.tensor([2, 4, 3])
+    noise, pos, labels, valid = build_blocks(ids, torch.ones(s), anchors, b, 49, widths)
+    assert valid.view(3, b).tolist() == [[False, True, False, False], [False, True, True, True], [False, True, True, False]]
+    m = training_mask(anchors, s, b, widths=widths)[0, 0, :, s:]  # block keys only
+    assert m.any(0).tolist() == [True, True, False, False] + [True] * 4 + [True, True, True, False]
+    assert torch.equal(training_mask(anchors, s, b, widths=torch.full((3,), b)), training_mask(anchors, s, b))
+    with torch.no_grad():
+        together = block_hidden(d, emb, feats, noise, pos, anchors, widths).view(3, b, -1)
+        for i, (a, w) in enumerate(zip(anchors.tolist(), widths.tolist())):
+            k, v = d.context_kv(d.project_context(feats[None, :a]), torch.arange(a)[None])
+            x = d.embed_block(emb, noise.view(3, b)[i][None, :w])
+            alone = d(x, pos.view(3, b)[i][None, :w], k, v, None)[0]
+            assert torch.allclose(together[i, :w], alone, atol=1e-5), (a, w)
+        whole = block_hidden(d, emb, feats, noise, pos, anchors).view(3, b, -1)
+        assert torch.allclose(together[1], whole[1]) and not torch.allclose(together[0, :2], whole[0, :2], atol=1e-3)
 
 
 def test_chunked_ce_matches_autograd_reference():
@@ -361,14 +387,19 @@ def test_kd_run_keeps_the_targets_last_layer_and_learns(target, target_dir, tmp_
               seqs_per_step=2, val_fraction=0.0, loss="dpace")
     with pytest.raises(DFlashError, match="from 0 to 1"):
         train_draft(str(target_dir), tmp_path / "bad", kd=1.5, steps=1, **kw)
+    with pytest.raises(DFlashError, match="from 0 to 1"):
+        train_draft(str(target_dir), tmp_path / "bad", short_blocks=1.5, steps=1, **kw)
     card = train_draft(str(target_dir), tmp_path / "kd", kd=0.5, steps=8, **kw)
+    assert card["hyperparameters"]["bf16"] == trains_in_bf16()  # --dtype auto: bf16 autocast only with bf16 arithmetic
     layers = card["hyperparameters"]["target_layer_ids"]
     assert json.loads((tmp_path / "kd" / "data.json").read_text())["target_layer_ids"] == [*layers, 29]
     assert load_draft(tmp_path / "kd" / "draft").config.target_layer_ids == layers  # the draft reads only its own layers
     log = [json.loads(line) for line in (tmp_path / "kd" / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < log[0]["loss"] and all(math.isfinite(r["loss"]) for r in log)
     plain = tmp_path / "plain"  # data captured without the last layer cannot feed a --kd run
-    card = train_draft(str(target_dir), plain, steps=1, **kw)
+    card = train_draft(str(target_dir), plain, steps=2, dtype="fp32", short_blocks=0.5, **kw)  # fp32 over bf16 features
+    assert not card["hyperparameters"]["bf16"] and card["hyperparameters"]["short_blocks"] == 0.5
+    assert all(math.isfinite(json.loads(line)["loss"]) for line in (plain / "train_log.jsonl").read_text().splitlines())
     with pytest.raises(DFlashError, match="captured at target layers"):
         train_draft(str(target_dir), plain, resume=True, kd=0.5, steps=1, **kw)
     args = tr.TrainArgs(**{**card["hyperparameters"], "gamma": None, "kd": 0.5})

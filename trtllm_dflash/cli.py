@@ -264,12 +264,18 @@ def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
 @click.option("--kd", type=float, default=0.0, show_default=True,
               help="Share of the target's own distribution in each slot's label, 0 to 1 (knowledge distillation; the data "
                    "phase then also keeps the target's last layer, 576 more bf16 values a token for SmolLM2).")
+@click.option("--short-blocks", type=float, default=0.0, show_default=True,
+              help="Share of training blocks cut to a random width below --block-size, 0 to 1, so the draft also guesses "
+                   "from a block of only the slots a short verify needs (half the block forward at 2-token blocks; the "
+                   "runtime still drafts whole blocks).")
 @click.option("--max-seq-len", type=int, default=1024, show_default=True)
 @click.option("--anchors-per-seq", type=int, default=64, show_default=True)
 @click.option("--seqs-per-step", type=int, default=4, show_default=True)
 @click.option("--eval-every", type=int, default=100, show_default=True, help="Steps between held-out evaluations.")
 @click.option("--mask-token-id", type=int, default=None, help="Embedding row used as MASK (default: first unused row).")
-@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True, help="Data generation and autocast.")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True,
+              help="Data generation and training. auto: each the faster on this CPU (the data in bf16 wherever our bf16 "
+                   "kernels run; training in bf16 autocast only on CPUs with bf16 arithmetic, else fp32).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--init-from", type=click.Path(exists=True, file_okay=False), default=None,
               help="Start from this draft's weights, e.g. to continue on more data. Same block size and target layers; "
@@ -277,14 +283,15 @@ def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
 @click.option("--resume", is_flag=True, help="Continue the run in --output from its last checkpoint.")
 @user_errors
 def train_draft(target, output, data, num_samples, data_minutes, gen_max_new_tokens, gen_batch_size, num_layers, block_size, steps,
-                epochs, lr, loss, kd, max_seq_len, anchors_per_seq, seqs_per_step, eval_every, mask_token_id, dtype, seed, init_from, resume):
+                epochs, lr, loss, kd, short_blocks, max_seq_len, anchors_per_seq, seqs_per_step, eval_every, mask_token_id, dtype, seed,
+                init_from, resume):
     """Train a DFlash draft for a target on its own greedy answers (CPU is fine for small targets)."""
     from .train.trainer import train_draft as run
 
     run(target, output, data=data, num_samples=num_samples, data_minutes=data_minutes, gen_max_new_tokens=gen_max_new_tokens,
         gen_batch_size=gen_batch_size, mask_token_id=mask_token_id, resume=resume, command="trtdflash " + " ".join(sys.argv[1:]),
         log=lambda m: click.echo(m, err=True), num_layers=num_layers, block_size=block_size, steps=steps, epochs=epochs, lr=lr, loss=loss, kd=kd,
-        max_seq_len=max_seq_len, anchors_per_seq=anchors_per_seq, seqs_per_step=seqs_per_step, eval_every=eval_every, bf16=dtype == "bf16", seed=seed, init_from=init_from)
+        short_blocks=short_blocks, max_seq_len=max_seq_len, anchors_per_seq=anchors_per_seq, seqs_per_step=seqs_per_step, eval_every=eval_every, dtype=dtype, seed=seed, init_from=init_from)
 
 
 @main.command("draft-vocab")

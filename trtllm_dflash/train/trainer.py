@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..config import DRAFT_LOSSES, DraftConfig
-from ..cpu import machine_info
+from ..cpu import machine_info, resolve_dtype, trains_in_bf16
 from ..errors import DFlashError
 from ..models.checkpoint import CARD_FILE, load_draft, read_draft_config, save_draft
 from ..models.draft import DFlashDraftModel, dflash_attention_mask
@@ -62,6 +62,7 @@ class TrainArgs:
     bf16: bool = True
     seed: int = 0
     init_from: str | None = None  # a draft of the same architecture to start from (warm start on new data)
+    short_blocks: float = 0.0  # share of training blocks cut to a random width 2..block_size-1 (see _sequence)
 
     @property
     def loss_gamma(self) -> float:
@@ -110,11 +111,13 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator) 
     return valid[pick].sort().values
 
 
-def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_id: int):
+def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_id: int,
+                 widths: torch.Tensor | None = None):
     """Noise ids, positions, labels and label validity of N blocks, flattened to [N*B].
 
     Slot k of the block at anchor a sits at position a+k and is labelled with the token AT a+k
-    (same position, no shift); it counts only if a+k is a response token inside the sequence.
+    (same position, no shift); it counts only if a+k is a response token inside the sequence, and if k is below
+    its block's width (`widths` [N]: a block drafted over its first w slots only; None: all B).
     """
     s = input_ids.shape[0]
     offs = torch.arange(block_size)
@@ -125,29 +128,37 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
     noise[:, 0] = input_ids[anchors]
     labels = input_ids[clamped]
     valid = inside & loss_mask.bool()[clamped] & (offs > 0)
+    if widths is not None:
+        valid &= offs < widths[:, None]
     return noise.flatten(), pos.flatten(), labels.flatten(), valid.flatten()
 
 
-def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool = False, window: int | None = None) -> torch.Tensor:
-    """[1, 1, N*B, S + N*B] mask over keys [S context | N*B block slots]; the inference rule, via dflash_attention_mask."""
+def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool = False, window: int | None = None,
+                  widths: torch.Tensor | None = None) -> torch.Tensor:
+    """[1, 1, N*B, S + N*B] mask over keys [S context | N*B block slots]; the inference rule, via dflash_attention_mask.
+    `widths` [N]: block n has only its first widths[n] slots (the rest are no keys to anyone)."""
     n = anchors.shape[0]
     q_pos = (anchors[:, None] + torch.arange(block_size)).flatten()
     q_block = torch.arange(n).repeat_interleave(block_size)
     q_anchor = anchors.repeat_interleave(block_size)
     k_pos = torch.cat([torch.arange(seq_len), q_pos])
     k_block = torch.cat([torch.full((seq_len,), -1), q_block])
-    return dflash_attention_mask(q_pos[None], q_anchor[None], q_block[None], k_pos[None], k_block[None], causal, window)
+    mask = dflash_attention_mask(q_pos[None], q_anchor[None], q_block[None], k_pos[None], k_block[None], causal, window)
+    if widths is not None:
+        present = torch.cat([torch.ones(seq_len, dtype=torch.bool), (torch.arange(block_size) < widths[:, None]).flatten()])
+        mask = mask & present
+    return mask
 
 
 def block_hidden(draft: DFlashDraftModel, embed_tokens, feats: torch.Tensor, noise: torch.Tensor, positions: torch.Tensor,
-                 anchors: torch.Tensor) -> torch.Tensor:
+                 anchors: torch.Tensor, widths: torch.Tensor | None = None) -> torch.Tensor:
     """feats [S, n_sel*H], blocks flattened [N*B] -> draft hidden states [N*B, H] (one sequence, all blocks at once)."""
     c = draft.config
     s = feats.shape[0]
     ctx = draft.project_context(feats[None])
     k, v = draft.context_kv(ctx, torch.arange(s)[None])
-    masks = [training_mask(anchors, s, c.block_size, c.layer_is_causal(i), c.layer_window(i)) for i in range(c.num_hidden_layers)]
-    x = draft.embed_block(embed_tokens, noise[None])
+    masks = [training_mask(anchors, s, c.block_size, c.layer_is_causal(i), c.layer_window(i), widths) for i in range(c.num_hidden_layers)]
+    x = draft.embed_block(embed_tokens, noise[None]).to(ctx.dtype)  # the target's table may be bf16 in an fp32 run
     return draft(x, positions[None], k, v, masks)[0]
 
 
@@ -296,7 +307,7 @@ class DraftTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
             1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / max(1, self.total_steps - warmup)))))
         self.weights = loss_weights(args.block_size, args.loss_gamma)
-        self.full_head = frozen_head(target.lm_head.weight.data, torch.bfloat16 if args.bf16 else target.lm_head.weight.dtype)
+        self.full_head = frozen_head(target.lm_head.weight.data, torch.bfloat16 if args.bf16 else torch.float32)
         self.data_vocab = torch.unique(torch.cat([torch.tensor(r["input_ids"]) for r in self.train]))
         self.generator = torch.Generator().manual_seed(args.seed + 1)
         self.step, self.epoch, self.cursor, self.train_seconds = 0, 0, 0, 0.0
@@ -350,14 +361,25 @@ class DraftTrainer:
             self.cursor += 1
         return out
 
-    def _sequence(self, r: dict, anchors_n: int, generator: torch.Generator):
+    def _sequence(self, r: dict, anchors_n: int, generator: torch.Generator, short: float = 0.0):
+        """One sequence's blocks; a `short` share of them cut to a random width below the block size, so that the
+        draft also guesses well from a block of only the slots a short verify needs (half the block forward at 2-token
+        blocks): a draft trained on whole blocks alone guesses far worse from fewer mask slots, as its in-block
+        attention is bidirectional (TRAINING.md, "Short blocks")."""
         ids, lm = torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"])
         anchors = sample_anchors(lm, anchors_n, generator)
-        noise, pos, labels, valid = build_blocks(ids, lm, anchors, self.args.block_size, self.args.mask_token_id)
+        b, widths = self.args.block_size, None
+        if short:
+            n = len(anchors)
+            cut = torch.rand(n, generator=generator) < short
+            widths = torch.where(cut, torch.randint(2, b, (n,), generator=generator), torch.full((n,), b))
+        noise, pos, labels, valid = build_blocks(ids, lm, anchors, b, self.args.mask_token_id, widths)
         rows = self.features[r["feat_offset"] : r["feat_offset"] + len(ids)]
+        if not self.args.bf16:  # stored in bf16; an fp32 run computes in fp32
+            rows = rows.float()
         last = rows[:, self.last_cols] if self.last_cols is not None else None
         w = self.weights.repeat(len(anchors)) * valid
-        return rows[:, self.feat_cols], last, anchors, noise, pos, labels, valid, w
+        return rows[:, self.feat_cols], last, anchors, widths, noise, pos, labels, valid, w
 
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.args.bf16)
@@ -365,16 +387,16 @@ class DraftTrainer:
     def train_step(self) -> dict:
         """One optimiser step over seqs_per_step sequences; loss is the weighted mean over all their slots."""
         self.draft.train()
-        seqs = [self._sequence(r, self.args.anchors_per_seq, self.generator) for r in self._next_records()]
+        seqs = [self._sequence(r, self.args.anchors_per_seq, self.generator, self.args.short_blocks) for r in self._next_records()]
         total_w = sum(s[-1].sum() for s in seqs).clamp(min=1e-6)
         if self.args.train_vocab_negatives is None:
             head, row = self.full_head, None
         else:
             head, row = sampled_lm_head(self.full_head, self.data_vocab, self.args.train_vocab_negatives, self.generator)
         loss_sum, accepted = 0.0, []
-        for feats, last, anchors, noise, pos, labels, valid, w in seqs:
+        for feats, last, anchors, widths, noise, pos, labels, valid, w in seqs:
             with self._autocast():
-                hidden = block_hidden(self.draft, self.target.embed_tokens, feats, noise, pos, anchors)
+                hidden = block_hidden(self.draft, self.target.embed_tokens, feats, noise, pos, anchors, widths)
                 labels = labels if row is None else row[labels]
                 soft = (*target_distribution(self.final_norm, head, last, pos), self.args.kd) if last is not None else None
                 loss, correct = chunked_lm_head_ce(self.draft, head, hidden, labels, w / total_w, self.args.logits_chunk,
@@ -399,7 +421,7 @@ class DraftTrainer:
         for r in self.val:
             if not len(valid_anchors(torch.tensor(r["loss_mask"]))):
                 continue
-            feats, _, anchors, noise, pos, labels, valid, w = self._sequence(r, self.args.anchors_per_seq, gen)
+            feats, _, anchors, _, noise, pos, labels, valid, w = self._sequence(r, self.args.anchors_per_seq, gen)
             with self._autocast():
                 hidden = block_hidden(self.draft, self.target.embed_tokens, feats, noise, pos, anchors)
                 loss, correct = chunked_lm_head_ce(self.draft, self.full_head, hidden, labels, w, self.args.logits_chunk)
@@ -525,17 +547,21 @@ def default_mask_token_id(target) -> int:
 def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gsm8k", "code"), num_samples: int | None = None,
                 data_minutes: float | None = None, gen_max_new_tokens: int = 192, gen_batch_size: int = 64,
                 mask_token_id: int | None = None, resume: bool = False, progress_bar: bool = True, command: str | None = None,
-                log=print, **train_args) -> dict:
+                dtype: str = "auto", log=print, **train_args) -> dict:
     """`trtdflash train-draft`: data phase (target answers prompts) then training; returns the training card.
 
-    The draft ends up in <output>/draft (z-lab format, bf16, with training.json).
+    The draft ends up in <output>/draft (z-lab format, bf16, with training.json). `dtype` (auto, bf16, fp32): the data
+    phase's and, unless `bf16` is given, the training's; auto picks each the faster on this CPU.
     """
     from ..models.target import TargetModel
     from ..resolve import resolve_target
+    from ..runtime import DTYPES
     from .data import prepare_data
 
     out_dir = Path(output).expanduser()
     check_output_dir(out_dir, resume)
+    data_dtype = resolve_dtype(dtype)
+    train_args.setdefault("bf16", dtype == "bf16" or (dtype == "auto" and trains_in_bf16()))
     args = TrainArgs(**train_args)
     if args.num_layers < 1:
         raise DFlashError(f"--num-layers must be at least 1, got {args.num_layers}.")
@@ -549,13 +575,15 @@ def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gs
         raise DFlashError(f"--loss must be one of {', '.join(DRAFT_LOSSES)}, got {args.loss!r}.")
     if args.loss == "dpace" and args.logits_chunk % args.block_size:
         raise DFlashError(f"--loss dpace needs --block-size to divide {args.logits_chunk} (the LM-head chunk), got {args.block_size}.")
+    if not 0 <= args.short_blocks <= 1:
+        raise DFlashError(f"--short-blocks is a share of the training blocks, from 0 to 1; got {args.short_blocks}.")
     if not 0 <= args.kd <= 1:
         raise DFlashError(f"--kd is the target distribution's share of each label, from 0 to 1; got {args.kd}.")
     if args.lr <= 0 or not math.isfinite(args.lr):
         raise DFlashError(f"--lr must be a positive number, got {args.lr}.")
     if args.max_seq_len < args.block_size + 2:
         raise DFlashError(f"--max-seq-len must exceed the block size, got {args.max_seq_len}.")
-    tm = TargetModel.load(resolve_target(target, log), torch.bfloat16 if args.bf16 else torch.float32)
+    tm = TargetModel.load(resolve_target(target, log), DTYPES[data_dtype])
     if not args.target_layer_ids and args.init_from:  # a grown draft keeps the layers its start draft reads
         args.target_layer_ids = list(read_draft_config(Path(args.init_from)).target_layer_ids)
     if not args.target_layer_ids:
