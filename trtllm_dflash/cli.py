@@ -266,8 +266,8 @@ def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
                    "phase then also keeps the target's last layer, 576 more bf16 values a token for SmolLM2).")
 @click.option("--short-blocks", type=float, default=0.0, show_default=True,
               help="Share of training blocks cut to a random width below --block-size, 0 to 1, so the draft also guesses "
-                   "from a block of only the slots a short verify needs (half the block forward at 2-token blocks; the "
-                   "runtime still drafts whole blocks).")
+                   "from a block of only the slots a short verify needs (3 instead of 8 for a 2-token block; the runtime "
+                   "still drafts whole blocks).")
 @click.option("--max-seq-len", type=int, default=1024, show_default=True)
 @click.option("--anchors-per-seq", type=int, default=64, show_default=True)
 @click.option("--seqs-per-step", type=int, default=4, show_default=True)

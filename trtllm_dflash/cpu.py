@@ -76,7 +76,7 @@ def fastest_dtype() -> str:
 def trains_in_bf16() -> bool:
     """Whether bf16 autocast is the faster way to train a draft here: on CPUs with bf16 arithmetic (AVX-512 BF16,
     AMX). Training runs torch's own kernels, which on AVX2 alone emulate bf16 matrix products: a `train-draft` step
-    took over a minute in bf16 against 3 s in fp32 (2 threads, AMD EPYC Zen 3, 2026-11-28)."""
+    took over a minute in bf16 against 3 s in fp32 (2 threads, AMD EPYC Zen 3, 2026-11-28, informal)."""
     return bool(cpu_flags() & set(BF16_HARDWARE_FLAGS))
 
 

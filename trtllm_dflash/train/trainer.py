@@ -363,8 +363,8 @@ class DraftTrainer:
 
     def _sequence(self, r: dict, anchors_n: int, generator: torch.Generator, short: float = 0.0):
         """One sequence's blocks; a `short` share of them cut to a random width below the block size, so that the
-        draft also guesses well from a block of only the slots a short verify needs (half the block forward at 2-token
-        blocks): a draft trained on whole blocks alone guesses far worse from fewer mask slots, as its in-block
+        draft also guesses well from a block of only the slots a short verify needs (3 instead of 8 for a 2-token
+        block): a draft trained on whole blocks alone guesses far worse from fewer mask slots, as its in-block
         attention is bidirectional (TRAINING.md, "Short blocks")."""
         ids, lm = torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"])
         anchors = sample_anchors(lm, anchors_n, generator)
