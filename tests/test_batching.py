@@ -70,6 +70,25 @@ def test_a_burst_of_contention_during_calibration_inflates_no_size(engine, monke
     assert max(policy.verify_cost.values()) < 0.3, policy.verify_cost
 
 
+@pytest.mark.parametrize("short", [False, True])
+def test_calibration_drafts_as_steps_do(engine, monkeypatch, short):
+    """The policy prices a step's draft by the slots it drafts: whole blocks, or with a draft trained on short blocks
+    (DraftConfig.short_blocks) one row of 2, 4, ... slots up to a block, then rows of whole blocks."""
+    draft = load_draft(DRAFTS_DIR / "smollm2-135m")
+    if short:
+        draft.config.extra["dflash_config"]["short_blocks"] = 0.5
+    drafted, draft_block = [], draft.draft_block
+
+    def recording(x, *args):
+        drafted.append(tuple(x.shape[:2]))
+        return draft_block(x, *args)
+    monkeypatch.setattr(draft, "draft_block", recording)
+    policy = BlockPolicy(engine.block_size, adaptive=True, short=short)
+    Batch(engine.target, draft, engine.block_size, slots=2, policy=policy).calibrate(2)
+    shapes = [(1, w) for w in range(2, 9)] + [(2, 8)] if short else [(1, 8), (2, 8)]
+    assert sorted(set(drafted)) == shapes and sorted(policy.draft_cost) == [r * w for r, w in shapes]
+
+
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
 def test_rows_join_leave_stop_and_cancel_without_changing_output(engine, references, speculation):
     """Four slots, six requests: two start, others join at later steps, one stops on a token, one is cancelled. The

@@ -41,7 +41,8 @@ class OracleDraft(torch.nn.Module):
     """A test double wrapping a real draft: it proposes the target's own continuation, wrong at a few slots.
 
     The real draft still computes context K/V and its block forward (so caches and positions are
-    exercised); only the logits are replaced, so acceptance runs are long and cropping is frequent.
+    exercised); only the logits are replaced, so acceptance runs are long and cropping is frequent. With no
+    `sequence` the real draft's own logits pass through (it only records what was drafted).
     """
 
     def __init__(self, draft, sequence, wrong_every=5):
@@ -57,7 +58,7 @@ class OracleDraft(torch.nn.Module):
 
     def draft_block(self, noise, positions, ctx_k, ctx_v, ctx_lens):
         self.positions = positions[0, 1:].tolist()
-        self.calls += 1
+        self.calls, self.width = self.calls + 1, positions.shape[1]
         return self.inner.draft_block(noise, positions, ctx_k, ctx_v, ctx_lens)
 
     vocab_token_ids = None  # its logits cover the whole vocabulary
@@ -66,6 +67,8 @@ class OracleDraft(torch.nn.Module):
         return logits
 
     def compute_logits(self, hidden, lm_head, full=True):  # hidden [1, k-1, H]: one request (the block drafted may be longer)
+        if self.sequence is None:  # the real draft's own guesses
+            return self.inner.compute_logits(hidden, lm_head, full)
         logits = torch.zeros(*hidden.shape[:2], lm_head.weight.shape[0])
         for j, pos in enumerate(self.positions[: hidden.shape[1]]):
             tok = self.sequence[pos] if pos < len(self.sequence) else 0
@@ -112,9 +115,9 @@ class VerifiesOneGuess(BlockPolicy):
     def choose(self, rows, lookup=None):
         return [min(2, max(r.remaining, 1)) for r in rows], [False] * len(rows)
 
-    def observe(self, rows, ks, accepted, draft_seconds, verify_seconds, looked=None, beyond=None):
+    def observe(self, rows, ks, accepted, draft_seconds, verify_seconds, looked=None, beyond=None, width=None):
         self.seen.append((ks[0], accepted[0], self.oracle.calls, beyond[0]))
-        super().observe(rows, ks, accepted, draft_seconds, verify_seconds, looked, beyond)
+        super().observe(rows, ks, accepted, draft_seconds, verify_seconds, looked, beyond, width)
 
 
 def test_a_step_checks_the_drafts_guess_one_slot_beyond_its_block(target, draft, references):
@@ -137,6 +140,44 @@ def test_a_step_checks_the_drafts_guess_one_slot_beyond_its_block(target, draft,
         known += beyond is not None
     assert 0 < known < len(policy.seen)
     assert policy.population.reached[1] == known and policy.population.accepted[1] == sum(b is True for *_, b in policy.seen)
+
+
+class CyclesBlocks(BlockPolicy):
+    """An adaptive policy whose blocks cycle through 2..max_block, recording (block, slots the draft drafted)."""
+
+    def __init__(self, block_size, draft, short):
+        super().__init__(block_size, adaptive=True, short=short)
+        self.draft, self.seen = draft, []
+
+    def choose(self, rows, lookup=None):
+        k = 2 + len(self.seen) % (self.max_block - 1)
+        return [min(k, max(r.remaining, 1)) for r in rows], [False] * len(rows)
+
+    def observe(self, rows, ks, accepted, draft_seconds, verify_seconds, looked=None, beyond=None, width=None):
+        self.seen.append((ks[0], self.draft.width if ks[0] > 1 else None))
+        super().observe(rows, ks, accepted, draft_seconds, verify_seconds, looked, beyond, width)
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_a_draft_trained_on_short_blocks_drafts_only_the_slots_a_block_needs(target, random_draft_dir, references, short):
+    """With a draft trained on short blocks (its config's dflash_config.short_blocks) a block of k tokens is drafted
+    over k + 1 slots (its guesses and the spare), else over the whole block; the output is the target's either way,
+    from the oracle's long accepted runs and from the draft's own guesses."""
+    model = load_draft(random_draft_dir)
+    if short:
+        model.config.extra["dflash_config"]["short_blocks"] = 0.5
+    prompt = PROMPTS[0][0]
+    ids, ref = references[prompt]
+    for sequence in (ids + ref, None):
+        oracle = OracleDraft(model, sequence)
+        policy = CyclesBlocks(8, oracle, short=model.config.short_blocks > 0)
+        stats = GenerationStats()
+        out = [t for s in speculative_stream(target, oracle, ids, MAX_NEW, 8, SamplingParams(), frozenset({2}), stats,
+                                             policy=policy, lookup=False) for t in s]
+        assert out == ref
+        drafted = [(k, w) for k, w in policy.seen if k > 1]  # the last step may be plain (one token left)
+        assert {w for _, w in drafted} == ({min(8, k + 1) for k in range(2, 9)} if short else {8})
+        assert all(w == (min(8, k + 1) if short else 8) for k, w in drafted)
 
 
 def test_autoregressive_baseline_matches_hf(target, references):

@@ -1,5 +1,7 @@
 """The block-length policy (policy.py) decides from measured costs and acceptance: its estimates and choices."""
 
+import pytest
+
 from trtllm_dflash.policy import BlockPolicy
 
 
@@ -288,3 +290,19 @@ def test_a_row_held_at_short_blocks_learns_the_next_slot_from_its_spare_guess():
             p._yield = realized
         chosen[spare] = p.choose([row])[0][0]
     assert chosen[None] == 2 and chosen[True] > 2, chosen
+
+
+def test_a_draft_trained_on_short_blocks_is_priced_by_the_slots_it_drafts():
+    """A row whose first guess is right 45 % of the time, on a CPU where a block's second token is nearly free to
+    verify: drafting all 8 slots for a 2-token block costs more than the guess brings, drafting its 3 (guess and
+    spare, DraftConfig.short_blocks) less, and the policy drafts only where the draft is of the second kind."""
+    chosen = {}
+    for short in (False, True):
+        p = BlockPolicy(8, adaptive=True, short=short)
+        p.verify_cost.update({1: 0.0250, 2: 0.0255, 4: 0.0360, 8: 0.0550})
+        p.draft_cost.update({2: 0.004, 4: 0.006, 8: 0.012})
+        row = Row()
+        feed(p, row, [0] * 11 + [1] * 5 + [2] * 4)
+        assert p.step_cost([2]) == pytest.approx(0.0255 + (0.005 if short else 0.012))
+        chosen[short] = p.choose([row])[0]
+    assert chosen == {False: [1], True: [2]}

@@ -71,6 +71,13 @@ class DraftConfig:
     def layer_window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
+    @property
+    def short_blocks(self) -> float:
+        """The share of training blocks cut to a random shorter width (train-draft --short-blocks; 0: none): a draft
+        trained so guesses as well from a block's first k + 1 slots as from all of them, so a block of k tokens
+        is drafted over k + 1 slots alone (generate.py). Kept in dflash_config, beside z-lab's optional keys."""
+        return float(self.extra.get("dflash_config", {}).get("short_blocks") or 0.0)
+
     @classmethod
     def for_target(cls, text_config, *, vocab_rows: int, num_layers: int = 2, block_size: int = 16,
                    mask_token_id: int, target_layer_ids: list[int] | None = None) -> "DraftConfig":

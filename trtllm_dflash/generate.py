@@ -154,7 +154,7 @@ class Batch:
         # decoding writes (as the draft's blocks of 8 do).
         tiled = target.dtype == torch.bfloat16 and bf16_gemm.tiles()
         self.max_guesses = min(MAX_GUESSES, bf16_gemm.TILE_ROWS - 1) if tiled else MAX_GUESSES
-        self.policy = policy or BlockPolicy(self.block_size)
+        self.policy = policy or BlockPolicy(self.block_size, short=self.draft is not None and self.draft.config.short_blocks > 0)
         self.rows: list[Request] = []  # row i is slot i
         self.cache = target.new_cache(slots)
         self.dcache = DraftKVCache(draft.config, slots, 256, target.dtype) if self.draft is not None else None
@@ -244,7 +244,9 @@ class Batch:
     @torch.inference_mode()
     def calibrate(self, max_rows: int) -> None:
         """Measure draft and verify forwards of 1, 2, 4, ... tokens up to a full step of `max_rows` rows (verify: or a
-        row's lookup guesses, if longer), for the policy.
+        row's lookup guesses, if longer), for the policy. Draft forwards are shaped as steps draft: rows of whole blocks,
+        and with a draft trained on short blocks also one row of every width up to a block (our kernels take rows in
+        pairs, so an odd width costs about as much as the even one above it: interpolation would miss that).
 
         The sizes take turns, CALIBRATION_ROUNDS rounds of all of them, and each keeps its fastest: the policy learns a
         size's cost relative to the others only by choosing it, so a burst of contention that inflated some sizes
@@ -256,24 +258,29 @@ class Batch:
         full = max_rows * self.block_size
         top = max(full, 1 + self.max_guesses if self.lookup else 0)
         sizes = sorted({min(2**i, top) for i in range(top.bit_length() + 1)})
-        verify, draft = ({n: float("inf") for n in sizes} for _ in range(2))
+        verify = {n: float("inf") for n in sizes}
+        shapes = {}  # drafted slots -> (rows, slots each)
+        if self.draft is not None:
+            shapes = {n: (n // self.block_size, self.block_size) for n in sizes if self.block_size <= n <= full}
+            if self.policy.short:
+                shapes.update({w: (1, w) for w in range(2, self.block_size + 1)})
+        draft = {n: float("inf") for n in shapes}
         for _ in range(CALIBRATION_ROUNDS):  # the first run of a shape pays one-off setup; the fastest is the machine's cost
-            for n in sizes:
-                ids = torch.zeros(1, n, dtype=torch.long)
-                t0 = time.perf_counter()
-                self.target.forward(ids, 0, self.cache, capture=self.draft is not None)
+            for n in sorted(set(sizes) | set(shapes)):
                 t1 = time.perf_counter()
-                verify[n] = min(verify[n], t1 - t0)
-                if self.draft is not None and self.block_size <= n <= full:  # as a step drafts: whole blocks, n - rows guesses to the LM head
-                    rows = n // self.block_size
-                    x = self.draft.embed_block(self.target.embed_tokens, torch.zeros(rows, self.block_size, dtype=torch.long))
+                if n in verify:
+                    self.target.forward(torch.zeros(1, n, dtype=torch.long), 0, self.cache, capture=self.draft is not None)
+                    verify[n] = min(verify[n], time.perf_counter() - t1)
+                    t1 = time.perf_counter()
+                if n in shapes:
+                    rows, width = shapes[n]  # width - 1 guesses a row to the LM head
+                    x = self.draft.embed_block(self.target.embed_tokens, torch.zeros(rows, width, dtype=torch.long))
                     c = self.dcache.k[:, :1, :, :0].expand(-1, rows, -1, -1, -1)
-                    hidden = self.draft.draft_block(x, torch.arange(self.block_size).expand(rows, -1), c, c, torch.zeros(rows, dtype=torch.long))
+                    hidden = self.draft.draft_block(x, torch.arange(width).expand(rows, -1), c, c, torch.zeros(rows, dtype=torch.long))
                     self.draft.compute_logits(hidden[:, 1:].reshape(1, -1, hidden.shape[-1]), self.target.lm_head, full=False)
                     draft[n] = min(draft[n], time.perf_counter() - t1)
-        for n in sizes:
-            drafted = draft[n] if draft[n] < float("inf") else None
-            self.policy.record_cost(n, drafted, verify[n], draft_tokens=n // self.block_size * self.block_size)
+        for n in sorted(set(sizes) | set(shapes)):
+            self.policy.record_cost(n, draft.get(n), verify.get(n))
 
     @property
     def ready(self) -> list[Request]:
@@ -309,7 +316,7 @@ class Batch:
         ks, looked = self.policy.choose(rows, [len(f) for f in found])  # block length per row, within its budget
         drafting = [i for i, k in enumerate(ks) if k > 1 and not looked[i]]
         drafts, q = [[] for _ in rows], [None] * n  # row i's guesses for positions start+1..start+k_i-1 (and their probs)
-        # A greedy drafting row also guesses one slot beyond its block (the draft computes the whole block anyway): not
+        # A greedy drafting row also guesses one slot beyond its block (one slot more of the draft's forward): not
         # verified, but where every guess is accepted the bonus token tells whether it was right, and the policy learns
         # that slot's acceptance from it instead of from other requests' (a row held at k=2 learns whether k=3 pays).
         learns = self.policy.adaptive
@@ -321,21 +328,23 @@ class Batch:
             if not rows[i].sampling.greedy:  # a fixed guess is a draft distribution with all its mass on it
                 q[i] = torch.zeros(len(drafts[i]), target.lm_head.out_features)
                 q[i][torch.arange(len(drafts[i])), drafts[i]] = 1.0
+        # Slots drafted per row: the block's attention is bidirectional, so fewer mask slots change every guess; a draft
+        # trained on whole blocks drafts all of them whatever k_i is, one trained on short blocks too (policy.short)
+        # only the slots the longest block and its spare need. Only k_i-1 guesses (and the spare) reach the LM head.
+        width = max((ks[i] + spare[i] for i in drafting), default=0) if self.policy.short else self.block_size
         t0 = time.perf_counter()
         if drafting:
-            # Draft: context K/V of newly committed tokens, then one block forward for the drafting rows. The whole block
-            # is drafted whatever k_i is (the draft was trained on full blocks, and its in-block attention is
-            # bidirectional: fewer mask slots would change every slot's guess); only k_i-1 guesses reach the LM head.
+            # Draft: context K/V of newly committed tokens, then one block forward for the drafting rows.
             self._update_draft_context(rows, drafting)
             idx = torch.tensor(drafting)
             starts = torch.tensor([rows[i].start for i in drafting])
-            block = torch.full((len(drafting), self.block_size), draft.config.mask_token_id)
+            block = torch.full((len(drafting), width), draft.config.mask_token_id)
             block[:, 0] = torch.tensor([rows[i].token for i in drafting])
             c = int(starts.max())
             ck, cv = self.dcache.k[:, :n, :, :c], self.dcache.v[:, :n, :, :c]
             if len(drafting) < n:
                 ck, cv = ck[:, idx], cv[:, idx]
-            hidden = draft.draft_block(draft.embed_block(target.embed_tokens, block), starts[:, None] + torch.arange(self.block_size), ck, cv, starts)
+            hidden = draft.draft_block(draft.embed_block(target.embed_tokens, block), starts[:, None] + torch.arange(width), ck, cv, starts)
             guesses = torch.cat([hidden[d, 1 : ks[i] + spare[i]] for d, i in enumerate(drafting)])  # [sum(k_i - 1 + spare_i), H]
             vocab = draft.vocab_token_ids  # the draft guesses among these tokens (None: all)
             draft_logits = draft.compute_logits(guesses[None], target.lm_head, full=False)[0].split([ks[i] - 1 + spare[i] for i in drafting])
@@ -392,7 +401,7 @@ class Batch:
             slot, position, index = torch.tensor(kept).unbind(1)
             self.dcache.stage(slot, position, feats[index])
         self.policy.observe(rows, ks, accepted, draft_seconds=t1 - t0, verify_seconds=time.perf_counter() - t1, looked=looked,
-                            beyond=beyond)
+                            beyond=beyond, width=width)
         # for metrics: block lengths, guesses verified and accepted, rows that verified lookup guesses and theirs accepted
         self.last_step = (ks, sum(ks) - n, sum(accepted), sum(looked), sum(a for a, lk in zip(accepted, looked) if lk))
         return out

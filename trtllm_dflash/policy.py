@@ -13,9 +13,9 @@ its evidence allows and as the draft is known to be (its card's held-out accepta
 cheap), and only where that block could pay: once when the row is new, then only as often as PROBE_BUDGET of its share
 of the plain steps covers the probe's expected loss (its cost less what its expected tokens would take at the best
 allocation's rate: a row near break-even is probed often, one the draft never serves rarely).
-A greedy drafting row also learns the slot after its block: the draft guesses the whole block anyway, and where every
-verified guess is accepted the bonus token says whether the next guess was right (generate.py), so a row held at short
-blocks by other requests' record measures whether a longer one would pay, without paying to verify it.
+A greedy drafting row also learns the slot after its block: the draft guesses it too (one slot more of its forward),
+and where every verified guess is accepted the bonus token says whether that guess was right (generate.py), so a row
+held at short blocks by other requests' record measures whether a longer one would pay, without paying to verify it.
 A row whose recent tokens occurred before (lookup.py) may verify the tokens that followed them instead of drafting:
 such a row costs only its verify tokens, and its block length (up to 1 + lookup.MAX_GUESSES, beyond the draft's block)
 is priced with its own and all rows' record of lookup guesses, kept apart from the draft's.
@@ -65,12 +65,15 @@ class RowCounts:
 
 
 class BlockPolicy:
-    def __init__(self, max_block: int, adaptive: bool = False, ragged: bool = True, ceiling: float = OPTIMISTIC):
+    def __init__(self, max_block: int, adaptive: bool = False, ragged: bool = True, ceiling: float = OPTIMISTIC,
+                 short: bool = False):
         """`ragged`: the target verifies rows of different lengths on one flat axis (else every row is padded to the
-        longest, and a step costs n * max(k_i) tokens). `ceiling`: the per-slot acceptance a probe is priced with."""
+        longest, and a step costs n * max(k_i) tokens). `ceiling`: the per-slot acceptance a probe is priced with.
+        `short`: the draft drafts a step's blocks over their longest k + 1 slots (DraftConfig.short_blocks), not whole."""
         self.max_block, self.adaptive, self.ragged, self.ceiling = max_block, adaptive and max_block > 1, ragged, ceiling
+        self.short = short
         self.verify_cost: dict[int, float] = {}  # tokens verified -> seconds (FALL/RISE average of measurements)
-        self.draft_cost: dict[int, float] = {}  # drafting rows * block size -> seconds
+        self.draft_cost: dict[int, float] = {}  # drafting rows * slots drafted per row -> seconds
         self.population = self._new_counts()
         self.lookup_population = self._new_counts(lookup=True)  # the same counts for lookup guesses (lookup.py)
         # drafting step? -> measured / estimated cost (moving average). Drafting steps take the plain steps' factor until
@@ -161,23 +164,28 @@ class BlockPolicy:
     def verified_tokens(self, ks: list[int]) -> int:
         return sum(ks) if self.ragged else len(ks) * max(ks)
 
-    def _curve(self, tokens: int, drafting: int, levels=None) -> float:
-        """Seconds of a step verifying `tokens` tokens, `drafting` rows of it drafting a whole block, from the
-        one-row measurements; `levels` saves re-sorting them when many allocations are priced at once."""
+    def width(self, kmax: int) -> int:
+        """Slots each drafting row drafts when the longest drafted block is kmax tokens: with a draft trained on short
+        blocks, that block's and the spare guess's (generate.py; a sampling row has none), else the whole block."""
+        return min(self.max_block, kmax + 1) if self.short else self.max_block
+
+    def _curve(self, tokens: int, drafting: int, levels=None, width: int | None = None) -> float:
+        """Seconds of a step verifying `tokens` tokens, `drafting` rows of it drafting `width` slots (default: the whole
+        block), from the one-row measurements; `levels` saves re-sorting them when many allocations are priced."""
         verify, draft = levels or (self._levels(self.verify_cost), self._levels(self.draft_cost))
         cost = self._interpolate(verify, tokens)
-        return cost + (self._interpolate(draft, drafting * self.max_block) if drafting else 0.0)
+        return cost + (self._interpolate(draft, drafting * (width or self.max_block)) if drafting else 0.0)
 
     def _factor(self, drafting: bool) -> float:
         f = self.factor[drafting]
         return self.factor[False] if f is None else f
 
-    def _cost(self, tokens: int, drafting: int, levels=None) -> float:
-        return self._curve(tokens, drafting, levels) * self._factor(drafting > 0)
+    def _cost(self, tokens: int, drafting: int, levels=None, width: int | None = None) -> float:
+        return self._curve(tokens, drafting, levels, width) * self._factor(drafting > 0)
 
     def step_cost(self, ks: list[int], levels=None) -> float:
-        """Seconds of a step whose rows verify ks[i] tokens each (those with k > 1 drafting a whole block)."""
-        return self._cost(self.verified_tokens(ks), sum(k > 1 for k in ks), levels)
+        """Seconds of a step whose rows verify ks[i] tokens each (those with k > 1 drafting)."""
+        return self._cost(self.verified_tokens(ks), sum(k > 1 for k in ks), levels, self.width(max(ks)))
 
     def choose(self, rows: list, lookup: list[int] | None = None) -> tuple[list[int], list[bool]]:
         """Block length per row (1 = plain decoding), never beyond what the row may still generate, and whether the
@@ -193,7 +201,8 @@ class BlockPolicy:
         conditional = [self._conditional(self._lookup_rows.get(r) or self._new_counts(lookup=True), pop=self.lookup_population)
                        if looked[i] else self._conditional(self._counts(r)) for i, r in enumerate(rows)]
         n, y = len(rows), self.realized
-        ks, gain, tokens, drafting, kmax = [1] * n, float(n), n, 0, 1  # tokens, drafting rows, longest block: of ks
+        # of ks: tokens, drafting rows, longest block, longest drafted block
+        ks, gain, tokens, drafting, kmax, kdraft = [1] * n, float(n), n, 0, 1, 1
         # y (drafting rows accept less than estimated) is learned from drafting rows; a lookup row is not chosen for a
         # lucky estimate of the draft, so its own counts stand
         yields = [1.0 if lk else y for lk in looked]
@@ -208,8 +217,9 @@ class BlockPolicy:
             gain += nxt[i]
             ks[i] += 1
             tokens, drafting, kmax = tokens + 1, drafting + (ks[i] == 2 and not looked[i]), max(kmax, ks[i])
+            kdraft = kdraft if looked[i] else max(kdraft, ks[i])
             nxt[i] = -1.0 if ks[i] == caps[i] else nxt[i] * conditional[i][ks[i] - 1]
-            cost = self._cost(tokens if self.ragged else n * kmax, drafting, levels)
+            cost = self._cost(tokens if self.ragged else n * kmax, drafting, levels, self.width(kdraft))
             if gain / cost > best_rate * MARGIN:
                 best, best_gain, best_rate = list(ks), gain, gain / cost
             elif most / cost <= best_rate * MARGIN:
@@ -230,11 +240,12 @@ class BlockPolicy:
         if not counts:
             return None
         n, tokens, kmax = len(ks), self.verified_tokens(ks), max(ks)
-        drafting = sum(k > 1 and not lk for k, lk in zip(ks, looked))
-        base = self._cost(tokens, drafting, levels)
+        drafted = [k for k, lk in zip(ks, looked) if k > 1 and not lk]
+        drafting, kdraft = len(drafted), max(drafted, default=1)
+        base = self._cost(tokens, drafting, levels, self.width(kdraft))
 
         def cost_with(k: int) -> float:  # the step with one more row drafting, at block k
-            return self._cost(tokens + k - 1 if self.ragged else n * max(kmax, k), drafting + 1, levels)
+            return self._cost(tokens + k - 1 if self.ragged else n * max(kmax, k), drafting + 1, levels, self.width(max(kdraft, k)))
 
         plans: dict[tuple, tuple[float, int]] = {}  # evidence -> (best case's rate, block): rows never measured all
         # have the same evidence, priced once per cap
@@ -254,11 +265,12 @@ class BlockPolicy:
             return i, k
         return None
 
-    def record_cost(self, tokens: int, draft_seconds: float | None, verify_seconds: float, draft_tokens: int | None = None) -> None:
-        """A step that verified `tokens` tokens and drafted `draft_tokens` (rows x block; default `tokens`). A new size
-        is stored as measured. A known one moves by FALL/RISE, and every other size moves by the same factor: what
-        changes a step's cost while requests run (their contexts growing, a busier machine) changes all sizes
-        alike, and the sizes not being chosen would otherwise keep their start-up cost and look cheap."""
+    def record_cost(self, tokens: int, draft_seconds: float | None, verify_seconds: float | None,
+                    draft_tokens: int | None = None) -> None:
+        """A step that verified `tokens` tokens and drafted `draft_tokens` (rows x slots each; default `tokens`; None:
+        not measured). A new size is stored as measured. A known one moves by FALL/RISE, and every other size moves by
+        the same factor: what changes a step's cost while requests run (their contexts growing, a busier machine)
+        changes all sizes alike, and the sizes not being chosen would otherwise keep their start-up cost and look cheap."""
         for costs, size, seconds in ((self.verify_cost, tokens, verify_seconds),
                                      (self.draft_cost, tokens if draft_tokens is None else draft_tokens, draft_seconds)):
             if seconds is None:
@@ -272,10 +284,12 @@ class BlockPolicy:
                 costs[t] *= scale
 
     def observe(self, rows: list, ks: list[int], accepted: list[int], draft_seconds: float, verify_seconds: float,
-                looked: list[bool] | None = None, beyond: list[bool | None] | None = None) -> None:
+                looked: list[bool] | None = None, beyond: list[bool | None] | None = None, width: int | None = None) -> None:
         """Learn from a finished step: its measured costs and each row's accepted run (`looked[i]`: row i verified
         lookup guesses; `beyond[i]`: where row i's guesses were all accepted, whether its guess for the slot after its
-        block was the target's token too, None where not known)."""
+        block was the target's token too, None where not known; `width`: the slots each drafting row drafted, default
+        the whole block)."""
+        width = width or self.max_block
         if not self.adaptive:
             return
         looked = looked or [False] * len(rows)
@@ -287,10 +301,10 @@ class BlockPolicy:
                        expected * YIELD_MEMORY + sum(self.expected_tokens(r, k) - 1 for r, k, _ in chosen)]
         if self.verify_cost and (self.draft_cost or not drafting):
             f = self._factor(drafting > 0)
-            ratio = (draft_seconds + verify_seconds) / max(self._curve(self.verified_tokens(ks), drafting), 1e-9)
+            ratio = (draft_seconds + verify_seconds) / max(self._curve(self.verified_tokens(ks), drafting, width=width), 1e-9)
             self.factor[drafting > 0] = min(3.0, max(0.5, f + FACTOR_RATE * (ratio - f)))
         self.record_cost(self.verified_tokens(ks), draft_seconds if drafting else None, verify_seconds,
-                         draft_tokens=drafting * self.max_block)
+                         draft_tokens=drafting * width)
         share = (draft_seconds + verify_seconds) / len(rows)
         for i, (r, b, a, lk) in enumerate(zip(rows, ks, accepted, looked)):
             table, pop = (self._lookup_rows, self.lookup_population) if lk else (self._rows, self.population)

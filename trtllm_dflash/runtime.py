@@ -140,7 +140,8 @@ class DFlashEngine:
             raise DFlashError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}.")
         block = block_size if draft is not None else 1
         ceiling = OPTIMISTIC if draft_tau is None else BlockPolicy.conditional_for_tau(draft_tau, block)
-        self.policy = BlockPolicy(block, adaptive=speculation == "adaptive", ragged=target.ragged, ceiling=ceiling)
+        self.policy = BlockPolicy(block, adaptive=speculation == "adaptive", ragged=target.ragged, ceiling=ceiling,
+                                  short=block > 1 and draft.config.short_blocks > 0)
         self._calibrated_rows = 0
 
     @property

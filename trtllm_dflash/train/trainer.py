@@ -298,6 +298,8 @@ class DraftTrainer:
         config = DraftConfig.for_target(target.text_config, vocab_rows=target.vocab_rows, num_layers=args.num_layers,
                                         block_size=args.block_size, mask_token_id=args.mask_token_id,
                                         target_layer_ids=args.target_layer_ids)
+        if args.short_blocks:  # the runtime then drafts a block of k tokens over k + 1 slots (DraftConfig.short_blocks)
+            config.extra.setdefault("dflash_config", {})["short_blocks"] = args.short_blocks
         torch.manual_seed(args.seed)
         self.draft = DFlashDraftModel(config)
         self.draft.init_weights(generator=torch.Generator().manual_seed(args.seed))
