@@ -65,6 +65,20 @@ def test_round_trip_keeps_weights_and_config(tmp_path, fixture):
     assert reread == original
 
 
+@pytest.mark.parametrize("value", ["yes", 1.5, -0.1, True])
+def test_short_blocks_is_a_share_or_one_sentence(value):
+    """dflash_config.short_blocks (train-draft --short-blocks) decides how the runtime drafts: a share from 0 to 1, kept
+    through a round trip, or the config is refused in one sentence."""
+    raw = json.loads((FIXTURES / "qwen3-8b-dflash-b16-tiny.json").read_text())
+    assert DraftConfig.from_dict(raw).short_blocks == 0.0
+    raw["dflash_config"]["short_blocks"] = 0.5
+    cfg = DraftConfig.from_dict(raw)
+    assert cfg.short_blocks == 0.5 and DraftConfig.from_dict(cfg.to_dict()).short_blocks == 0.5
+    raw["dflash_config"]["short_blocks"] = value
+    with pytest.raises(DFlashError, match="short_blocks .* not a share from 0 to 1"):
+        DraftConfig.from_dict(raw)
+
+
 def test_written_checkpoint_is_what_engines_expect(tmp_path, target):
     """TensorRT-LLM/vLLM/SGLang read: DFlashDraftModel + qwen3 config, bare names, no embedding or head."""
     from transformers import AutoConfig

@@ -399,6 +399,8 @@ def test_kd_run_keeps_the_targets_last_layer_and_learns(target, target_dir, tmp_
     plain = tmp_path / "plain"  # data captured without the last layer cannot feed a --kd run
     card = train_draft(str(target_dir), plain, steps=2, dtype="fp32", short_blocks=0.5, **kw)  # fp32 over bf16 features
     assert not card["hyperparameters"]["bf16"] and card["hyperparameters"]["short_blocks"] == 0.5
+    assert load_draft(plain / "draft").config.short_blocks == 0.5  # so the runtime drafts its short blocks narrow
+    assert load_draft(tmp_path / "kd" / "draft").config.short_blocks == 0.0
     assert all(math.isfinite(json.loads(line)["loss"]) for line in (plain / "train_log.jsonl").read_text().splitlines())
     with pytest.raises(DFlashError, match="captured at target layers"):
         train_draft(str(target_dir), plain, resume=True, kd=0.5, steps=1, **kw)

@@ -150,7 +150,7 @@ DRAFT_CONFIG = json.loads((FIXTURES / "qwen3-8b-dflash-b16-tiny.json").read_text
 
 @FUZZ
 @given(top=st.dictionaries(st.sampled_from(sorted(DRAFT_CONFIG)), JSON_VALUES, max_size=3),
-       dflash=st.dictionaries(st.sampled_from(["mask_token_id", "target_layer_ids", "block_size"]), JSON_VALUES, max_size=2))
+       dflash=st.dictionaries(st.sampled_from(["mask_token_id", "target_layer_ids", "block_size", "short_blocks"]), JSON_VALUES, max_size=2))
 def test_fuzz_draft_configs_are_a_config_or_one_sentence(tmp_path_factory, top, dflash):
     d = tmp_path_factory.getbasetemp() / "fuzzdraft"
     d.mkdir(exist_ok=True)
@@ -164,6 +164,7 @@ def test_fuzz_draft_configs_are_a_config_or_one_sentence(tmp_path_factory, top, 
         assert "\n" not in str(e)
     else:  # what is accepted is in range
         assert 1 <= cfg.num_hidden_layers <= 1024 and 1 <= cfg.hidden_size and 1 <= cfg.block_size <= 4096
+        assert 0 <= cfg.short_blocks <= 1
 
 
 @FUZZ

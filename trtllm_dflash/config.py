@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,10 @@ class DraftConfig:
         dflash = dict(raw.get("dflash_config") or {})
         if "mask_token_id" not in dflash:
             raise DFlashError("The draft's config.json has no dflash_config.mask_token_id; it is not a DFlash draft checkpoint.")
+        short = dflash.get("short_blocks")
+        if short is not None and (isinstance(short, bool) or not isinstance(short, (int, float)) or not 0 <= short <= 1):
+            raise DFlashError(f"The draft's config.json sets dflash_config.short_blocks to {json.dumps(short)[:40]}, not a share "
+                              "from 0 to 1 (train-draft --short-blocks).")
         in_dflash = "block_size" in dflash
         block_size = dflash.get("block_size", raw.get("block_size"))
         if block_size is None:
