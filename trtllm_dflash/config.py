@@ -75,8 +75,8 @@ class DraftConfig:
     @property
     def short_blocks(self) -> float:
         """The share of training blocks cut to a random shorter width (train-draft --short-blocks; 0: none): a draft
-        trained so guesses as well from a block's first k + 1 slots as from all of them, so a block of k tokens
-        is drafted over k + 1 slots alone (generate.py). Kept in dflash_config, beside z-lab's optional keys."""
+        so trained guesses as well from a block's first k + 1 slots as from all of them, so a block of k tokens is
+        drafted over k + 1 slots alone (generate.py). Kept in dflash_config, beside z-lab's optional keys."""
         return float(self.extra.get("dflash_config", {}).get("short_blocks") or 0.0)
 
     @classmethod
