@@ -126,24 +126,25 @@ from torch import nn
 from trtllm_dflash.models import bf16_gemm
 from trtllm_dflash.models.packed import PackedLinear
 bias = sys.argv[1] == "True"
-lin = nn.Linear(1536, 576, bias=bias).to(torch.bfloat16)
-packed = PackedLinear(lin)
-assert packed.kernel is not None and packed.weight is None
-ours = lambda x: packed.kernel.linear(x, packed.packed, packed.kernel_bias)
 g = torch.Generator().manual_seed(0)
-x = (torch.randn(40, 1536, generator=g) * 2).to(torch.bfloat16)
-with torch.inference_mode():
-    full = ours(x)
-    exact = x.double() @ lin.weight.double().t() + (lin.bias.double() if bias else 0)
-    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33):
-        assert torch.equal(ours(x[:m]), full[:m]), m
-    assert all(torch.equal(ours(x[i : i + 1]), full[i : i + 1]) for i in range(40))
-    assert torch.equal(ours(x[5:21].view(2, 8, 1536)), full[5:21].view(2, 8, 576))
-    assert (full.double() - exact).abs().max() <= (exact.abs() * 2**-8).max() + 1e-6
-    torch.testing.assert_close(full, lin(x), rtol=2**-7, atol=1e-2)
-    rows = bf16_gemm.TILE_ROWS if bf16_gemm.tiles() else 40  # the layer's calls our kernel takes (more: AMX's tiles)
-    assert torch.equal(packed(x[:rows]), full[:rows]) and torch.equal(packed(x[3:4]), full[3:4])
-    torch.testing.assert_close(packed(x), full, rtol=2**-7, atol=1e-2)
+for k, n in ((1536, 576), (100, 64)):  # the second: a block's weights not a whole number of the AVX2 kernel's chunks
+    lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    assert packed.kernel is not None and packed.weight is None
+    ours = lambda x: packed.kernel.linear(x, packed.packed, packed.kernel_bias)
+    x = (torch.randn(40, k, generator=g) * 2).to(torch.bfloat16)
+    with torch.inference_mode():
+        full = ours(x)
+        exact = x.double() @ lin.weight.double().t() + (lin.bias.double() if bias else 0)
+        for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33):
+            assert torch.equal(ours(x[:m]), full[:m]), m
+        assert all(torch.equal(ours(x[i : i + 1]), full[i : i + 1]) for i in range(40))
+        assert torch.equal(ours(x[5:21].view(2, 8, k)), full[5:21].view(2, 8, n))
+        assert (full.double() - exact).abs().max() <= (exact.abs() * 2**-8).max() + 1e-6
+        torch.testing.assert_close(full, lin(x), rtol=2**-7, atol=1e-2)
+        rows = bf16_gemm.TILE_ROWS if bf16_gemm.tiles() else 40  # the layer's calls our kernel takes (more: AMX's tiles)
+        assert torch.equal(packed(x[:rows]), full[:rows]) and torch.equal(packed(x[3:4]), full[3:4])
+        torch.testing.assert_close(packed(x), full, rtol=2**-7, atol=1e-2)
 print(bf16_gemm.variant())
 """
 

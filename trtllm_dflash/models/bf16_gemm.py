@@ -8,7 +8,10 @@ projection does not depend on the rows beside it.
   with AMX (2026-11-26, `benchmarks/results/bf16-kernel-xeon-amx.json`) it took 16-21 ms for 1-8 rows against
   oneDNN's 28-39, while from 16 rows oneDNN's tile kernel is 1.4-4.8x faster (`PackedLinear`).
 - `avx2` (bf16_gemm_avx2.cpp), where torch runs on AVX2 alone and bf16 matrix products are emulated: bf16 weights
-  widened to fp32 in registers, FMA. Figures in `benchmarks/results/bf16-kernel-avx2.json` (`--isa avx2`).
+  widened to fp32 in registers, FMA, two rows a pass; more rows take each block in 4 KB chunks, every pair of rows
+  passing over a chunk while memory streams the next. On one thread of a 2-core AMD EPYC Zen 3 (2026-11-28,
+  `benchmarks/results/bf16-kernel-zen3-avx2-chunks-1thread-20261128.json`) SmolLM2-135M's linears took 27-28 ms for
+  1 to 4 rows, 41 for 8 and 76 for 16, where whole-block passes in turn took 36, 52 and 91 for 4, 8 and 16.
 
 Each is compiled on first use with the system C++ compiler (torch's cpp_extension; about 25 s once, then cached
 under the trtllm_dflash cache) and used only where the CPU has its instructions; where none is built (no compiler,

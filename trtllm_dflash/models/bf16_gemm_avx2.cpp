@@ -19,7 +19,6 @@
 namespace {
 
 using bf16_blocks::kBlock;  // outputs per block: 4 x 8 lanes
-constexpr int kRows = 2;        // rows per pass: 2 x 4 accumulators (3 x 4 measured no faster)
 
 // Nearest-even fp32 -> bf16 of 8 lanes (NaN stays a quiet NaN), stored as 8 x uint16.
 inline void store_bf16(uint16_t* dst, __m256 v) {
@@ -31,25 +30,33 @@ inline void store_bf16(uint16_t* dst, __m256 v) {
   _mm_storeu_si128((__m128i*)dst, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
-// Each pass asks for the weights 1 KB ahead of the ones it multiplies: on one core of a 2-core AMD EPYC Zen 3 the
+// A single pass asks for the weights 1 KB ahead of the ones it multiplies: on one core of a 2-core AMD EPYC Zen 3 the
 // hardware prefetcher alone left SmolLM2's linears 10-20 % slower for 2-16 rows (8 rows 56 against 48 ms on one
 // thread, 44 against 35 on two; 1 KB ahead beat 4 KB for one row; 2026-11-28, informal A/B in one process, alternating).
 constexpr int64_t kPrefetchBytes = 1024;
+// More than two rows take a block in chunks of kChunk weight pairs (4 KB, held in L1): every pair of rows passes over
+// a chunk before the next one, its sums parked in memory between chunks, and the first pass asks for the weights
+// kGroupPrefetchBytes ahead, so memory streams the next chunk while the other pairs compute. Passes over a whole block
+// in turn left memory idle after the first: SmolLM2's linears took 35.8 ms for 4 rows and 51.8 for 8 that way, 27.6
+// and 41.1 in chunks, 28.4 for one row (one Zen 3 thread, benchmarks/results/bf16-kernel-zen3-avx2-chunks-1thread-20261128.json).
+constexpr int64_t kChunk = 32;
+constexpr int64_t kGroupPrefetchBytes = 4096;
+constexpr int kGroup = 16;  // rows that share one stream of a block (more take it again, from cache)
 
-// Rows x[0..M) (fp32, [M, K]) times the 32 outputs of block nb: each 128-byte line read whole, in order. Per group
-// of 8 outputs the even weights are widened and multiplied into every row, then the odd ones: the inputs are
-// broadcast from memory where used rather than held, which leaves the registers to the 4M accumulators.
+// Rows x[0..M) (fp32, [M, K]) times the 32 outputs of a block, weight pairs [kp0, kp1) of it (`line`: pair kp0's
+// 128-byte line), into acc: each line read whole, in order. Per group of 8 outputs the even weights are widened and
+// multiplied into every row, then the odd ones: the inputs are broadcast from memory where used rather than held,
+// which leaves the registers to the 4M accumulators. Each accumulator adds its inputs in order k = 2 kp0, 2 kp0 + 1, ...
 template <int M>
-void block_rows(const float* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t N, int64_t K, int64_t nb) {
+inline void pass(const float* x, const uint16_t* line, __m256 (&acc)[M][4], int64_t K, int64_t kp0, int64_t kp1,
+                 int64_t prefetch) {
   const __m256i high = _mm256_set1_epi32((int)0xFFFF0000);
-  __m256 acc[M][4];
-  for (int m = 0; m < M; ++m)
-    for (int g = 0; g < 4; ++g) acc[m][g] = _mm256_setzero_ps();
-  const uint16_t* line = w;
-  const float* xk = x;  // inputs 2kp and 2kp + 1 of row 0
-  for (int64_t kp = 0; kp < K / 2; ++kp, line += 64, xk += 2) {
-    _mm_prefetch((const char*)line + kPrefetchBytes, _MM_HINT_T0);
-    _mm_prefetch((const char*)line + kPrefetchBytes + 64, _MM_HINT_T0);
+  const float* xk = x + 2 * kp0;  // inputs 2kp and 2kp + 1 of row 0
+  for (int64_t kp = kp0; kp < kp1; ++kp, line += 64, xk += 2) {
+    if (prefetch) {
+      _mm_prefetch((const char*)line + prefetch, _MM_HINT_T0);
+      _mm_prefetch((const char*)line + prefetch + 64, _MM_HINT_T0);
+    }
     for (int g = 0; g < 4; ++g) {  // outputs 8g..8g+7: (w[o][2kp], w[o][2kp+1]) pairs, each a bf16 in half an fp32
       const __m256i p = _mm256_loadu_si256((const __m256i*)(line + 16 * g));
       const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
@@ -58,23 +65,59 @@ void block_rows(const float* x, const uint16_t* w, const float* bias, uint16_t* 
       for (int m = 0; m < M; ++m) acc[m][g] = _mm256_fmadd_ps(o, _mm256_broadcast_ss(xk + m * K + 1), acc[m][g]);
     }
   }
+}
+
+inline void store_row(const __m256 (&acc)[4], const float* bias, uint16_t* y, int64_t nb) {
+  for (int g = 0; g < 4; ++g) {
+    __m256 a = acc[g];
+    if (bias) a = _mm256_add_ps(a, _mm256_loadu_ps(bias + nb * kBlock + 8 * g));
+    store_bf16(y + nb * kBlock + 8 * g, a);
+  }
+}
+
+// One or two rows: one pass over the block, the sums in registers throughout.
+template <int M>
+void block_rows(const float* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t N, int64_t K, int64_t nb) {
+  __m256 acc[M][4];
   for (int m = 0; m < M; ++m)
-    for (int g = 0; g < 4; ++g) {
-      __m256 a = acc[m][g];
-      if (bias) a = _mm256_add_ps(a, _mm256_loadu_ps(bias + nb * kBlock + 8 * g));
-      store_bf16(y + m * N + nb * kBlock + 8 * g, a);
-    }
+    for (int g = 0; g < 4; ++g) acc[m][g] = _mm256_setzero_ps();
+  pass<M>(x, w, acc, K, 0, K / 2, kPrefetchBytes);
+  for (int m = 0; m < M; ++m) store_row(acc[m], bias, y + m * N, nb);
+}
+
+// A chunk for rows m0, m0 + 1 (or m0 alone), their sums taken from and returned to `sums` [kGroup][32].
+template <int M>
+inline void chunk(const float* x, const uint16_t* w, float (*sums)[kBlock], int m0, int64_t K, int64_t kp0, int64_t kp1) {
+  __m256 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < 4; ++g) acc[m][g] = kp0 ? _mm256_load_ps(sums[m0 + m] + 8 * g) : _mm256_setzero_ps();
+  pass<M>(x + m0 * K, w + kp0 * 64, acc, K, kp0, kp1, m0 ? 0 : kGroupPrefetchBytes);
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < 4; ++g) _mm256_store_ps(sums[m0 + m] + 8 * g, acc[m][g]);
 }
 
 void rows(int m, const float* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t N, int64_t K, int64_t nb) {
   if (m == 1) return block_rows<1>(x, w, bias, y, N, K, nb);
-  return block_rows<2>(x, w, bias, y, N, K, nb);
+  if (m == 2) return block_rows<2>(x, w, bias, y, N, K, nb);
+  alignas(32) float sums[kGroup][kBlock];
+  for (int64_t kp0 = 0; kp0 < K / 2; kp0 += kChunk) {
+    const int64_t kp1 = std::min<int64_t>(kp0 + kChunk, K / 2);
+    for (int m0 = 0; m0 < m; m0 += 2) {
+      if (m0 + 1 < m) chunk<2>(x, w, sums, m0, K, kp0, kp1);
+      else chunk<1>(x, w, sums, m0, K, kp0, kp1);
+    }
+  }
+  for (int r = 0; r < m; ++r) {
+    __m256 acc[4];
+    for (int g = 0; g < 4; ++g) acc[g] = _mm256_load_ps(sums[r] + 8 * g);
+    store_row(acc, bias, y + r * N, nb);
+  }
 }
 
 }  // namespace
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
-  return bf16_blocks::linear<float, kRows>(x, packed, bias, rows);
+  return bf16_blocks::linear<float, kGroup>(x, packed, bias, rows);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
