@@ -5,7 +5,14 @@ DFlash's speed-up is tau over (verify + draft) / decode; on a GPU verify of a bl
 CPU it depends on the matrix kernels the CPU has. `--isa avx2` reruns in a subprocess with oneDNN and ATen limited to
 AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), an approximation of an AVX2-only CPU.
 
+`--against REV` also times the decoder loop as it stood at git revision REV (`TargetModel._lean_forward` of
+models/target.py there, bound to the same loaded model), the two taking turns at every size, and checks that both give
+the same logits: a change to the forward's Python measured side by side. Sizes and loops take turns, and the figure
+is the median (`q1_ms`: the lower quartile, less of the machine's noise).
+
     python benchmarks/bench_step_cost.py --dtypes fp32 bf16 --isa native avx2 --linears packed dense
+    OMP_NUM_THREADS=1 python benchmarks/bench_step_cost.py --isa native --dtypes bf16 --linears packed --tokens 1 2 4 8 \
+        --reps 40 --against HEAD~1
 """
 
 from __future__ import annotations
@@ -29,7 +36,23 @@ configure_threads()  # before torch loads, and inherited by the children: the CL
 ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
 
 
-def measure(target: str, dtype: str, tokens: list[int], reps: int, context: int, pack: bool) -> dict:
+def lean_forward_at(rev: str):
+    """`TargetModel._lean_forward` as models/target.py stood at git revision `rev` (its own module globals)."""
+    import types
+
+    shown = subprocess.run(["git", "show", f"{rev}:trtllm_dflash/models/target.py"], cwd=Path(__file__).resolve().parents[1],
+                           capture_output=True, text=True)
+    if shown.returncode:
+        raise SystemExit(f"--against {rev}: git cannot show trtllm_dflash/models/target.py there ({shown.stderr.strip()}).")
+    module = types.ModuleType("trtllm_dflash.models._target_against")
+    module.__package__ = "trtllm_dflash.models"
+    exec(compile(shown.stdout, f"{rev}:trtllm_dflash/models/target.py", "exec"), module.__dict__)
+    return module.TargetModel._lean_forward
+
+
+def measure(target: str, dtype: str, tokens: list[int], reps: int, context: int, pack: bool, against: str | None = None) -> dict:
+    import types
+
     import torch
 
     from trtllm_dflash.runtime import DTYPES
@@ -40,17 +63,37 @@ def measure(target: str, dtype: str, tokens: list[int], reps: int, context: int,
     cache = tm.new_cache(1, context + max(tokens) + 1)
     ids = torch.randint(100, 1000, (1, context + max(tokens)), generator=torch.Generator().manual_seed(0))
     tm.forward(ids[:, :context], 0, cache, capture=False, logits_to_keep=1)
-    times = {t: [] for t in tokens}
-    for i in range(reps + 2):  # two warm-up rounds; sizes take turns, so a machine warming up or drifting slows all alike
-        for t in tokens:
-            t0 = time.perf_counter()
-            tm.forward(ids[:, context : context + t], context, cache, capture=False)  # the same positions each time
-            if i >= 2:
-                times[t].append(time.perf_counter() - t0)
-    out = {str(t): round(statistics.median(v) * 1000, 3) for t, v in times.items()}
+    loops = {"current": types.MethodType(type(tm)._lean_forward, tm)}
+    if against:
+        if not tm.lean:
+            raise SystemExit(f"--against: {target} does not run the lean decoder loop, the code it compares.")
+        loops[against] = types.MethodType(lean_forward_at(against), tm)
+    times = {(name, t): [] for name in loops for t in tokens}
+
+    def forward(name: str, t: int):
+        tm._lean_forward = loops[name]
+        return tm.forward(ids[:, context : context + t], context, cache, capture=False)  # the same positions each time
+
+    with torch.inference_mode():
+        for t in tokens if against else ():  # both loops give the same logits
+            if not torch.equal(*(forward(name, t)[0] for name in loops)):
+                raise SystemExit(f"--against {against}: {t} tokens give other logits than the current loop's.")
+        for i in range(reps + 2):  # two warm-up rounds; sizes and loops take turns, so a drifting machine slows all alike
+            for t in tokens:
+                for name in list(loops)[i % len(loops):] + list(loops)[: i % len(loops)]:
+                    t0 = time.perf_counter()
+                    forward(name, t)
+                    if i >= 2:
+                        times[name, t].append(time.perf_counter() - t0)
+    out = {str(t): round(statistics.median(times["current", t]) * 1000, 3) for t in tokens}
+    extra = {"q1_ms": {str(t): round(statistics.quantiles(times["current", t], n=4)[0] * 1000, 3) for t in tokens}}
+    if against:
+        extra["against"] = {"rev": against,
+                            "ms": {str(t): round(statistics.median(times[against, t]) * 1000, 3) for t in tokens},
+                            "q1_ms": {str(t): round(statistics.quantiles(times[against, t], n=4)[0] * 1000, 3) for t in tokens}}
     from trtllm_dflash.models import bf16_gemm
 
-    return {"ms": out, "ratio_to_decode": {t: round(ms / out["1"], 3) for t, ms in out.items()},
+    return {"ms": out, "ratio_to_decode": {t: round(ms / out["1"], 3) for t, ms in out.items()}, **extra,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "bf16_kernel": bf16_gemm.variant() if dtype == "bf16" and pack and bf16_gemm.kernel() is not None else None}
 
@@ -66,29 +109,33 @@ def main(argv=None):
                          "has AVX-512 BF16 or AVX2 alone: models/bf16_gemm.py; TRTDFLASH_BF16_KERNEL=off keeps the library's); dense: stock F.linear.")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--against", metavar="REV", help="also time the decoder loop as of this git revision (e.g. HEAD~1)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "step-cost.json"))
     ap.add_argument("--child", help=argparse.SUPPRESS)  # run one (isa, dtype) in this process, print JSON
     args = ap.parse_args(argv)
 
     if args.child:
         dtype, linears = args.child.split(":")
-        print(json.dumps(measure(args.target, dtype, args.tokens, args.reps, args.context, linears == "packed")))
+        print(json.dumps(measure(args.target, dtype, args.tokens, args.reps, args.context, linears == "packed", args.against)))
         return
     from trtllm_dflash.cpu import machine_info
 
     result = {"benchmark": "bench_step_cost", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine_info(), "target": args.target, "context": args.context,
-              "reps": args.reps, "runs": {}}
+              "reps": args.reps, "against": args.against, "runs": {}}
     for isa in args.isa:
         for dtype in args.dtypes:
             for linears in args.linears:
                 cmd = [sys.executable, __file__, "--child", f"{dtype}:{linears}", "--target", args.target, "--reps", str(args.reps),
-                       "--context", str(args.context), "--tokens", *map(str, args.tokens)]
+                       "--context", str(args.context), "--tokens", *map(str, args.tokens), *(["--against", args.against] if args.against else [])]
                 done = subprocess.run(cmd, env=os.environ | ISA_ENV[isa], capture_output=True, text=True, check=True)
                 run = json.loads(done.stdout.strip().splitlines()[-1])
                 result["runs"][f"{isa} {dtype} {linears}"] = run
                 print(f"{isa:6s} {dtype} {linears:6s}: " + ", ".join(f"{t} tok {ms} ms ({run['ratio_to_decode'][t]}x)" for t, ms in run["ms"].items()),
                       flush=True)
+                if "against" in run:
+                    print(f"{'':6s} {dtype} {linears:6s} as of {args.against}: "
+                          + ", ".join(f"{t} tok {ms} ms" for t, ms in run["against"]["ms"].items()), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -71,6 +71,14 @@ def _flat_rows_sdpa(query, key, value, attention_mask, scaling, rows: FlatRows):
     return out
 
 
+def _gated(act_fn, sizes: list[int]):
+    """A gated MLP's activation of its fused gate/up output: act(gate) * up."""
+    def act(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(sizes, dim=-1)
+        return act_fn(gate) * up
+    return act
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -192,6 +200,7 @@ class TargetModel:
         self.rms_kernel = self.attention if self.attention is not None and self.hidden_size % 16 == 0 else None
         # ... and its MLP activation, silu(gate) * up in one call (activation.h)
         self.mlp_kernel = self.rms_kernel if self.rms_kernel is not None and self.text_config.intermediate_size % 16 == 0 else None
+        self._plan: list[tuple] | None = None  # the lean loop's per-layer callables (`_layer_plan`), bound at its first run
 
     def _use_ragged_attention(self) -> bool:
         """Wrap the model's attention so `forward_rows` can lay rows on one flat axis; True where it could (HF models
@@ -377,18 +386,15 @@ class TargetModel:
         cos, sin = cos[:, None], sin[:, None]  # [b, 1, T, hd]: broadcast over heads
         taps = set(self._taps) if capture else ()
         captured = {}
-        for i, layer in enumerate(self.layers):  # submodules' .forward: no per-call hook dispatch (none is registered there)
-            attn, mlp = layer.self_attn, layer.mlp
-            h = self._norm(layer.input_layernorm, x)
-            shape = (*x.shape[:-1], -1, attn.head_dim)
-            q, k, v = attn.qkv_proj.forward(h).split(attn.q_proj.outputs.sizes, dim=-1)
-            q, k, v = q.view(shape), k.view(shape), v.view(shape)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before RoPE
-                q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
+        lead = (-1,) if step else x.shape[:-1]  # a step's tokens on one axis, [b*T], for the kernel; else [b, T]
+        for i, (norm1, qkv, sizes, qk_norm, head_dim, scaling, o_proj, norm2, gate_up, act, down) in enumerate(self._layer_plan()):
+            q, k, v = (p.view(*lead, p.shape[-1] // head_dim, head_dim) for p in qkv(norm1(x)).split(sizes, dim=-1))
+            if qk_norm is not None:  # Qwen3: RMSNorm per head before RoPE
+                q, k = qk_norm[0](q), qk_norm[1](k)
             if step:  # RoPE, the cache writes and attention in one call: the same bits as the ops below (slot_attention.h)
-                keys, values = cache.buffers(i, k.shape[-2], attn.head_dim, k.dtype)
-                out = self.attention.rope_attend(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), token_cos, token_sin,
-                                                 keys, values, token_slot, token_pos, attn.scaling)  # [b*T, heads*hd]
+                keys, values = cache.buffers(i, k.shape[-2], head_dim, k.dtype)
+                out = self.attention.rope_attend(q, k, v, token_cos, token_sin, keys, values, token_slot, token_pos,
+                                                 scaling)  # [b*T, heads*hd]
             else:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, T, hd]
                 q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -397,24 +403,17 @@ class TargetModel:
                     if q.shape[2] == 1 and q.dtype == torch.bfloat16:  # decoding one row: the K/V slice taken to fp32 and
                         # SDPA's fp32 kernel cost 25 us a layer against 65-90 for any bf16 attention (context 200, 2 threads,
                         # AMD EPYC, 2026-11-25); with 8 queries, or several rows, the bf16 kernels are as fast or faster
-                        out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), scale=attn.scaling,
+                        out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), scale=scaling,
                                                              enable_gqa=q.shape[1] != keys.shape[1]).to(q.dtype).transpose(1, 2)
                     else:
-                        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, scale=attn.scaling,
+                        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, scale=scaling,
                                                              enable_gqa=q.shape[1] != keys.shape[1]).transpose(1, 2)
                 elif slot_rows is None:  # rows of one length: SDPA's CPU kernel under a per-row mask cost 1.2x the step
-                    out = _rows_sdpa(q, keys, values, masks, attn.scaling)
+                    out = _rows_sdpa(q, keys, values, masks, scaling)
                 else:
-                    out = _flat_rows_sdpa(q[0], keys, values, masks, attn.scaling, slot_rows)[None]
-            x = x + attn.o_proj.forward(out.reshape(*x.shape[:-1], -1))
-            h = self._norm(layer.post_attention_layernorm, x)
-            gate_up = mlp.gate_up_proj.forward(h)
-            if self.mlp_kernel is not None:
-                act = self.mlp_kernel.silu_mul(gate_up)
-            else:
-                gate, up = gate_up.split(mlp.gate_proj.outputs.sizes, dim=-1)
-                act = mlp.act_fn(gate) * up
-            x = x + mlp.down_proj.forward(act)
+                    out = _flat_rows_sdpa(q[0], keys, values, masks, scaling, slot_rows)[None]
+            x = x + o_proj(out.reshape(*x.shape[:-1], -1))
+            x = x + down(act(gate_up(norm2(x))))
             if i in taps:
                 captured[i] = x
         h = self._norm(decoder.norm, x[:, -logits_to_keep:] if logits_to_keep else x)
@@ -423,7 +422,31 @@ class TargetModel:
 
     def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """An RMSNorm module of the decoder on x: our kernel's one call where it runs, else the module's seven ops."""
-        return self.rms_kernel.rms_norm(x, norm.weight, norm.variance_epsilon) if self.rms_kernel is not None else norm.forward(x)
+        return self._norm_of(norm)(x)
+
+    def _norm_of(self, norm: nn.Module):
+        """`_norm` for one module, as a callable of x."""
+        if self.rms_kernel is None:
+            return norm.forward
+        rms, weight, eps = self.rms_kernel.rms_norm, norm.weight, norm.variance_epsilon
+        return lambda x: rms(x, weight, eps)
+
+    def _layer_plan(self) -> list[tuple]:
+        """Per decoder layer, what the lean loop calls, bound once: nn.Module attribute lookups and a `hasattr` miss per
+        layer cost 2-4 ms of a 135M target's 26-45 ms bf16 forward of 1-4 tokens (one thread, AMD EPYC Zen 3,
+        2026-11-29; the same kernels in the same order, so the same bits). Bound at the first lean forward, when the
+        layers are final (fused at construction, packed by `load`)."""
+        if self._plan is None:
+            plan = []
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                act = self.mlp_kernel.silu_mul if self.mlp_kernel is not None else _gated(mlp.act_fn, mlp.gate_proj.outputs.sizes)
+                qk_norm = (attn.q_norm.forward, attn.k_norm.forward) if hasattr(attn, "q_norm") else None
+                plan.append((self._norm_of(layer.input_layernorm), attn.qkv_proj.forward, attn.q_proj.outputs.sizes, qk_norm,
+                             attn.head_dim, attn.scaling, attn.o_proj.forward, self._norm_of(layer.post_attention_layernorm),
+                             mlp.gate_up_proj.forward, act, mlp.down_proj.forward))
+            self._plan = plan
+        return self._plan
 
     def _mask_rules(self) -> dict[str, int | None]:
         """Mask name -> sliding window (None = full), in the form the HF decoder takes precomputed masks."""
