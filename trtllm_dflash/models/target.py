@@ -432,10 +432,11 @@ class TargetModel:
         return lambda x: rms(x, weight, eps)
 
     def _layer_plan(self) -> list[tuple]:
-        """Per decoder layer, what the lean loop calls, bound once: nn.Module attribute lookups and a `hasattr` miss per
-        layer cost 2-4 ms of a 135M target's 26-45 ms bf16 forward of 1-4 tokens (one thread, AMD EPYC Zen 3,
-        2026-11-29; the same kernels in the same order, so the same bits). Bound at the first lean forward, when the
-        layers are final (fused at construction, packed by `load`)."""
+        """Per decoder layer, what the lean loop calls, bound once: looked up through nn.Module on every layer of every
+        forward (a `hasattr` miss among them), they cost SmolLM2-135M's bf16 forward of 1-8 tokens 1.6-2.2 ms of its
+        26-48 ms (medians, one Zen 3 thread, 2026-11-29, `benchmarks/results/step-cost-zen3-avx2-lean-plan-1thread-
+        20261129.json`; the same kernels in the same order, so the same bits). Bound at the first lean forward, when
+        the layers are final (fused at construction, packed by `load`)."""
         if self._plan is None:
             plan = []
             for layer in self.layers:
