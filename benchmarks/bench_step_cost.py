@@ -6,9 +6,9 @@ CPU it depends on the matrix kernels the CPU has. `--isa avx2` reruns in a subpr
 AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), an approximation of an AVX2-only CPU.
 
 `--against REV` also times the decoder loop as it stood at git revision REV (`TargetModel._lean_forward` of
-models/target.py there, bound to the same loaded model), the two taking turns at every size, and checks that both give
-the same logits: a change to the forward's Python measured side by side. Sizes and loops take turns, and the figure
-is the median (`q1_ms`: the lower quartile, less of the machine's noise).
+models/target.py there, and any helper of it the current class lacks, bound to the same loaded model), the two taking
+turns at every size, and checks that both give the same logits: a change to the forward's Python measured side by
+side. The figure is the median (`q1_ms`: the lower quartile, less of the machine's noise).
 
     python benchmarks/bench_step_cost.py --dtypes fp32 bf16 --isa native avx2 --linears packed dense
     OMP_NUM_THREADS=1 python benchmarks/bench_step_cost.py --isa native --dtypes bf16 --linears packed --tokens 1 2 4 8 \
@@ -36,8 +36,8 @@ configure_threads()  # before torch loads, and inherited by the children: the CL
 ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
 
 
-def lean_forward_at(rev: str):
-    """`TargetModel._lean_forward` as models/target.py stood at git revision `rev` (its own module globals)."""
+def target_class_at(rev: str):
+    """`TargetModel` as models/target.py stood at git revision `rev` (its own module globals)."""
     import types
 
     shown = subprocess.run(["git", "show", f"{rev}:trtllm_dflash/models/target.py"], cwd=Path(__file__).resolve().parents[1],
@@ -47,7 +47,7 @@ def lean_forward_at(rev: str):
     module = types.ModuleType("trtllm_dflash.models._target_against")
     module.__package__ = "trtllm_dflash.models"
     exec(compile(shown.stdout, f"{rev}:trtllm_dflash/models/target.py", "exec"), module.__dict__)
-    return module.TargetModel._lean_forward
+    return module.TargetModel
 
 
 def measure(target: str, dtype: str, tokens: list[int], reps: int, context: int, pack: bool, against: str | None = None) -> dict:
@@ -67,7 +67,11 @@ def measure(target: str, dtype: str, tokens: list[int], reps: int, context: int,
     if against:
         if not tm.lean:
             raise SystemExit(f"--against: {target} does not run the lean decoder loop, the code it compares.")
-        loops[against] = types.MethodType(lean_forward_at(against), tm)
+        old = target_class_at(against)
+        for name, fn in vars(old).items():  # helpers the loop called then that the current class no longer has
+            if callable(fn) and not hasattr(tm, name):
+                setattr(tm, name, types.MethodType(fn, tm))
+        loops[against] = types.MethodType(old._lean_forward, tm)
     times = {(name, t): [] for name in loops for t in tokens}
 
     def forward(name: str, t: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -200,7 +201,7 @@ class TargetModel:
         self.rms_kernel = self.attention if self.attention is not None and self.hidden_size % 16 == 0 else None
         # ... and its MLP activation, silu(gate) * up in one call (activation.h)
         self.mlp_kernel = self.rms_kernel if self.rms_kernel is not None and self.text_config.intermediate_size % 16 == 0 else None
-        self._plan: list[tuple] | None = None  # the lean loop's per-layer callables (`_layer_plan`), bound at its first run
+        self._plan: tuple[list[tuple], Callable] | None = None  # the lean loop's callables (`_layer_plan`), bound at its first run
 
     def _use_ragged_attention(self) -> bool:
         """Wrap the model's attention so `forward_rows` can lay rows on one flat axis; True where it could (HF models
@@ -386,8 +387,9 @@ class TargetModel:
         cos, sin = cos[:, None], sin[:, None]  # [b, 1, T, hd]: broadcast over heads
         taps = set(self._taps) if capture else ()
         captured = {}
+        layers, final_norm = self._layer_plan()
         lead = (-1,) if step else x.shape[:-1]  # a step's tokens on one axis, [b*T], for the kernel; else [b, T]
-        for i, (norm1, qkv, sizes, qk_norm, head_dim, scaling, o_proj, norm2, gate_up, act, down) in enumerate(self._layer_plan()):
+        for i, (norm1, qkv, sizes, qk_norm, head_dim, scaling, o_proj, norm2, gate_up, act, down) in enumerate(layers):
             q, k, v = (p.view(*lead, p.shape[-1] // head_dim, head_dim) for p in qkv(norm1(x)).split(sizes, dim=-1))
             if qk_norm is not None:  # Qwen3: RMSNorm per head before RoPE
                 q, k = qk_norm[0](q), qk_norm[1](k)
@@ -416,27 +418,24 @@ class TargetModel:
             x = x + down(act(gate_up(norm2(x))))
             if i in taps:
                 captured[i] = x
-        h = self._norm(decoder.norm, x[:, -logits_to_keep:] if logits_to_keep else x)
+        h = final_norm(x[:, -logits_to_keep:] if logits_to_keep else x)
         feats = torch.cat([captured[l] for l in self._taps], dim=-1) if taps else None
         return self.lm_head(h), feats
 
-    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """An RMSNorm module of the decoder on x: our kernel's one call where it runs, else the module's seven ops."""
-        return self._norm_of(norm)(x)
-
     def _norm_of(self, norm: nn.Module):
-        """`_norm` for one module, as a callable of x."""
+        """An RMSNorm module of the decoder as a callable of x: our kernel's one call where it runs, else the module's
+        seven ops."""
         if self.rms_kernel is None:
             return norm.forward
         rms, weight, eps = self.rms_kernel.rms_norm, norm.weight, norm.variance_epsilon
         return lambda x: rms(x, weight, eps)
 
-    def _layer_plan(self) -> list[tuple]:
-        """Per decoder layer, what the lean loop calls, bound once: looked up through nn.Module on every layer of every
-        forward (a `hasattr` miss among them), they cost SmolLM2-135M's bf16 forward of 1-8 tokens 1.6-2.2 ms of its
-        26-48 ms (medians, one Zen 3 thread, 2026-11-29, `benchmarks/results/step-cost-zen3-avx2-lean-plan-1thread-
-        20261129.json`; the same kernels in the same order, so the same bits). Bound at the first lean forward, when
-        the layers are final (fused at construction, packed by `load`)."""
+    def _layer_plan(self) -> tuple[list[tuple], Callable]:
+        """Per decoder layer what the lean loop calls, and the final norm, bound once: looked up through nn.Module on
+        every layer of every forward (a `hasattr` miss among them), they cost SmolLM2-135M's bf16 forward of 1-8 tokens
+        1.6-2.2 ms of its 26-48 ms (medians, one Zen 3 thread, 2026-11-29, `benchmarks/results/step-cost-zen3-avx2-
+        lean-plan-1thread-20261129.json`; the same kernels in the same order, so the same bits). Bound at the first
+        lean forward, when the layers are final (fused at construction, packed by `load`)."""
         if self._plan is None:
             plan = []
             for layer in self.layers:
@@ -446,7 +445,7 @@ class TargetModel:
                 plan.append((self._norm_of(layer.input_layernorm), attn.qkv_proj.forward, attn.q_proj.outputs.sizes, qk_norm,
                              attn.head_dim, attn.scaling, attn.o_proj.forward, self._norm_of(layer.post_attention_layernorm),
                              mlp.gate_up_proj.forward, act, mlp.down_proj.forward))
-            self._plan = plan
+            self._plan = plan, self._norm_of(self.model.get_decoder().norm)
         return self._plan
 
     def _mask_rules(self) -> dict[str, int | None]:
