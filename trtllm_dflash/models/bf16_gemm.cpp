@@ -19,10 +19,12 @@ namespace {
 
 using bf16_blocks::kBlock;  // outputs per block: two 16-lane accumulators
 constexpr int kRows = 8;        // rows per pass over a block (2 x 8 accumulators + operands fit the 32 registers)
-// Each pass asks for the weights 4 KB ahead of the ones it multiplies. On a 2-core Xeon with AMX whose memory is slow
+// Each pass asks for the weights 1.5 KB ahead of the ones it multiplies. On a 2-core Xeon with AMX whose memory is slow
 // (one core streams 8 GB/s), the hardware prefetcher alone left 1-8 rows 15-25 % slower on one thread (SmolLM2's
-// linears: 8 rows 51 against 40 ms, one row 30 against 25; 2026-11-26, informal A/B of two builds, alternating).
-constexpr int64_t kPrefetchBytes = 4096;
+// linears: 8 rows 51 against 40 ms, one row 30 against 25; 2026-11-26, informal A/B of two builds, alternating). 4 KB
+// ahead, every prefetch a page beyond its loads, left 2 rows (a chat verify) at 28 ms against 21 for 1 and 23 for 3
+// in the machine's slow spells, 1.5 KB at 23 (the same Xeon, 2026-11-29, benchmarks/results/bf16-kernel-xeon-amx-prefetch-20261129.json).
+constexpr int64_t kPrefetchBytes = 1536;
 
 template <int M>
 void block_rows(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t N, int64_t K, int64_t nb) {
