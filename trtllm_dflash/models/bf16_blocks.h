@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <type_traits>
+#include <utility>
 
 namespace bf16_blocks {
 
@@ -19,17 +20,23 @@ inline torch::Tensor pack(const torch::Tensor& weight) {
 // y = x W^T (+ bias) with `rows(m, x, w, bias, y, N, K, nb)` computing up to kRows rows of block nb; the inputs reach
 // it as XT (uint16_t: bf16 as they are; float: widened once, exactly). Each block's weights are read from memory once
 // and reused from cache for every further group of rows.
-template <typename XT, int kRows, typename Rows>
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias, Rows rows) {
+// The checks every variant's linear makes; returns the weight's {N, K}.
+inline std::pair<int64_t, int64_t> check(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "linear: bf16 tensors");
   const int64_t N = packed.size(0) * kBlock, K = packed.size(1) * 2;
   TORCH_CHECK(x.size(-1) == K, "linear: input has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous()), "linear: an fp32 bias");
+  return {N, K};
+}
+
+template <typename XT, int kRows, typename Rows>
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias, Rows rows) {
+  const auto [N, K] = check(x, packed, bias);
   const auto x2 = std::is_same<XT, float>::value ? x.reshape({-1, K}).to(torch::kFloat).contiguous() : x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty({M, N}, x.options());
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous()), "linear: an fp32 bias");
   const XT* xp = (const XT*)x2.data_ptr();
   const uint16_t* wp = (const uint16_t*)packed.data_ptr();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;

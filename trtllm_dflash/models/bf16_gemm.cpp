@@ -5,6 +5,10 @@
 // loop does at memory speed for 1-8 rows. Every output is one fp32 accumulator over the input pairs in order, rounded
 // once to bf16, whatever M is and wherever the row sits: a row's result does not depend on the rows beside it
 // (batch-invariant), which no library kernel here promises. The bias comes in fp32.
+//
+// Built with AMX (the `amx` variant: -mamx-tile -mamx-bf16), the same layout feeds AMX's tile multiply instead: a
+// tile of 16 weight pairs x 16 outputs is 16 rows of 64 bytes, 128 bytes apart in the packed lines, so the weights
+// are read as packed for VDPBF16PS, and up to 16 rows of x cost one pass over them at memory speed.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -55,6 +59,89 @@ void block_rows(const uint16_t* x, const uint16_t* w, const float* bias, uint16_
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+namespace amx {
+
+constexpr int64_t kTileRows = 16;  // rows of x in a tile (more are taken 16 at a time, the last group padded)
+constexpr int64_t kPairs = 16;     // weight pairs a tile step multiplies (32 inputs)
+
+struct TileConfig {  // palette 1: per tile, its rows and bytes per row
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Rows x[0..R) (R: the configured tile rows) times the 32 outputs of block nb; rows [0, M) are stored. tmm0: 32 inputs
+// of each row; tmm1, tmm2: the block's outputs 0-15 and 16-31 over 16 weight pairs; tmm3, tmm4: their sums. Pairs
+// past the last whole tile step (K not a multiple of 32) are added to the sums with VDPBF16PS. Only a block's first
+// group of rows asks for its weights ahead: the others find them in cache.
+void block(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t M, int64_t N, int64_t K, int64_t nb,
+           bool prefetch) {
+  _tile_zero(3);
+  _tile_zero(4);
+  const int64_t whole = K / 2 / kPairs * kPairs;
+  for (int64_t kp = 0; kp < whole; kp += kPairs) {
+    const char* lines = (const char*)(w + kp * 64);
+    if (prefetch)
+      for (int64_t i = 0; i < kPairs * 128; i += 64) _mm_prefetch(lines + i + kPrefetchBytes, _MM_HINT_T0);
+    _tile_loadd(0, x + 2 * kp, K * 2);
+    _tile_loadd(1, lines, 128);
+    _tile_loadd(2, lines + 64, 128);
+    _tile_dpbf16ps(3, 0, 1);
+    _tile_dpbf16ps(4, 0, 2);
+  }
+  alignas(64) float sums[2][kTileRows][16];
+  _tile_stored(3, sums[0], 64);
+  _tile_stored(4, sums[1], 64);
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 a0 = _mm512_load_ps(sums[0][m]), a1 = _mm512_load_ps(sums[1][m]);
+    for (int64_t kp = whole; kp < K / 2; ++kp) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(*(const int32_t*)(x + m * K + 2 * kp));
+      a0 = _mm512_dpbf16_ps(a0, xb, (__m512bh)_mm512_loadu_si512(w + kp * 64));
+      a1 = _mm512_dpbf16_ps(a1, xb, (__m512bh)_mm512_loadu_si512(w + kp * 64 + 32));
+    }
+    if (bias) {
+      a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias + nb * kBlock));
+      a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + nb * kBlock + 16));
+    }
+    _mm256_storeu_si256((__m256i*)(y + m * N + nb * kBlock), (__m256i)_mm512_cvtneps_pbh(a0));
+    _mm256_storeu_si256((__m256i*)(y + m * N + nb * kBlock + 16), (__m256i)_mm512_cvtneps_pbh(a1));
+  }
+}
+
+// The process must have asked the kernel for AMX's state first (bf16_gemm.py: amx_permitted, arch_prctl).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  const auto [N, K] = bf16_blocks::check(x, packed, bias);
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0), R = std::min(M, kTileRows);
+  if (M > kTileRows && M % kTileRows) {  // whole tiles of rows: the last group's padding is multiplied, never stored
+    auto padded = torch::zeros({(M + kTileRows - 1) / kTileRows * kTileRows, K}, x2.options());
+    padded.narrow(0, 0, M).copy_(x2);
+    x2 = padded;
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const uint16_t* xp = (const uint16_t*)x2.data_ptr();
+  const uint16_t* wp = (const uint16_t*)packed.data_ptr();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  uint16_t* yp = (uint16_t*)y.data_ptr();
+  at::parallel_for(0, N / kBlock, 4, [&](int64_t b0, int64_t b1) {
+    TileConfig config;  // per thread: a tile configuration is a thread's state
+    for (int t : {0, 3, 4}) config.rows[t] = R, config.colsb[t] = 64;
+    for (int t : {1, 2}) config.rows[t] = kPairs, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
+        block(xp + m0 * K, wp + nb * (K / 2) * 64, bp, yp + m0 * N, std::min(kTileRows, M - m0), N, K, nb, m0 == 0);
+    _tile_release();  // leaves no tile state for the kernel to save at a context switch
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
+}
+
+}  // namespace amx
+#endif
+
 void rows(int m, const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t N, int64_t K, int64_t nb) {
   switch (m) {
     case 1: return block_rows<1>(x, w, bias, y, N, K, nb);
@@ -71,7 +158,11 @@ void rows(int m, const uint16_t* x, const uint16_t* w, const float* bias, uint16
 }  // namespace
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx::linear(x, packed, bias);
+#else
   return bf16_blocks::linear<uint16_t, kRows>(x, packed, bias, rows);
+#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -4,9 +4,13 @@ projection does not depend on the rows beside it.
 - `avx512` (bf16_gemm.cpp), for CPUs with AVX-512 BF16: VDPBF16PS. On an AMD EPYC Zen 4 (2026-11-26,
   `benchmarks/bench_bf16_kernel.py`) oneDNN's packed bf16 kernel took 11.4-13.8 ms over SmolLM2-135M's linears for 1
   to 8 rows and ATen's one-row kernel 9.3 ms; this one takes 7.8-8.5 ms for any of 1-8 rows and stays ahead of oneDNN
-  up to 256 rows (161.7 against 164.2 ms). A CPU with AMX runs it too, for up to `TILE_ROWS` rows: on a 2-core Xeon
-  with AMX (2026-11-26, `benchmarks/results/bf16-kernel-xeon-amx.json`) it took 16-21 ms for 1-8 rows against
-  oneDNN's 28-39, while from 16 rows oneDNN's tile kernel is 1.4-4.8x faster (`PackedLinear`).
+  up to 256 rows (161.7 against 164.2 ms).
+- `amx` (bf16_gemm.cpp built with AMX), for CPUs with AMX-BF16: the same packed weights fed to AMX's tile multiply,
+  16 rows at a time, for calls of up to `TILE_ROWS` rows (more take oneDNN's tile kernel: `PackedLinear`). On a
+  2-core Xeon with AMX, one thread (2026-11-29, `benchmarks/results/bf16-kernel-xeon-amx-tiles-20261129.json`),
+  SmolLM2-135M's linears took about as long for 16 rows as for one, where VDPBF16PS took twice as long. Its sums
+  add each pair of products in another order than VDPBF16PS's, so a few outputs in ten thousand round apart from
+  the `avx512` variant's; every row's still does not depend on the rows beside it.
 - `avx2` (bf16_gemm_avx2.cpp), where torch runs on AVX2 alone and bf16 matrix products are emulated: bf16 weights
   widened to fp32 in registers, FMA, two rows a pass; more rows take each block in 4 KB chunks, every pair of rows
   passing over a chunk while memory streams the next. On one thread of a 2-core AMD EPYC Zen 3 (2026-11-28,
@@ -30,20 +34,34 @@ from importlib import resources
 import torch
 
 BLOCK = 32  # outputs per block of the packed layout (both variants pack alike)
+_AVX512 = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp"]
 VARIANTS = {  # name -> (source, compiler flags)
-    "avx512": ("bf16_gemm.cpp", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp"]),
+    "amx": ("bf16_gemm.cpp", [*_AVX512, "-mamx-tile", "-mamx-bf16"]),
+    "avx512": ("bf16_gemm.cpp", _AVX512),
     "avx2": ("bf16_gemm_avx2.cpp", ["-O3", "-mavx2", "-mfma", "-fopenmp"]),
 }
 HEADERS = ("bf16_blocks.h", "slot_attention.h", "rms_norm.h", "activation.h", "argmax.h")  # what both variants compile
 # in: the layout and loop, a step's attention, RMSNorm, the MLP's activation, greedy's argmax
 ENV = "TRTDFLASH_BF16_KERNEL"  # "off": keep the library kernels (A/B timing, or a compiler that misbehaves)
-TILE_ROWS = 8  # on a CPU with AMX, linears of more rows take oneDNN's tile kernel: a batch-1 verify of a block of 8
-# and a decode step then share our kernel (the same text), batches and prefill chunks get the tiles' speed
+TILE_ROWS = 64  # on a CPU with AMX, linears of more rows take oneDNN's tile kernel (faster for long prompt chunks);
+# decode steps, verified blocks and batches up to this many tokens share ours (the same text alone and batched)
 
 
 def fits(weight: torch.Tensor) -> bool:
     """A weight this kernel can multiply: bf16, [N, K] with N a multiple of 32 and K even."""
     return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % BLOCK == 0 and weight.shape[1] % 2 == 0
+
+
+@functools.cache
+def amx_permitted() -> bool:
+    """Linux gives a process AMX's tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, kernel 5.16 on; a
+    tile instruction before that kills the process). Asked once, before our kernel runs one."""
+    import ctypes
+
+    try:  # x86-64: SYS_arch_prctl 158, ARCH_REQ_XCOMP_PERM 0x1023, XFEATURE_XTILEDATA 18
+        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def variant() -> str | None:
@@ -55,7 +73,7 @@ def variant() -> str | None:
     if os.environ.get(ENV, "on") == "off":
         return None
     if capability == "AVX512" and "avx512_bf16" in flags:
-        return "avx512"
+        return "amx" if {"amx_tile", "amx_bf16"} <= flags and amx_permitted() else "avx512"
     if capability == "AVX2" and {"avx2", "fma"} <= flags:
         return "avx2"
     return None
@@ -64,9 +82,7 @@ def variant() -> str | None:
 def tiles() -> bool:
     """Whether oneDNN's AMX tile kernel takes linears of more than `TILE_ROWS` rows here. Then a row's projection
     depends on whether its forward has more rows than that, so bf16 batches and their rows alone may round apart."""
-    from ..cpu import cpu_flags
-
-    return variant() == "avx512" and "amx_bf16" in cpu_flags()
+    return variant() == "amx"
 
 
 @functools.cache
