@@ -33,14 +33,14 @@ from importlib import resources
 
 import torch
 
-BLOCK = 32  # outputs per block of the packed layout (both variants pack alike)
+BLOCK = 32  # outputs per block of the packed layout (every variant packs alike)
 _AVX512 = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp"]
 VARIANTS = {  # name -> (source, compiler flags)
     "amx": ("bf16_gemm.cpp", [*_AVX512, "-mamx-tile", "-mamx-bf16"]),
     "avx512": ("bf16_gemm.cpp", _AVX512),
     "avx2": ("bf16_gemm_avx2.cpp", ["-O3", "-mavx2", "-mfma", "-fopenmp"]),
 }
-HEADERS = ("bf16_blocks.h", "slot_attention.h", "rms_norm.h", "activation.h", "argmax.h")  # what both variants compile
+HEADERS = ("bf16_blocks.h", "slot_attention.h", "rms_norm.h", "activation.h", "argmax.h")  # what every variant compiles
 # in: the layout and loop, a step's attention, RMSNorm, the MLP's activation, greedy's argmax
 ENV = "TRTDFLASH_BF16_KERNEL"  # "off": keep the library kernels (A/B timing, or a compiler that misbehaves)
 TILE_ROWS = 64  # on a CPU with AMX, linears of more rows take oneDNN's tile kernel (faster for long prompt chunks);
