@@ -10,7 +10,7 @@ same projection as decoding it alone. Inference only: the op has no backward.
 bf16 weights on a CPU with AVX-512 BF16 take our own kernel instead (bf16_gemm.py: faster than oneDNN's for any
 number of rows measured without AMX, and as fast for 8 rows as for one), and so do they where torch runs on AVX2
 alone, where oneDNN does not pack bf16 at all. With AMX, calls of more than `bf16_gemm.TILE_ROWS` rows take oneDNN's
-tile kernel, which keeps its own copy of the weight. Elsewhere, one exception, measured per process:
+tile kernel, which keeps its own copy of the weight, made at the first such call. Elsewhere, one exception, measured per process:
 where ATen's own kernel multiplies a single bf16 token faster than oneDNN's packed one (on an AMD EPYC with AVX-512
 BF16, all of SmolLM2's linears for one token took 11.2 ms against 17.9 ms, 2026-11-23; for 8 tokens 63 ms against
 19), a one-token call keeps the dense weight and takes ATen's kernel. In fp32 oneDNN's packed kernel is the faster
@@ -45,7 +45,8 @@ class PackedLinear(nn.Module):
             self.packed = self.kernel.pack(linear.weight.detach())
             self.kernel_bias = None if linear.bias is None else linear.bias.detach().float().contiguous()  # converted once
             self.one_token_dense = False
-            self.tiles = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()) if bf16_gemm.tiles() else None
+            self.tiled = bf16_gemm.tiles()  # calls of more than TILE_ROWS rows take oneDNN's tiles
+            self.tiles = None  # their copy of the weight: made at the first such call (a batch-1 server makes none)
         elif can_pack(linear.weight.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
             self.one_token_dense = aten_decodes_faster(linear.weight.dtype)
@@ -56,8 +57,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            if self.tiles is None or x.numel() <= bf16_gemm.TILE_ROWS * self.in_features:
+            if not self.tiled or x.numel() <= bf16_gemm.TILE_ROWS * self.in_features:
                 return self.kernel.linear(x, self.packed, self.kernel_bias)
+            if self.tiles is None:  # the dense weight back from our packed one (bf16_blocks.h: pack), reordered for oneDNN
+                n_blocks, half_k, block, pair = self.packed.shape
+                dense = self.packed.permute(0, 2, 1, 3).reshape(n_blocks * block, half_k * pair)
+                self.tiles = torch.ops.mkldnn._reorder_linear_weight(dense)
             return torch.ops.mkldnn._linear_pointwise(x, self.tiles, self.bias, "none", [], "")
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
