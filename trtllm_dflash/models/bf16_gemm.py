@@ -47,6 +47,13 @@ TILE_ROWS = 64  # on a CPU with AMX, linears of more rows take oneDNN's tile ker
 # decode steps, verified blocks and batches up to this many tokens share ours (the same text alone and batched)
 
 
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The dense [N, K] weight back from its packed [N/32, K/2, 32, 2] layout (bf16_blocks.h: pack), for a library
+    kernel that wants its own copy (`PackedLinear`'s oneDNN tiles)."""
+    n_blocks, half_k, block, pair = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(n_blocks * block, half_k * pair)
+
+
 def fits(weight: torch.Tensor) -> bool:
     """A weight this kernel can multiply: bf16, [N, K] with N a multiple of 32 and K even."""
     return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % BLOCK == 0 and weight.shape[1] % 2 == 0

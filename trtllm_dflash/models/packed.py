@@ -59,10 +59,8 @@ class PackedLinear(nn.Module):
         if self.kernel is not None:
             if not self.tiled or x.numel() <= bf16_gemm.TILE_ROWS * self.in_features:
                 return self.kernel.linear(x, self.packed, self.kernel_bias)
-            if self.tiles is None:  # the dense weight back from our packed one (bf16_blocks.h: pack), reordered for oneDNN
-                n_blocks, half_k, block, pair = self.packed.shape
-                dense = self.packed.permute(0, 2, 1, 3).reshape(n_blocks * block, half_k * pair)
-                self.tiles = torch.ops.mkldnn._reorder_linear_weight(dense)
+            if self.tiles is None:
+                self.tiles = torch.ops.mkldnn._reorder_linear_weight(bf16_gemm.unpack(self.packed))
             return torch.ops.mkldnn._linear_pointwise(x, self.tiles, self.bias, "none", [], "")
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
