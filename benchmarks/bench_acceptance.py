@@ -78,6 +78,8 @@ def main() -> None:
                     help="Use the draft's vocabulary file where it has one (as the runtime does).")
     ap.add_argument("--draft-ngram", action=argparse.BooleanOptionalAction, default=True,
                     help="Re-weight the draft's greedy guesses with its n-gram prior (draft_ngram.npz) where it has one.")
+    ap.add_argument("--int8-draft", action=argparse.BooleanOptionalAction, default=True,
+                    help="bf16 on a CPU with AVX2 alone: the draft's weights as int8, as the runtime keeps them there.")
     ap.add_argument("--lookup", action="store_true",
                     help="Also verify prompt-lookup guesses where the text repeats (lookup.py), as the runtime does by default; "
                          "without it tau is the draft's alone.")
@@ -88,13 +90,14 @@ def main() -> None:
     from trtllm_dflash.runtime import DFlashEngine
 
     engine = DFlashEngine.load(a.target, a.draft, dtype=a.dtype, block_size=a.block_size, speculation="fixed",  # tau of the full block
-                               draft_vocab=a.draft_vocab, draft_ngram=a.draft_ngram, lookup=a.lookup, progress=lambda m: None)
+                               draft_vocab=a.draft_vocab, draft_ngram=a.draft_ngram, lookup=a.lookup, int8_draft=a.int8_draft,
+                               progress=lambda m: None)
     if engine.draft is None:
         raise SystemExit(f"Target {a.target} has no draft to measure; pass --draft.")
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(), "target": a.target,
               "draft": str(a.draft or "packaged default"), "block_size": engine.block_size, "dtype": a.dtype,
               "draft_vocab": None if engine.draft.vocab_token_ids is None else len(engine.draft.vocab_token_ids),
-              "draft_ngram": engine.draft.ngram is not None,
+              "draft_ngram": engine.draft.ngram is not None, "int8_draft_weights": engine.draft.int8,
               "draft_ngram_prior": None if engine.draft.ngram is None else {"weight": engine.draft.ngram.weight, "own": engine.draft.ngram.own},
               "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "lookup": a.lookup,
               "lookup_guesses": None, "sets": {}}

@@ -9,6 +9,9 @@ ran there before) and oneDNN's packed fp32 kernel (what the fp32 default runs th
 shapes; the kernels take turns per round and each figure is the fastest of `--reps` rounds (`median_ms`: their
 median). The CLI's thread settings.
 
+Where our kernel also multiplies int8 weights (`bf16_gemm.int8_weights`: the AVX2 variant; a draft's linears take
+them there), `ours_int8` times the same weights quantized by `bf16_gemm.pack_int8`.
+
 `--against REV` also builds our kernel as it was at git revision REV (its source and headers, `git show`) and times it
 in the same rounds, `ours@REV`, checking that both give the same bits: a kernel change measured side by side.
 
@@ -99,6 +102,8 @@ def main(argv=None):
     if args.against:
         old = kernel_at(args.against, bf16_gemm.variant())
         kernels[f"ours@{args.against}"] = ([old.pack(w) for w in weights], lambda x, w: old.linear(x, w, None))
+    if bf16_gemm.int8_weights():
+        kernels["ours_int8"] = ([bf16_gemm.pack_int8(w) for w in weights], lambda x, w: ours.linear_int8(x, *w, None))
     if can_pack(torch.bfloat16):
         kernels["onednn"] = ([torch.ops.mkldnn._reorder_linear_weight(w) for w in weights], onednn)
     else:  # AVX2 alone: the fp32 default's kernel, fed the same inputs in fp32

@@ -7,7 +7,8 @@ for the same prompt is what leaves the change visible. Each engine runs its own 
 (`server_thread_env`), as `bench_policy.py` does, so a policy learns only from the requests it serves.
 
 Engines: `NAME=DIR` a draft directory (`NAME=` the packaged one), `NAME=@REV` the packaged draft with our bf16
-kernel's linears as of git revision REV (built beside the current one, as `bench_bf16_kernel.py --against` does).
+kernel's linears as of git revision REV (built beside the current one, as `bench_bf16_kernel.py --against` does),
+`NAME=DIR#bf16` the draft's weights kept bf16 where the kernel would take them as int8 (`int8_draft`, AVX2 alone).
 Prompt kinds: the quickstart's chat, math and code prompts, each followed by 7 everyday questions
 (`bench_serving.CHAT`), 6 held-out GSM8K questions or 6 HumanEval functions (`pip install -e ".[bench]"`).
 
@@ -62,7 +63,10 @@ def load(target: str, spec: str | None):
     if spec is None:
         return DFlashEngine.load(target, no_draft=True, progress=lambda m: None)
     if not spec.startswith("@"):
-        return DFlashEngine.load(target, spec or None, progress=lambda m: None)
+        path, _, keep = spec.partition("#")
+        if keep not in ("", "bf16"):
+            raise SystemExit(f"{spec}: after '#' only 'bf16' (the draft's weights kept bf16).")
+        return DFlashEngine.load(target, path or None, int8_draft=keep != "bf16", progress=lambda m: None)
     from bench_bf16_kernel import kernel_at
     from trtllm_dflash.models import bf16_gemm
 
@@ -74,7 +78,7 @@ def load(target: str, spec: str | None):
             return {id(m): m for m in gc.get_objects() if isinstance(m, PackedLinear)}
 
     before = packed()
-    engine = DFlashEngine.load(target, progress=lambda m: None)
+    engine = DFlashEngine.load(target, int8_draft=False, progress=lambda m: None)  # the earlier kernel takes bf16 weights
     old = kernel_at(spec[1:], bf16_gemm.variant())  # the same packed layout: its linear takes our packed weights
     for i, m in packed().items():
         if i not in before and m.kernel is not None:

@@ -369,7 +369,7 @@ def test_bf16_dflash_writes_what_bf16_plain_decoding_writes_alone_and_batched(ta
     """Where our bf16 kernels run, a token's logits do not depend on the forward it is in: the linears and a step's
     attention (slot_attention.h) each take one fixed order per token. So bf16 DFlash, alone with full blocks and in
     a batch whose rows verify blocks of every length, lookup guesses and single tokens side by side, writes exactly
-    what bf16 plain decoding writes (the shipped draft, the real target). With AMX, forwards of more than
+    what bf16 plain decoding writes (the shipped draft, the real target; on AVX2 alone with its int8 weights). With AMX, forwards of more than
     `TILE_ROWS` rows take oneDNN's tile kernel, so there this holds alone, not batched (and a lookup row's block stays
     within TILE_ROWS alone, where it could reach 1 + lookup.MAX_GUESSES)."""
     from trtllm_dflash.models.target import TargetModel
@@ -377,7 +377,7 @@ def test_bf16_dflash_writes_what_bf16_plain_decoding_writes_alone_and_batched(ta
     bf16 = TargetModel.load(target_dir, torch.bfloat16)
     assert bf16.attention is not None
     draft = load_draft(DRAFTS_DIR / "smollm2-135m", torch.bfloat16)
-    draft.pack()
+    draft.pack(int8=True)  # as the engine packs it: int8 weights where the kernel takes them (AVX2 alone)
     bf16.set_taps(draft.config.target_layer_ids)
     engine = DFlashEngine(bf16, draft, draft.config.block_size, speculation="fixed")
     plain = DFlashEngine(bf16, None, 1)

@@ -184,6 +184,80 @@ def test_bf16_kernel_rows_are_batch_invariant_and_round_as_the_library(bias, isa
     _kernel_child(BATCH_INVARIANCE, isa, str(bias))
 
 
+INT8 = """
+import torch
+from torch import nn
+from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.models.packed import PackedLinear
+g = torch.Generator().manual_seed(3)
+for k, n, bias in ((1536, 576, False), (100, 64, True), (576, 16384, False)):  # 100: not a whole number of chunks
+    lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(lin, int8=True)
+    assert packed.scale is not None and packed.packed.dtype == torch.int8 and packed.weight is None
+    q = bf16_gemm.unpack_int8(packed.packed, packed.scale)  # what the kernel multiplies: each weight within half a step
+    assert ((q - lin.weight.float()).abs() <= packed.scale[:, None] / 2 * (1 + 1e-6)).all()
+    x = (torch.randn(40, k, generator=g) * 2).to(torch.bfloat16)
+    with torch.inference_mode():
+        full = packed(x)
+        for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33):
+            assert torch.equal(packed(x[:m]), full[:m]), m
+        assert all(torch.equal(packed(x[i : i + 1]), full[i : i + 1]) for i in range(40))
+        exact = x.double() @ q.double().t() + (lin.bias.double() if bias else 0)
+        assert (full.double() - exact).abs().max() <= (exact.abs() * 2**-8).max() + 1e-5  # one bf16 rounding
+        ref = lin(x).float()
+        assert (full.float() - ref).norm() <= 0.01 * ref.norm()  # and close to the bf16 weights' product
+print(bf16_gemm.variant())
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_int8_weights_where_the_kernel_takes_them_are_row_invariant_and_within_rounding(isa):
+    """Where torch runs on AVX2 alone, a linear packed with `int8=True` keeps int8 weights, one scale per output, each
+    within half a step of the bf16 weight; its rows come out alone as in any batch, within one bf16 rounding of the
+    exact product with the int8 weights. Elsewhere (AVX-512, AMX) `int8` changes nothing."""
+    if isa == "avx2":
+        _kernel_child(INT8, isa)
+    else:
+        assert bf16_gemm.int8_weights() == (bf16_gemm.variant() == "avx2")
+        packed = PackedLinear(nn.Linear(64, 64).to(torch.bfloat16), int8=True)
+        assert (packed.scale is not None) == bf16_gemm.int8_weights()
+
+
+INT8_DRAFT = """
+import torch
+from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.models.packed import PackedLinear
+from trtllm_dflash.runtime import DFlashEngine
+from trtllm_dflash.generate import GenerationStats
+engine = DFlashEngine.load("smollm2-135m", dtype="bf16", speculation="fixed", progress=lambda m: None)
+plain = DFlashEngine(engine.target, None, 1)
+linears = [m for m in engine.draft.modules() if isinstance(m, PackedLinear)] + [engine.draft._vocab[1]]
+assert len(linears) == 1 + 3 * 4 + 2 and all(m.scale is not None for m in linears)  # fc, ctx K/V, 4 a layer, the head
+accepted = 0
+for text in ("What are three simple habits that help people sleep better?", "Write a Python function that reverses a string."):
+    ids = engine.encode(text)
+    stats = GenerationStats()
+    got = [t for step, _ in engine.stream(ids, max_new_tokens=48, stats=stats) for t in step]
+    want = [t for step, _ in plain.stream(ids, max_new_tokens=48) for t in step]
+    assert got == want, text
+    accepted += stats.accepted_tokens
+assert accepted > 10
+print(bf16_gemm.variant())
+"""
+
+
+@needs_kernel
+def test_a_bf16_engine_on_avx2_drafts_with_int8_weights_and_writes_what_plain_decoding_writes():
+    """On a CPU with AVX2 alone (emulated here unless this is one), `DFlashEngine.load` keeps the draft's linears and its
+    vocabulary head as int8 weights; the guesses change a little, the output not at all: bf16 DFlash with the shipped
+    draft writes token for token what bf16 plain decoding writes, and the int8 draft's guesses are accepted."""
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        assert _in_child(INT8_DRAFT) == "avx2"
+    else:
+        _kernel_child(INT8_DRAFT, "avx2")
+
+
 STEP_ATTENTION = """
 import torch
 from trtllm_dflash.models import bf16_gemm

@@ -151,9 +151,11 @@ class DFlashEngine:
     @classmethod
     def load(cls, target: str, draft: str | None = None, *, no_draft: bool = False, dtype: str = "auto",
              block_size: int | None = None, speculation: str = "adaptive", draft_vocab: bool = True,
-             lookup: bool = True, draft_ngram: bool = True, progress=print) -> "DFlashEngine":
+             lookup: bool = True, draft_ngram: bool = True, int8_draft: bool = True, progress=print) -> "DFlashEngine":
         """`draft_vocab`: use the draft's vocabulary file (models/draft_vocab.py) where it has one; `draft_ngram` its
-        n-gram prior on greedy guesses (models/draft_ngram.py)."""
+        n-gram prior on greedy guesses (models/draft_ngram.py); `int8_draft`: keep a bf16 draft's weights as int8
+        where our kernel multiplies them (bf16_gemm.int8_weights: on AVX2 alone), verification keeping the output the
+        target's."""
         dtype = resolve_dtype(dtype)
         target_path = resolve_target(target, progress)
         draft_path = None if no_draft else resolve_draft(draft, target)
@@ -166,7 +168,7 @@ class DFlashEngine:
         if draft_cfg is not None and block > 1:
             validate_pair(draft_cfg, hidden_size=tm.hidden_size, num_layers=tm.num_layers, vocab_rows=tm.vocab_rows, rope_parameters=tm.rope_parameters)
             dm = load_draft(draft_path, DTYPES[dtype])
-            dm.pack()
+            dm.pack(int8=int8_draft)
             if draft_vocab:
                 dm.use_vocab(read_draft_vocab(draft_path, tm.lm_head.out_features), tm.lm_head)
             if draft_ngram:

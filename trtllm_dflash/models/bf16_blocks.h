@@ -17,9 +17,6 @@ inline torch::Tensor pack(const torch::Tensor& weight) {
   return weight.contiguous().view({N / kBlock, kBlock, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// y = x W^T (+ bias) with `rows(m, x, w, bias, y, N, K, nb)` computing up to kRows rows of block nb; the inputs reach
-// it as XT (uint16_t: bf16 as they are; float: widened once, exactly). Each block's weights are read from memory once
-// and reused from cache for every further group of rows.
 // The checks every variant's linear makes; returns the weight's {N, K}.
 inline std::pair<int64_t, int64_t> check(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16, "linear: bf16 tensors");
@@ -29,17 +26,18 @@ inline std::pair<int64_t, int64_t> check(const torch::Tensor& x, const torch::Te
   return {N, K};
 }
 
-template <typename XT, int kRows, typename Rows>
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias, Rows rows) {
-  const auto [N, K] = check(x, packed, bias);
+// The loop every variant runs over the blocks of 32 outputs: `rows(m, x, w, bias, y, N, K, nb)` computes up to kRows
+// rows of block nb from its weights `w` (K/2 lines of 64 elements: bf16 pairs, or an int8 layout of the same shape);
+// the inputs reach it as XT (uint16_t: bf16 as they are; float: widened once, exactly). Each block's weights are read
+// from memory once and reused from cache for every further group of rows.
+template <typename XT, int kRows, typename WT, typename Rows>
+torch::Tensor run(const torch::Tensor& x, int64_t N, int64_t K, const WT* wp, const float* bp, Rows rows) {
   const auto x2 = std::is_same<XT, float>::value ? x.reshape({-1, K}).to(torch::kFloat).contiguous() : x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty({M, N}, x.options());
   const XT* xp = (const XT*)x2.data_ptr();
-  const uint16_t* wp = (const uint16_t*)packed.data_ptr();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   uint16_t* yp = (uint16_t*)y.data_ptr();
   at::parallel_for(0, N / kBlock, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb)
@@ -47,6 +45,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
         rows((int)std::min<int64_t>(kRows, M - m0), xp + m0 * K, wp + nb * (K / 2) * 64, bp, yp + m0 * N, N, K, nb);
   });
   return y.view(sizes);
+}
+
+// y = x W^T (+ bias) for W packed by `pack`.
+template <typename XT, int kRows, typename Rows>
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias, Rows rows) {
+  const auto [N, K] = check(x, packed, bias);
+  return run<XT, kRows>(x, N, K, (const uint16_t*)packed.data_ptr(), bias.has_value() ? bias->data_ptr<float>() : nullptr, rows);
 }
 
 }  // namespace bf16_blocks

@@ -12,10 +12,14 @@ projection does not depend on the rows beside it.
   add each pair of products in another order than VDPBF16PS's, so a few outputs in ten thousand round apart from
   the `avx512` variant's; every row's still does not depend on the rows beside it.
 - `avx2` (bf16_gemm_avx2.cpp), where torch runs on AVX2 alone and bf16 matrix products are emulated: bf16 weights
-  widened to fp32 in registers, FMA, two rows a pass; more rows take each block in 4 KB chunks, every pair of rows
-  passing over a chunk while memory streams the next. On one thread of a 2-core AMD EPYC Zen 3 (2026-11-28,
+  widened to fp32 in registers, FMA, two rows a pass; more rows take each block in 4 KB chunks, every pair of
+  rows passing over a chunk while memory streams the next. On one thread of a 2-core AMD EPYC Zen 3 (2026-11-28,
   `benchmarks/results/bf16-kernel-zen3-avx2-chunks-1thread-20261128.json`) SmolLM2-135M's linears took 27-28 ms for
-  1 to 4 rows, 41 for 8 and 76 for 16, where whole-block passes in turn took 36, 52 and 91 for 4, 8 and 16.
+  1 to 4 rows, 41 for 8 and 76 for 16, where whole-block passes in turn took 36, 52 and 91 for 4, 8 and 16. It also
+  multiplies int8 weights with a scale per output (`linear_int8`, `pack_int8`), which a draft's linears keep there
+  (`int8_weights`): the same arithmetic over half the bytes. On one thread of a 2-core Xeon with torch held to AVX2
+  (2026-11-29, `benchmarks/results/bf16-kernel-xeon-avx2-emulated-int8-20261129.json`) SmolLM2-135M's linears took
+  15.4-19.7 ms as int8 for 1 to 4 rows, 24.7-32.0 as bf16 (8 rows: 32.3 against 39.5).
 
 Each is compiled on first use with the system C++ compiler (torch's cpp_extension; about 25 s once, then cached
 under the trtllm_dflash cache) and used only where the CPU has its instructions; where none is built (no compiler,
@@ -52,6 +56,30 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     kernel that wants its own copy (`PackedLinear`'s oneDNN tiles)."""
     n_blocks, half_k, block, pair = packed.shape
     return packed.permute(0, 2, 1, 3).reshape(n_blocks * block, half_k * pair)
+
+
+def int8_weights() -> bool:
+    """Whether this CPU's kernel multiplies int8 weights (`linear_int8`: the avx2 variant). Where it does, a draft's
+    linears keep int8 weights (runtime.py): half the bytes a drafting step streams, where memory, not arithmetic, bounds
+    its few rows."""
+    return variant() == "avx2" and kernel() is not None
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 weight [N, K] as symmetric int8, one fp32 scale per output (its largest magnitude / 127), laid out as
+    `linear_int8` reads it: [N/32, K/2, 2, 32], per block of 32 outputs and input pair, the outputs' weights for the
+    pair's even input, then for the odd. Returns (packed, scales [N])."""
+    n, k = weight.shape
+    w = weight.float()
+    scale = w.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+    return q.view(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 3, 1).contiguous(), scale
+
+
+def unpack_int8(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The weight `pack_int8` quantized, dequantized to fp32 [N, K]."""
+    n_blocks, half_k = packed.shape[:2]
+    return packed.permute(0, 3, 1, 2).reshape(n_blocks * BLOCK, half_k * 2).float() * scale[:, None]
 
 
 def fits(weight: torch.Tensor) -> bool:

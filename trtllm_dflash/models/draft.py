@@ -256,20 +256,22 @@ class DFlashDraftModel(nn.Module):
         self._vocab = None  # inference-time draft vocabulary (models/draft_vocab.py): (token ids [N], head over their rows)
         self.ngram = None  # inference-time n-gram prior on greedy guesses (models/draft_ngram.py)
         self.packed = False
+        self.int8 = False  # packed with int8 weights (`pack`, where our kernel takes them)
         self._kernel = None  # our bf16 kernel module for RMSNorm and the MLP's activation at inference (`pack`), or None:
         # the torch ops
 
-    def pack(self) -> None:
+    def pack(self, int8: bool = False) -> None:
         """For inference only (no training or export after it): the context K/V projection of all layers stacked into
         one linear, each layer's q/k/v and gate/up fused into one GEMM each, then every linear prepacked for oneDNN
-        (models/packed.py)."""
+        (models/packed.py); `int8`: as int8 weights where our kernel takes them (PackedLinear), the vocabulary's head too."""
         attns = [layer.self_attn for layer in self.layers]
         self.ctx_kv_proj = fused_linear(*(p for a in attns for p in (a.k_proj, a.v_proj)))
         k_norm = torch.stack([a.k_norm.weight.detach() for a in attns])
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        pack_linears(self)
+        self.int8 = int8 and self.fc.weight.dtype == torch.bfloat16 and bf16_gemm.int8_weights()
+        pack_linears(self, int8=self.int8)
         self._stacked = (self.ctx_kv_proj, k_norm)
         self.packed = True
         c = self.config
@@ -372,7 +374,7 @@ class DFlashDraftModel(nn.Module):
         head.weight = nn.Parameter(lm_head.weight.detach()[token_ids].clone(), requires_grad=False)
         if lm_head.bias is not None:
             head.bias = nn.Parameter(lm_head.bias.detach()[token_ids].clone(), requires_grad=False)
-        self._vocab = (token_ids, PackedLinear(head) if packs(head.weight) else head, lm_head.out_features)
+        self._vocab = (token_ids, PackedLinear(head, int8=self.int8) if packs(head.weight) else head, lm_head.out_features)
 
     @property
     def vocab_token_ids(self) -> torch.Tensor | None:

@@ -36,13 +36,19 @@ class PackedLinear(nn.Module):
     head, often tied to the embeddings), where one-token calls use it (`aten_decodes_faster`) or where no packed kernel
     takes it (`packs`); elsewhere the dense copy is dropped, so memory does not double."""
 
-    def __init__(self, linear: nn.Linear, keep_weight: bool = False):
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False, int8: bool = False):
+        """`int8`: where our kernel multiplies int8 weights (bf16_gemm.int8_weights), keep the weight as int8 with a
+        scale per output (a draft's: its guesses need not be the bf16 weights' bit for bit, verification decides)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         self.kernel = bf16_gemm.kernel() if bf16_gemm.fits(linear.weight) else None
+        self.scale = None  # int8 weights' scale per output
         if self.kernel is not None:
-            self.packed = self.kernel.pack(linear.weight.detach())
+            if int8 and bf16_gemm.int8_weights():
+                self.packed, self.scale = bf16_gemm.pack_int8(linear.weight.detach())
+            else:
+                self.packed = self.kernel.pack(linear.weight.detach())
             self.kernel_bias = None if linear.bias is None else linear.bias.detach().float().contiguous()  # converted once
             self.one_token_dense = False
             self.tiled = bf16_gemm.tiles()  # calls of more than TILE_ROWS rows take oneDNN's tiles
@@ -56,6 +62,8 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight if keep_weight or self.one_token_dense or self.packed is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            return self.kernel.linear_int8(x, self.packed, self.scale, self.kernel_bias)
         if self.kernel is not None:
             if not self.tiled or x.numel() <= bf16_gemm.TILE_ROWS * self.in_features:
                 return self.kernel.linear(x, self.packed, self.kernel_bias)
@@ -121,13 +129,13 @@ def packs(weight: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
+def pack_linears(model: nn.Module, keep: tuple[nn.Module, ...] = (), int8: bool = False) -> int:
     """Swap every plain nn.Linear of `model` (not subclasses: quantized layers keep their own forward) for a
-    PackedLinear; the modules in `keep` keep their dense weight. Returns how many were packed."""
+    PackedLinear; the modules in `keep` keep their dense weight; `int8` as PackedLinear's. Returns how many were packed."""
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and packs(child.weight):
-                setattr(parent, name, PackedLinear(child, keep_weight=any(child is m for m in keep)))
+                setattr(parent, name, PackedLinear(child, keep_weight=any(child is m for m in keep), int8=int8))
                 packed += 1
     return packed
