@@ -12,8 +12,8 @@ projection does not depend on the rows beside it.
   add each pair of products in another order than VDPBF16PS's, so a few outputs in ten thousand round apart from
   the `avx512` variant's; every row's still does not depend on the rows beside it.
 - `avx2` (bf16_gemm_avx2.cpp), where torch runs on AVX2 alone and bf16 matrix products are emulated: bf16 weights
-  widened to fp32 in registers, FMA, two rows a pass; more rows take each block in 4 KB chunks, every pair of
-  rows passing over a chunk while memory streams the next. On one thread of a 2-core AMD EPYC Zen 3 (2026-11-28,
+  widened to fp32 in registers, FMA, two rows a pass; more rows take each block in 4 KB chunks, every pair of rows
+  passing over a chunk while memory streams the next. On one thread of a 2-core AMD EPYC Zen 3 (2026-11-28,
   `benchmarks/results/bf16-kernel-zen3-avx2-chunks-1thread-20261128.json`) SmolLM2-135M's linears took 27-28 ms for
   1 to 4 rows, 41 for 8 and 76 for 16, where whole-block passes in turn took 36, 52 and 91 for 4, 8 and 16. It also
   multiplies int8 weights with a scale per output (`linear_int8`, `pack_int8`), which a draft's linears keep there
