@@ -27,6 +27,18 @@ def test_generate_json_autoregressive_and_with_draft_agree(random_draft_dir):
     assert spec["num_tokens"] == len(spec["token_ids"])
 
 
+def test_generate_says_how_the_draft_holds_its_weights():
+    """bf16 on a CPU with AVX2 alone keeps the draft's weights as int8 by default (`int8_weights`), elsewhere bf16;
+    `--no-int8-draft` keeps them bf16 anywhere; the text is the same either way."""
+    from trtllm_dflash.models import bf16_gemm
+
+    base = ["generate", "--prompt", "Name a primary colour.", "--max-new-tokens", "12", "--dtype", "bf16", "--json"]
+    default, kept = (json.loads(run(*base, *extra).output.strip().splitlines()[-1]) for extra in ((), ("--no-int8-draft",)))
+    assert default["draft_weights"] == ("int8" if bf16_gemm.int8_weights() else "bf16") and kept["draft_weights"] == "bf16"
+    assert default["token_ids"] == kept["token_ids"]
+    assert json.loads(run(*base, "--no-draft").output.strip().splitlines()[-1])["draft_weights"] is None
+
+
 def test_generate_streams_text_and_prints_summary(random_draft_dir):
     r = run("generate", "--draft", str(random_draft_dir), "--prompt", "Say hello.", "--max-new-tokens", "12", "--temperature", "0.7", "--seed", "1")
     assert r.exit_code == 0, r.output

@@ -94,10 +94,12 @@ def sampling_options(fn):
               help="Guess only among the draft's vocabulary (its draft_vocab.json) where it has one; output is the same either way.")
 @click.option("--draft-ngram/--no-draft-ngram", default=True, show_default=True,
               help="Re-weight greedy guesses with the draft's n-gram prior (its draft_ngram.npz) where it has one; output is the same either way.")
+@click.option("--int8-draft/--no-int8-draft", default=True, show_default=True,
+              help="bf16 on a CPU with AVX2 alone: keep the draft's weights as int8 (half the bytes a drafting step reads); output is the same either way.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @user_errors
 def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, temperature, top_p, top_k, seed, stop_strings, dtype, speculation,
-             lookup, draft_vocab, draft_ngram, as_json):
+             lookup, draft_vocab, draft_ngram, int8_draft, as_json):
     """Generate text from a prompt with DFlash speculative decoding on the embedded PyTorch backend."""
     from .config import SamplingParams
     from .generate import GenerationStats
@@ -105,7 +107,9 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
 
     sampling = SamplingParams(temperature, top_p, top_k, seed)
     engine = DFlashEngine.load(target, draft, no_draft=no_draft, dtype=dtype, block_size=block_size, speculation=speculation,
-                               draft_vocab=draft_vocab, draft_ngram=draft_ngram, lookup=lookup, progress=lambda m: click.echo(m, err=True))
+                               draft_vocab=draft_vocab, draft_ngram=draft_ngram, lookup=lookup, int8_draft=int8_draft,
+                               progress=lambda m: click.echo(m, err=True))
+    draft_weights = None if engine.draft is None else "int8" if engine.draft.int8 else engine.dtype
     stats = GenerationStats()
     ids, text = [], []
     for new_ids, delta in engine.stream(engine.encode(prompt, chat), max_new_tokens=max_new_tokens, sampling=sampling,
@@ -115,12 +119,14 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
         if not as_json:
             click.echo(delta, nl=False)
     if as_json:
-        click.echo(json.dumps({"text": "".join(text), "token_ids": ids, "block_size": engine.block_size, "dtype": engine.dtype, **stats.to_dict()}))
+        click.echo(json.dumps({"text": "".join(text), "token_ids": ids, "block_size": engine.block_size, "dtype": engine.dtype,
+                               "draft_weights": draft_weights, **stats.to_dict()}))
     else:
         click.echo()
         click.echo(
             f"[{stats.num_tokens} tokens in {stats.wall_time:.2f}s, {stats.tokens_per_second:.1f} tok/s, "
-            f"{stats.steps} steps, acceptance length {stats.acceptance_length:.2f}, block {engine.block_size}, {engine.dtype}]",
+            f"{stats.steps} steps, acceptance length {stats.acceptance_length:.2f}, block {engine.block_size}, {engine.dtype}"
+            + (", draft int8]" if draft_weights == "int8" else "]"),
             err=True,
         )
 
