@@ -69,7 +69,8 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
               "torch": torch.__version__, "target": a.target, "draft": str(a.draft or "packaged default"),
               "block_size": engine.block_size, "max_new_tokens": a.max_new_tokens, "decoding": "greedy, bf16 target and draft",
-              "sets": {}}
+              "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "draft_weights": "int8" if engine.draft.int8 else "bf16", "sets": {}}
     all_rows = []
     for name, prompts in prompt_sets(a.prompts, a.prompts, a.prompts).items():
         rows = []
