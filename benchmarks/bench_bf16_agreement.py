@@ -70,7 +70,7 @@ def main() -> None:
               "torch": torch.__version__, "target": a.target, "draft": str(a.draft or "packaged default"),
               "block_size": engine.block_size, "max_new_tokens": a.max_new_tokens, "decoding": "greedy, bf16 target and draft",
               "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "draft_weights": "int8" if engine.draft.int8 else "bf16", "sets": {}}
+              "draft_weights": engine.draft_weights, "sets": {}}
     all_rows = []
     for name, prompts in prompt_sets(a.prompts, a.prompts, a.prompts).items():
         rows = []

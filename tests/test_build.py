@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -71,6 +72,26 @@ def test_build_links_weights_writes_manifest_and_skips_valid_work(random_draft_d
     msgs.clear()
     run_build(_opts(out, other, max_batch_size=2), progress=msgs.append)
     assert versions[0].is_dir() and any(m.startswith("[4/4] triton_repo: fill") for m in msgs)
+
+
+def _model_params(out):
+    config = (out / "triton_repo/dflash/config.pbtxt").read_text()
+    return dict(re.findall(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}', config))
+
+
+def test_engine_options_reach_the_served_model(random_draft_dir, tmp_path):
+    """What `build` is told about the engine lands in the dflash model's parameters, and model.py reads each one."""
+    out = tmp_path / "build"
+    r = CliRunner().invoke(main, ["build", "--draft", str(random_draft_dir), "--output", str(out), "--max-seq-len", "512",
+                                  "--no-int8-draft", "--no-lookup", "--speculation", "fixed"])
+    assert r.exit_code == 0, r.output
+    params = _model_params(out)
+    assert params["int8_draft"] == "false" and params["lookup"] == "false" and params["speculation"] == "fixed"
+    model_py = (out / "triton_repo/dflash/1/model.py").read_text()
+    assert [k for k in params if f'param("{k}")' not in model_py] == []
+    run_build(_opts(out, random_draft_dir), progress=lambda m: None)  # the defaults
+    params = _model_params(out)
+    assert params["int8_draft"] == "true" and params["lookup"] == "true" and params["speculation"] == "adaptive"
 
 
 def test_a_failed_build_leaves_the_previous_output_untouched(random_draft_dir, tmp_path, monkeypatch):

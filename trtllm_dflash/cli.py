@@ -65,6 +65,10 @@ lookup_option = click.option(
     help="Where a request's last tokens occurred before (prompt or answer), verify the tokens that followed them instead of "
          "the draft's guesses (prompt lookup, vLLM's ngram); output is the same either way.")
 
+int8_draft_option = click.option(
+    "--int8-draft/--no-int8-draft", default=True, show_default=True,
+    help="bf16 on a CPU with AVX2 alone: keep the draft's weights as int8 (half the bytes a drafting step reads); output is the same either way.")
+
 
 def sampling_options(fn):
     for opt in reversed([
@@ -94,8 +98,7 @@ def sampling_options(fn):
               help="Guess only among the draft's vocabulary (its draft_vocab.json) where it has one; output is the same either way.")
 @click.option("--draft-ngram/--no-draft-ngram", default=True, show_default=True,
               help="Re-weight greedy guesses with the draft's n-gram prior (its draft_ngram.npz) where it has one; output is the same either way.")
-@click.option("--int8-draft/--no-int8-draft", default=True, show_default=True,
-              help="bf16 on a CPU with AVX2 alone: keep the draft's weights as int8 (half the bytes a drafting step reads); output is the same either way.")
+@int8_draft_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @user_errors
 def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, temperature, top_p, top_k, seed, stop_strings, dtype, speculation,
@@ -109,7 +112,6 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
     engine = DFlashEngine.load(target, draft, no_draft=no_draft, dtype=dtype, block_size=block_size, speculation=speculation,
                                draft_vocab=draft_vocab, draft_ngram=draft_ngram, lookup=lookup, int8_draft=int8_draft,
                                progress=lambda m: click.echo(m, err=True))
-    draft_weights = None if engine.draft is None else "int8" if engine.draft.int8 else engine.dtype
     stats = GenerationStats()
     ids, text = [], []
     for new_ids, delta in engine.stream(engine.encode(prompt, chat), max_new_tokens=max_new_tokens, sampling=sampling,
@@ -120,13 +122,13 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
             click.echo(delta, nl=False)
     if as_json:
         click.echo(json.dumps({"text": "".join(text), "token_ids": ids, "block_size": engine.block_size, "dtype": engine.dtype,
-                               "draft_weights": draft_weights, **stats.to_dict()}))
+                               "draft_weights": engine.draft_weights, **stats.to_dict()}))
     else:
         click.echo()
         click.echo(
             f"[{stats.num_tokens} tokens in {stats.wall_time:.2f}s, {stats.tokens_per_second:.1f} tok/s, "
             f"{stats.steps} steps, acceptance length {stats.acceptance_length:.2f}, block {engine.block_size}, {engine.dtype}"
-            + (", draft int8]" if draft_weights == "int8" else "]"),
+            + (", draft int8]" if engine.draft_weights == "int8" else "]"),
             err=True,
         )
 
@@ -150,6 +152,7 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
 @click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP.replace("auto:", "auto, fp32 or bf16 (torch backend); auto:", 1))
 @speculation_option
 @lookup_option
+@int8_draft_option
 @click.option("--prefix-cache-tokens", type=int, default=PREFIX_CACHE_TOKENS, show_default=True,
               help="Prompt tokens whose K/V the server keeps for later prompts that start the same way (a conversation "
                    "resent with each turn, a shared system prompt); 0 = off (torch backend).")
@@ -159,7 +162,7 @@ def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, 
 @click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
 @user_errors
-def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, speculation, lookup, prefix_cache_tokens, force, draft_engine, output, dry_run):
+def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, speculation, lookup, int8_draft, prefix_cache_tokens, force, draft_engine, output, dry_run):
     """Build a Triton model repository (plus checkpoints or GPU launch files, manifest.json) from a target and a DFlash draft."""
     from pathlib import Path
 
@@ -167,7 +170,8 @@ def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batc
 
     opts = BuildOptions(output=Path(output), target=target, draft=draft, no_draft=no_draft, backend=backend, gpu=gpu, recipe=recipe,
                         tp=tp, ep=ep, quant=quant, max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_size=block_size,
-                        dtype=dtype, speculation=speculation, lookup=lookup, prefix_cache_tokens=prefix_cache_tokens, force=force, draft_engine=draft_engine)
+                        dtype=dtype, speculation=speculation, lookup=lookup, int8_draft=int8_draft, prefix_cache_tokens=prefix_cache_tokens,
+                        force=force, draft_engine=draft_engine)
     run_build(opts, progress=lambda m: click.echo(m, err=True), dry_run=dry_run)
 
 

@@ -148,6 +148,11 @@ class DFlashEngine:
     def dtype(self) -> str:
         return next(name for name, dt in DTYPES.items() if dt == self.target.dtype)
 
+    @property
+    def draft_weights(self) -> str | None:
+        """What the draft's weights are kept as ("int8" where load() chose it, else the dtype); None without a draft."""
+        return None if self.draft is None else "int8" if self.draft.int8 else self.dtype
+
     @classmethod
     def load(cls, target: str, draft: str | None = None, *, no_draft: bool = False, dtype: str = "auto",
              block_size: int | None = None, speculation: str = "adaptive", draft_vocab: bool = True,

@@ -77,6 +77,7 @@ class BuildOptions:
     dtype: str = "auto"  # resolved to fp32 or bf16 for this CPU when the build starts
     speculation: str = "adaptive"  # torch backend: block length per step from measured costs, or fixed
     lookup: bool = True  # torch backend: verify prompt-lookup guesses where the text repeats (lookup.py)
+    int8_draft: bool = True  # torch backend, bf16 on AVX2 alone: the draft's weights as int8 (DFlashEngine.load)
     prefix_cache_tokens: int = PREFIX_CACHE_TOKENS  # torch backend: prompt tokens kept for prompts that start alike
     chat_template: bool = True
     force: bool = False  # write a TensorRT-LLM plan that does not fit the GPUs
@@ -366,7 +367,7 @@ def _torch_steps(opts: BuildOptions, src: Sources, hashes: dict[str, str]) -> li
         max_batch_size=opts.max_batch_size or TORCH_MAX_BATCH, max_seq_len=src.max_seq_len, block_size=src.block_size, dtype=opts.dtype,
         target_dir="../../checkpoints/target", draft_dir="../../checkpoints/draft" if src.draft_dir else "",
         tokenizer_dir="../../tokenizer", apply_chat_template=opts.chat_template, speculation=opts.speculation,
-        lookup=opts.lookup, prefix_cache_tokens=opts.prefix_cache_tokens,
+        lookup=opts.lookup, int8_draft=opts.int8_draft, prefix_cache_tokens=opts.prefix_cache_tokens,
     )))
     return steps
 

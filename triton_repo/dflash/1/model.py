@@ -50,7 +50,7 @@ class TritonPythonModel(EngineModel):
         self.engine = DFlashEngine.load(
             str(here / param("target_dir")), str(here / draft) if draft else None, no_draft=not draft,
             dtype=param("dtype"), block_size=int(param("block_size")), speculation=param("speculation"),
-            lookup=param("lookup") == "true", progress=pb_utils.Logger.log_info,
+            lookup=param("lookup") == "true", int8_draft=param("int8_draft") == "true", progress=pb_utils.Logger.log_info,
         )
         max_batch, max_seq_len = int(config["max_batch_size"]), int(param("max_seq_len"))
         # A Metric needs its MetricFamily alive: both are kept for the model's life.
@@ -67,7 +67,7 @@ class TritonPythonModel(EngineModel):
         self.start(name="dflash", tokenizer=self.engine.tokenizer, max_seq_len=max_seq_len,
                    vocab_rows=self.engine.target.vocab_rows, max_batch_size=MAX_STREAMS)
         threading.Thread(target=self._publisher, name="dflash-metrics", daemon=True).start()
-        pb_utils.Logger.log_info(f"dflash ready: block size {self.engine.block_size}, draft {'yes' if self.engine.draft else 'no'}, "
+        pb_utils.Logger.log_info(f"dflash ready: block size {self.engine.block_size}, draft {self.engine.draft_weights or 'no'}, "
                                  f"in-flight batching up to {max_batch} requests, {param('speculation')} speculation"
                                  f"{', prompt lookup' if self.engine.lookup else ''}")
 
