@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "acceptance.png")
     a = ap.parse_args()
     sets = read_sets(a.runs)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
 
     import matplotlib
 
@@ -61,13 +62,12 @@ def main() -> None:
     ax_slot.set_xticks(range(1, k + 2), [str(j) for j in range(1, k + 1)] + [f"{k + 1}-{longest}\n(lookup, summed)"])
     ax_slot.set(title="share of verify steps accepting each slot", xlabel="slot", ylim=(0, 1))
     ax_slot.legend(fontsize=8)
+    ax_slot.grid(alpha=0.3)
     ax_tau.set_xticks(range(len(sets)), [name.replace(" (", "\n(") for name, _ in sets], fontsize=8)
     ax_tau.set(title="tau of each prompt (solid line: mean, dotted: median)", ylabel="tokens per verify step", yscale="log")
     ax_tau.set_yticks([1, 2, 3, 5, 10, 20], ["1", "2", "3", "5", "10", "20"])
-    for ax in (ax_slot, ax_tau):
-        ax.grid(alpha=0.3)
+    ax_tau.grid(alpha=0.3)
     fig.tight_layout()
-    a.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(a.out, dpi=110)
     print(f"wrote {a.out}")
 
