@@ -3,7 +3,8 @@ CPU instruction set, through the runtime's own forward (static per-slot KV cache
 
 DFlash's speed-up is tau over (verify + draft) / decode; on a GPU verify of a block costs about one decode step, on a
 CPU it depends on the matrix kernels the CPU has. `--isa avx2` reruns in a subprocess with oneDNN and ATen limited to
-AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), an approximation of an AVX2-only CPU.
+AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), an approximation of an AVX2-only CPU; `--isa avx512` on a
+CPU with AMX holds oneDNN and our kernel off its tiles (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16), as on an AMD Zen 4.
 
 `--against REV` also times the decoder loop as it stood at git revision REV (`TargetModel._lean_forward` of
 models/target.py there, and any helper of it the current class lacks, bound to the same loaded model), the two taking
@@ -33,7 +34,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from trtllm_dflash.threads import configure_threads
 
 configure_threads()  # before torch loads, and inherited by the children: the CLI's thread settings (threads.py)
-ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+           "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}}  # avx512: a CPU with AMX held off its tiles (as a Zen 4)
 
 
 def target_class_at(rev: str):

@@ -122,6 +122,7 @@ def test_a_packed_draft_computes_what_the_draft_does(dtype):
 
 needs_kernel = pytest.mark.skipif(bf16_gemm.variant() is None, reason="needs a CPU with AVX-512 BF16, or AVX2 alone")
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # torch as on a CPU with AVX2 alone
+ISA_ENV = {"native": None, "avx2": AVX2, "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}}  # avx512: AMX held off
 
 BATCH_INVARIANCE = """
 import sys, torch
@@ -169,17 +170,19 @@ def _kernel_child(code: str, isa: str, *args: str) -> None:
         pytest.skip("needs AVX2 and FMA")
     if isa == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX2":
         pytest.skip("this CPU has AVX2 alone: the native run is the AVX2 one")
-    want = bf16_gemm.variant() if isa == "native" else "avx2"
-    assert _in_child(code, *args, env=AVX2 if isa == "avx2" else None) == want
+    if isa == "avx512" and bf16_gemm.variant() != "amx":
+        pytest.skip("needs AMX: elsewhere the AVX-512 variant is the native run, or cannot run")
+    want = bf16_gemm.variant() if isa == "native" else isa
+    assert _in_child(code, *args, env=ISA_ENV[isa]) == want
 
 
 @needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", ["native", "avx2", "avx512"])
 def test_bf16_kernel_rows_are_batch_invariant_and_round_as_the_library(bias, isa):
-    """bf16 linears take our kernel: on a CPU with AVX-512 BF16 the native one (bf16_gemm.cpp), where torch runs on
-    AVX2 alone the FMA one (bf16_gemm_avx2.cpp; emulated here with ATEN_CPU_CAPABILITY=avx2, the instructions are the
-    real ones). Each row's output is bit for bit the same alone, in any slice and in a batch of any size (1-40 rows:
+    """bf16 linears take our kernel: on a CPU with AVX-512 BF16 the native one (bf16_gemm.cpp; with AMX on its tiles,
+    and on a CPU with AMX also held off them as on a Zen 4), where torch runs on AVX2 alone the FMA one
+    (bf16_gemm_avx2.cpp; emulated here with ATEN_CPU_CAPABILITY=avx2, the instructions are the real ones). Each row's output is bit for bit the same alone, in any slice and in a batch of any size (1-40 rows:
     whole passes and ragged last ones), and within one bf16 rounding of the exact product, as F.linear's is."""
     _kernel_child(BATCH_INVARIANCE, isa, str(bias))
 

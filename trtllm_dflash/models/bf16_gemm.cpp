@@ -22,7 +22,7 @@
 namespace {
 
 using bf16_blocks::kBlock;  // outputs per block: two 16-lane accumulators
-constexpr int kRows = 8;        // rows per pass over a block (2 x 8 accumulators + operands fit the 32 registers)
+constexpr int kRows = 8;        // rows per pass (2 x 8 accumulators + operands fit the 32 registers)
 // Each pass asks for the weights 1.5 KB ahead of the ones it multiplies. On a 2-core Xeon with AMX whose memory is slow
 // (one core streams 8 GB/s), the hardware prefetcher alone left 1-8 rows 15-25 % slower on one thread (SmolLM2's
 // linears: 8 rows 51 against 40 ms, one row 30 against 25; 2026-11-26, informal A/B of two builds, alternating). 4 KB
@@ -30,32 +30,48 @@ constexpr int kRows = 8;        // rows per pass over a block (2 x 8 accumulator
 // in the machine's slow spells, 1.5 KB at 23 (the same Xeon, 2026-11-29, benchmarks/results/bf16-kernel-xeon-amx-prefetch-20261129.json).
 constexpr int64_t kPrefetchBytes = 1536;
 
-template <int M>
-void block_rows(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t N, int64_t K, int64_t nb) {
-  __m512 acc0[M], acc1[M];
-  for (int m = 0; m < M; ++m) {
-    acc0[m] = _mm512_setzero_ps();
-    acc1[m] = _mm512_setzero_ps();
-  }
+// Blocks a pass multiplies for M rows: two accumulators per block and row, the rows' inputs and one block's weights
+// in the 32 registers, at most 4. A pass over one block at a time left a verify's few rows well behind one row: on the
+// 2-core Xeon held off AMX (as an AMD Zen 4 runs), SmolLM2's linears took 15.2 ms for 1 row and 17.0 / 19.6 / 20.8
+// for 2 / 3 / 4, and 12.7-13.8 for 1-4 rows with 3 blocks a pass (2026-11-29, informal A/B in one process,
+// alternating; bench_bf16_kernel.py --against: benchmarks/results/bf16-kernel-xeon-held-to-avx512-blocks-20261129.json):
+// more weight streams and more independent sums in flight, the rows' arithmetic hidden under the weights' transfer.
+constexpr int kMaxBlocks = 4;
+constexpr int blocks_per_pass(int m) { return std::max(1, std::min(kMaxBlocks, (32 - m - 2) / (2 * m))); }
+
+// Rows x[0..M) times blocks nb..nb+B-1 (block b's weights at w + b * stride).
+template <int M, int B>
+void block_rows(const uint16_t* x, const uint16_t* w, int64_t stride, const float* bias, uint16_t* y, int64_t N, int64_t K,
+                int64_t nb) {
+  __m512 acc[B][2][M];
+  for (int b = 0; b < B; ++b)
+    for (int m = 0; m < M; ++m) acc[b][0][m] = acc[b][1][m] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K / 2; ++kp) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kp * 64);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kp * 64 + 32);
-    _mm_prefetch((const char*)(w + kp * 64) + kPrefetchBytes, _MM_HINT_T0);
-    _mm_prefetch((const char*)(w + kp * 64) + kPrefetchBytes + 64, _MM_HINT_T0);
-    for (int m = 0; m < M; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(*(const int32_t*)(x + m * K + 2 * kp));
-      acc0[m] = _mm512_dpbf16_ps(acc0[m], xb, w0);
-      acc1[m] = _mm512_dpbf16_ps(acc1[m], xb, w1);
+    __m512bh xb[M];
+    for (int m = 0; m < M; ++m) xb[m] = (__m512bh)_mm512_set1_epi32(*(const int32_t*)(x + m * K + 2 * kp));
+    for (int b = 0; b < B; ++b) {
+      const uint16_t* line = w + b * stride + kp * 64;
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(line);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(line + 32);
+      _mm_prefetch((const char*)line + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch((const char*)line + kPrefetchBytes + 64, _MM_HINT_T0);
+      for (int m = 0; m < M; ++m) {
+        acc[b][0][m] = _mm512_dpbf16_ps(acc[b][0][m], xb[m], w0);
+        acc[b][1][m] = _mm512_dpbf16_ps(acc[b][1][m], xb[m], w1);
+      }
     }
   }
-  for (int m = 0; m < M; ++m) {
-    __m512 a0 = acc0[m], a1 = acc1[m];
-    if (bias) {
-      a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias + nb * kBlock));
-      a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + nb * kBlock + 16));
+  for (int b = 0; b < B; ++b) {
+    const int64_t out = (nb + b) * kBlock;
+    for (int m = 0; m < M; ++m) {
+      __m512 a0 = acc[b][0][m], a1 = acc[b][1][m];
+      if (bias) {
+        a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias + out));
+        a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + out + 16));
+      }
+      _mm256_storeu_si256((__m256i*)(y + m * N + out), (__m256i)_mm512_cvtneps_pbh(a0));
+      _mm256_storeu_si256((__m256i*)(y + m * N + out + 16), (__m256i)_mm512_cvtneps_pbh(a1));
     }
-    _mm256_storeu_si256((__m256i*)(y + m * N + nb * kBlock), (__m256i)_mm512_cvtneps_pbh(a0));
-    _mm256_storeu_si256((__m256i*)(y + m * N + nb * kBlock + 16), (__m256i)_mm512_cvtneps_pbh(a1));
   }
 }
 
@@ -142,17 +158,53 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 }  // namespace amx
 #endif
 
-void rows(int m, const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t N, int64_t K, int64_t nb) {
+// `nbs` (at most blocks_per_pass(M)) blocks for m rows.
+template <int M>
+void blocks(int nbs, const uint16_t* x, const uint16_t* w, int64_t stride, const float* bias, uint16_t* y, int64_t N, int64_t K,
+            int64_t nb) {
+  constexpr int B = blocks_per_pass(M);
+  if constexpr (B >= 4) if (nbs == 4) return block_rows<M, 4>(x, w, stride, bias, y, N, K, nb);
+  if constexpr (B >= 3) if (nbs == 3) return block_rows<M, 3>(x, w, stride, bias, y, N, K, nb);
+  if constexpr (B >= 2) if (nbs == 2) return block_rows<M, 2>(x, w, stride, bias, y, N, K, nb);
+  return block_rows<M, 1>(x, w, stride, bias, y, N, K, nb);
+}
+
+void rows(int m, int nbs, const uint16_t* x, const uint16_t* w, int64_t stride, const float* bias, uint16_t* y, int64_t N,
+          int64_t K, int64_t nb) {
   switch (m) {
-    case 1: return block_rows<1>(x, w, bias, y, N, K, nb);
-    case 2: return block_rows<2>(x, w, bias, y, N, K, nb);
-    case 3: return block_rows<3>(x, w, bias, y, N, K, nb);
-    case 4: return block_rows<4>(x, w, bias, y, N, K, nb);
-    case 5: return block_rows<5>(x, w, bias, y, N, K, nb);
-    case 6: return block_rows<6>(x, w, bias, y, N, K, nb);
-    case 7: return block_rows<7>(x, w, bias, y, N, K, nb);
-    default: return block_rows<8>(x, w, bias, y, N, K, nb);
+    case 1: return blocks<1>(nbs, x, w, stride, bias, y, N, K, nb);
+    case 2: return blocks<2>(nbs, x, w, stride, bias, y, N, K, nb);
+    case 3: return blocks<3>(nbs, x, w, stride, bias, y, N, K, nb);
+    case 4: return blocks<4>(nbs, x, w, stride, bias, y, N, K, nb);
+    case 5: return blocks<5>(nbs, x, w, stride, bias, y, N, K, nb);
+    case 6: return blocks<6>(nbs, x, w, stride, bias, y, N, K, nb);
+    case 7: return blocks<7>(nbs, x, w, stride, bias, y, N, K, nb);
+    default: return blocks<8>(nbs, x, w, stride, bias, y, N, K, nb);
   }
+}
+
+// Without AMX: blocks_per_pass(rows) blocks at a time, every group of kRows rows over them before the next ones (their
+// weights read from memory once, then from cache).
+torch::Tensor vector_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  const auto [N, K] = bf16_blocks::check(x, packed, bias);
+  const auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0), stride = (K / 2) * 64;
+  auto y = torch::empty({M, N}, x.options());
+  const uint16_t* xp = (const uint16_t*)x2.data_ptr();
+  const uint16_t* wp = (const uint16_t*)packed.data_ptr();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  uint16_t* yp = (uint16_t*)y.data_ptr();
+  const int per_pass = blocks_per_pass((int)std::min<int64_t>(M, kRows));
+  at::parallel_for(0, N / kBlock, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; nb += per_pass) {
+      const int nbs = (int)std::min<int64_t>(per_pass, b1 - nb);
+      for (int64_t m0 = 0; m0 < M; m0 += kRows)
+        rows((int)std::min<int64_t>(kRows, M - m0), nbs, xp + m0 * K, wp + nb * stride, stride, bp, yp + m0 * N, N, K, nb);
+    }
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
 }
 
 }  // namespace
@@ -161,7 +213,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   return amx::linear(x, packed, bias);
 #else
-  return bf16_blocks::linear<uint16_t, kRows>(x, packed, bias, rows);
+  return vector_linear(x, packed, bias);
 #endif
 }
 

@@ -99,16 +99,24 @@ def amx_permitted() -> bool:
         return False
 
 
+def onednn_takes_amx() -> bool:
+    """Whether oneDNN may use AMX here: not where `ONEDNN_MAX_CPU_ISA` holds it below (e.g. AVX512_CORE_BF16)."""
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return isa in ("ALL", "DEFAULT") or "AMX" in isa
+
+
 def variant() -> str | None:
-    """The kernel for this CPU as torch sees it (ATEN_CPU_CAPABILITY=avx2 emulates an AVX2-only one), or None: AVX-512
-    without BF16 (oneDNN's, not measured against ours) or `TRTDFLASH_BF16_KERNEL=off`."""
+    """The kernel for this CPU as torch and oneDNN see it, or None: AVX-512 without BF16 (oneDNN's, not measured
+    against ours) or `TRTDFLASH_BF16_KERNEL=off`. So an AMX Xeon can run as the other CPUs do: ATEN_CPU_CAPABILITY=avx2
+    with ONEDNN_MAX_CPU_ISA=AVX2 as one with AVX2 alone, ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 as one with AVX-512 BF16
+    and no AMX (an AMD Zen 4)."""
     from ..cpu import cpu_flags
 
     flags, capability = cpu_flags(), torch.backends.cpu.get_cpu_capability()
     if os.environ.get(ENV, "on") == "off":
         return None
     if capability == "AVX512" and "avx512_bf16" in flags:
-        return "amx" if {"amx_tile", "amx_bf16"} <= flags and amx_permitted() else "avx512"
+        return "amx" if {"amx_tile", "amx_bf16"} <= flags and onednn_takes_amx() and amx_permitted() else "avx512"
     if capability == "AVX2" and {"avx2", "fma"} <= flags:
         return "avx2"
     return None
