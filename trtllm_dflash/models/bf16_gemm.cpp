@@ -31,11 +31,13 @@ constexpr int kRows = 8;        // rows per pass (2 x 8 accumulators + operands 
 constexpr int64_t kPrefetchBytes = 1536;
 
 // Blocks a pass multiplies for M rows: two accumulators per block and row, the rows' inputs and one block's weights
-// in the 32 registers, at most 4. A pass over one block at a time left a verify's few rows well behind one row: on the
-// 2-core Xeon held off AMX (as an AMD Zen 4 runs), SmolLM2's linears took 15.2 ms for 1 row and 17.0 / 19.6 / 20.8
-// for 2 / 3 / 4, and 12.7-13.8 for 1-4 rows with 3 blocks a pass (2026-11-29, informal A/B in one process,
-// alternating; bench_bf16_kernel.py --against: benchmarks/results/bf16-kernel-xeon-held-to-avx512-blocks-20261129.json):
-// more weight streams and more independent sums in flight, the rows' arithmetic hidden under the weights' transfer.
+// in the 32 registers, at most 4. With one block a pass, a verify's few rows fell well behind one row on the 2-core
+// Xeon held off AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16: this variant, as CPUs with AVX-512 BF16 and no AMX run it):
+// SmolLM2's linears took 13.6 ms for 1 row and 15.8 / 20.0 / 20.8 for 2 / 3 / 4 rows; with several blocks a pass
+// 11.8 and 12.0 / 12.4 / 13.5, the same bits (2026-11-29, bench_bf16_kernel.py --against,
+// benchmarks/results/bf16-kernel-xeon-held-to-avx512-blocks-20261129.json): more weight streams and more independent
+// sums in flight, the rows' arithmetic hidden under the weights' transfer. (A Zen 4 in 2026-11-26 ran one block a
+// pass at 7.8-8.5 ms for any of 1-8 rows: there it was not behind.)
 constexpr int kMaxBlocks = 4;
 constexpr int blocks_per_pass(int m) { return std::max(1, std::min(kMaxBlocks, (32 - m - 2) / (2 * m))); }
 

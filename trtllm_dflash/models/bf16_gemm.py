@@ -4,7 +4,9 @@ projection does not depend on the rows beside it.
 - `avx512` (bf16_gemm.cpp), for CPUs with AVX-512 BF16: VDPBF16PS. On an AMD EPYC Zen 4 (2026-11-26,
   `benchmarks/bench_bf16_kernel.py`) oneDNN's packed bf16 kernel took 11.4-13.8 ms over SmolLM2-135M's linears for 1
   to 8 rows and ATen's one-row kernel 9.3 ms; this one takes 7.8-8.5 ms for any of 1-8 rows and stays ahead of oneDNN
-  up to 256 rows (161.7 against 164.2 ms).
+  up to 256 rows (161.7 against 164.2 ms). For up to 6 rows a pass takes 2-4 blocks of outputs at once: on a Xeon
+  held off AMX a verify's 2-4 rows then cost about what one row does (12.0-13.5 against 11.8 ms, where one block a
+  pass took 15.8-20.8 against 13.6; 2026-11-29, `benchmarks/results/bf16-kernel-xeon-held-to-avx512-blocks-20261129.json`).
 - `amx` (bf16_gemm.cpp built with AMX), for CPUs with AMX-BF16: the same packed weights fed to AMX's tile multiply,
   16 rows at a time, for calls of up to `TILE_ROWS` rows (more take oneDNN's tile kernel: `PackedLinear`). On a
   2-core Xeon with AMX, one thread (2026-11-29, `benchmarks/results/bf16-kernel-xeon-amx-tiles-20261129.json`),
