@@ -472,8 +472,8 @@ import threading, time, torch
 from trtllm_dflash.models import bf16_gemm
 kernel = bf16_gemm.kernel()
 torch.set_num_threads(1)
-w = kernel.pack(torch.randn(4096, 4096).to(torch.bfloat16))
-x = torch.randn(256, 4096).to(torch.bfloat16)
+w = kernel.pack(torch.randn(4096, 8192).to(torch.bfloat16))  # long enough a call (10 ms and more) on every variant
+x = torch.randn(256, 8192).to(torch.bfloat16)
 k, v = (torch.randn(1, 4, 4096, 128).to(torch.bfloat16) for _ in range(2))
 q, slot, pos = torch.randn(256, 16, 128).to(torch.bfloat16), torch.zeros(256, dtype=torch.long), torch.arange(3840, 4096)
 for name, call in (("linear", lambda: kernel.linear(x, w, None)), ("attend", lambda: kernel.attend(q, k, v, slot, pos, 0.1))):

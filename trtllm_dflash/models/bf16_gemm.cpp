@@ -89,43 +89,76 @@ struct TileConfig {  // palette 1: per tile, its rows and bytes per row
   uint8_t rows[16] = {};
 };
 
-// Rows x[0..R) (R: the configured tile rows) times the 32 outputs of block nb; rows [0, M) are stored. tmm0: 32 inputs
-// of each row; tmm1, tmm2: the block's outputs 0-15 and 16-31 over 16 weight pairs; tmm3, tmm4: their sums. Pairs
-// past the last whole tile step (K not a multiple of 32) are added to the sums with VDPBF16PS. Only a block's first
-// group of rows asks for its weights ahead: the others find them in cache.
-void block(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t M, int64_t N, int64_t K, int64_t nb,
-           bool prefetch) {
+constexpr int kBlocks = 3;  // blocks a pass (their sums in tmm2-tmm7)
+
+// One block's weight tiles for 16 pairs (`lines`: the first pair's line) into tmm1 in turn, each multiplied into its sum.
+#define AMX_BLOCK_STEP(lines, sum0, sum1)  \
+  _tile_loadd(1, (lines), 128);            \
+  _tile_dpbf16ps(sum0, 0, 1);              \
+  _tile_loadd(1, (lines) + 64, 128);       \
+  _tile_dpbf16ps(sum1, 0, 1);
+
+// Rows x[0..R) (R: the configured tile rows) times blocks nb..nb+B-1 (block b's weights at w + b * stride); rows [0, M)
+// are stored. tmm0: 32 inputs of each row; tmm1: a block's outputs 0-15 or 16-31 over 16 weight pairs, loaded in turn;
+// tmm2 + 2b, tmm3 + 2b: block b's sums. Pairs past the last whole tile step (K not a multiple of 32) are added to the
+// sums with VDPBF16PS. Only a block's first group of rows asks for its weights ahead: the others find them in cache.
+// Three blocks a pass rather than one: SmolLM2's linears took 9.8-10.1 ms for 1-16 rows against 11.1-12.5 (two
+// threads, 2026-11-29, the Xeon; bench_bf16_kernel.py --against, benchmarks/results/bf16-kernel-xeon-amx-blocks-20261129.json),
+// the same bits: as in the AVX-512 variant, more weight streams in flight.
+template <int B>
+void block(const uint16_t* x, const uint16_t* w, int64_t stride, const float* bias, uint16_t* y, int64_t M, int64_t N, int64_t K,
+           int64_t nb, bool prefetch) {
+  _tile_zero(2);
   _tile_zero(3);
-  _tile_zero(4);
+  if constexpr (B > 1) {
+    _tile_zero(4);
+    _tile_zero(5);
+  }
+  if constexpr (B > 2) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
   const int64_t whole = K / 2 / kPairs * kPairs;
   for (int64_t kp = 0; kp < whole; kp += kPairs) {
-    const char* lines = (const char*)(w + kp * 64);
     if (prefetch)
-      for (int64_t i = 0; i < kPairs * 128; i += 64) _mm_prefetch(lines + i + kPrefetchBytes, _MM_HINT_T0);
+      for (int b = 0; b < B; ++b)
+        for (int64_t i = 0; i < kPairs * 128; i += 64) _mm_prefetch((const char*)(w + b * stride + kp * 64) + i + kPrefetchBytes, _MM_HINT_T0);
     _tile_loadd(0, x + 2 * kp, K * 2);
-    _tile_loadd(1, lines, 128);
-    _tile_loadd(2, lines + 64, 128);
-    _tile_dpbf16ps(3, 0, 1);
-    _tile_dpbf16ps(4, 0, 2);
+    AMX_BLOCK_STEP((const char*)(w + kp * 64), 2, 3)
+    if constexpr (B > 1) { AMX_BLOCK_STEP((const char*)(w + stride + kp * 64), 4, 5) }
+    if constexpr (B > 2) { AMX_BLOCK_STEP((const char*)(w + 2 * stride + kp * 64), 6, 7) }
   }
-  alignas(64) float sums[2][kTileRows][16];
-  _tile_stored(3, sums[0], 64);
-  _tile_stored(4, sums[1], 64);
-  for (int64_t m = 0; m < M; ++m) {
-    __m512 a0 = _mm512_load_ps(sums[0][m]), a1 = _mm512_load_ps(sums[1][m]);
-    for (int64_t kp = whole; kp < K / 2; ++kp) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(*(const int32_t*)(x + m * K + 2 * kp));
-      a0 = _mm512_dpbf16_ps(a0, xb, (__m512bh)_mm512_loadu_si512(w + kp * 64));
-      a1 = _mm512_dpbf16_ps(a1, xb, (__m512bh)_mm512_loadu_si512(w + kp * 64 + 32));
+  alignas(64) float sums[2 * B][kTileRows][16];
+  _tile_stored(2, sums[0], 64);
+  _tile_stored(3, sums[1], 64);
+  if constexpr (B > 1) {
+    _tile_stored(4, sums[2], 64);
+    _tile_stored(5, sums[3], 64);
+  }
+  if constexpr (B > 2) {
+    _tile_stored(6, sums[4], 64);
+    _tile_stored(7, sums[5], 64);
+  }
+  for (int b = 0; b < B; ++b) {
+    const uint16_t* wb = w + b * stride;
+    const int64_t out = (nb + b) * kBlock;
+    for (int64_t m = 0; m < M; ++m) {
+      __m512 a0 = _mm512_load_ps(sums[2 * b][m]), a1 = _mm512_load_ps(sums[2 * b + 1][m]);
+      for (int64_t kp = whole; kp < K / 2; ++kp) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(*(const int32_t*)(x + m * K + 2 * kp));
+        a0 = _mm512_dpbf16_ps(a0, xb, (__m512bh)_mm512_loadu_si512(wb + kp * 64));
+        a1 = _mm512_dpbf16_ps(a1, xb, (__m512bh)_mm512_loadu_si512(wb + kp * 64 + 32));
+      }
+      if (bias) {
+        a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias + out));
+        a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + out + 16));
+      }
+      _mm256_storeu_si256((__m256i*)(y + m * N + out), (__m256i)_mm512_cvtneps_pbh(a0));
+      _mm256_storeu_si256((__m256i*)(y + m * N + out + 16), (__m256i)_mm512_cvtneps_pbh(a1));
     }
-    if (bias) {
-      a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias + nb * kBlock));
-      a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + nb * kBlock + 16));
-    }
-    _mm256_storeu_si256((__m256i*)(y + m * N + nb * kBlock), (__m256i)_mm512_cvtneps_pbh(a0));
-    _mm256_storeu_si256((__m256i*)(y + m * N + nb * kBlock + 16), (__m256i)_mm512_cvtneps_pbh(a1));
   }
 }
+#undef AMX_BLOCK_STEP
 
 // The process must have asked the kernel for AMX's state first (bf16_gemm.py: amx_permitted, arch_prctl).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
@@ -144,12 +177,20 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   uint16_t* yp = (uint16_t*)y.data_ptr();
   at::parallel_for(0, N / kBlock, 4, [&](int64_t b0, int64_t b1) {
     TileConfig config;  // per thread: a tile configuration is a thread's state
-    for (int t : {0, 3, 4}) config.rows[t] = R, config.colsb[t] = 64;
-    for (int t : {1, 2}) config.rows[t] = kPairs, config.colsb[t] = 64;
+    for (int t : {0, 2, 3, 4, 5, 6, 7}) config.rows[t] = R, config.colsb[t] = 64;
+    config.rows[1] = kPairs, config.colsb[1] = 64;
     _tile_loadconfig(&config);
-    for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
-        block(xp + m0 * K, wp + nb * (K / 2) * 64, bp, yp + m0 * N, std::min(kTileRows, M - m0), N, K, nb, m0 == 0);
+    const int64_t stride = (K / 2) * 64;
+    for (int64_t nb = b0; nb < b1; nb += kBlocks) {
+      const int64_t nbs = std::min<int64_t>(kBlocks, b1 - nb);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int64_t m = std::min(kTileRows, M - m0);
+        const uint16_t* w = wp + nb * stride;
+        if (nbs == 3) block<3>(xp + m0 * K, w, stride, bp, yp + m0 * N, m, N, K, nb, m0 == 0);
+        else if (nbs == 2) block<2>(xp + m0 * K, w, stride, bp, yp + m0 * N, m, N, K, nb, m0 == 0);
+        else block<1>(xp + m0 * K, w, stride, bp, yp + m0 * N, m, N, K, nb, m0 == 0);
+      }
+    }
     _tile_release();  // leaves no tile state for the kernel to save at a context switch
   });
   auto sizes = x.sizes().vec();
