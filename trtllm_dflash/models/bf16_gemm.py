@@ -10,7 +10,8 @@ projection does not depend on the rows beside it.
 - `amx` (bf16_gemm.cpp built with AMX), for CPUs with AMX-BF16: the same packed weights fed to AMX's tile multiply,
   16 rows at a time, for calls of up to `TILE_ROWS` rows (more take oneDNN's tile kernel: `PackedLinear`). On a
   2-core Xeon with AMX, one thread (2026-11-29, `benchmarks/results/bf16-kernel-xeon-amx-tiles-20261129.json`),
-  SmolLM2-135M's linears took about as long for 16 rows as for one, where VDPBF16PS took twice as long. Its sums
+  SmolLM2-135M's linears took about as long for 16 rows as for one, where VDPBF16PS took twice as long. A pass takes
+  three blocks of outputs (`bf16-kernel-xeon-amx-blocks-20261129.json`: 1-16 rows 12-19 % faster, the same bits). Its sums
   add each pair of products in another order than VDPBF16PS's, so a few outputs in ten thousand round apart from
   the `avx512` variant's; every row's still does not depend on the rows beside it.
 - `avx2` (bf16_gemm_avx2.cpp), where torch runs on AVX2 alone and bf16 matrix products are emulated: bf16 weights
