@@ -180,10 +180,11 @@ def _kernel_child(code: str, isa: str, *args: str) -> None:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("isa", ["native", "avx2", "avx512"])
 def test_bf16_kernel_rows_are_batch_invariant_and_round_as_the_library(bias, isa):
-    """bf16 linears take our kernel: on a CPU with AVX-512 BF16 the native one (bf16_gemm.cpp; with AMX on its tiles,
-    and on a CPU with AMX also held off them as on a Zen 4), where torch runs on AVX2 alone the FMA one
-    (bf16_gemm_avx2.cpp; emulated here with ATEN_CPU_CAPABILITY=avx2, the instructions are the real ones). Each row's output is bit for bit the same alone, in any slice and in a batch of any size (1-40 rows:
-    whole passes and ragged last ones), and within one bf16 rounding of the exact product, as F.linear's is."""
+    """bf16 linears take our kernel: on a CPU with AVX-512 BF16 the native one (bf16_gemm.cpp; with AMX on its
+    tiles, and on a CPU with AMX also held off them as on a Zen 4), where torch runs on AVX2 alone the FMA one
+    (bf16_gemm_avx2.cpp; emulated here with ATEN_CPU_CAPABILITY=avx2, the instructions are the real ones). Each
+    row's output is bit for bit the same alone, in any slice and in a batch of any size (1-40 rows: whole passes and
+    ragged last ones), and within one bf16 rounding of the exact product, as F.linear's is."""
     _kernel_child(BATCH_INVARIANCE, isa, str(bias))
 
 

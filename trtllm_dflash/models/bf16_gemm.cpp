@@ -103,8 +103,9 @@ constexpr int kBlocks = 3;  // blocks a pass (their sums in tmm2-tmm7)
 // tmm2 + 2b, tmm3 + 2b: block b's sums. Pairs past the last whole tile step (K not a multiple of 32) are added to the
 // sums with VDPBF16PS. Only a block's first group of rows asks for its weights ahead: the others find them in cache.
 // Three blocks a pass rather than one: SmolLM2's linears took 9.8-10.1 ms for 1-16 rows against 11.1-12.5 (two
-// threads, 2026-11-29, the Xeon; bench_bf16_kernel.py --against, benchmarks/results/bf16-kernel-xeon-amx-blocks-20261129.json),
-// the same bits: as in the AVX-512 variant, more weight streams in flight.
+// threads, 2026-11-29, the Xeon; bench_bf16_kernel.py --against,
+// benchmarks/results/bf16-kernel-xeon-amx-blocks-20261129.json), the same bits: as in the AVX-512 variant, more weight
+// streams in flight.
 template <int B>
 void block(const uint16_t* x, const uint16_t* w, int64_t stride, const float* bias, uint16_t* y, int64_t M, int64_t N, int64_t K,
            int64_t nb, bool prefetch) {
@@ -121,8 +122,10 @@ void block(const uint16_t* x, const uint16_t* w, int64_t stride, const float* bi
   const int64_t whole = K / 2 / kPairs * kPairs;
   for (int64_t kp = 0; kp < whole; kp += kPairs) {
     if (prefetch)
-      for (int b = 0; b < B; ++b)
-        for (int64_t i = 0; i < kPairs * 128; i += 64) _mm_prefetch((const char*)(w + b * stride + kp * 64) + i + kPrefetchBytes, _MM_HINT_T0);
+      for (int b = 0; b < B; ++b) {
+        const char* lines = (const char*)(w + b * stride + kp * 64) + kPrefetchBytes;
+        for (int64_t i = 0; i < kPairs * 128; i += 64) _mm_prefetch(lines + i, _MM_HINT_T0);
+      }
     _tile_loadd(0, x + 2 * kp, K * 2);
     AMX_BLOCK_STEP((const char*)(w + kp * 64), 2, 3)
     if constexpr (B > 1) { AMX_BLOCK_STEP((const char*)(w + stride + kp * 64), 4, 5) }
