@@ -26,12 +26,13 @@ inline std::pair<int64_t, int64_t> check(const torch::Tensor& x, const torch::Te
   return {N, K};
 }
 
-// The loop every variant runs over the blocks of 32 outputs: `rows(m, x, w, bias, y, N, K, nb)` computes up to kRows
-// rows of block nb from its weights `w` (K/2 lines of 64 elements: bf16 pairs, or an int8 layout of the same shape);
-// the inputs reach it as XT (uint16_t: bf16 as they are; float: widened once, exactly). Each block's weights are read
-// from memory once and reused from cache for every further group of rows.
+// The loop every variant runs over the blocks of 32 outputs: `rows(m, nbs, x, w, bias, y, N, K, nb)` computes up to
+// kRows rows of blocks nb..nb+nbs-1 from their weights `w` (block b's K/2 lines of 64 elements at w + b * K/2 * 64:
+// bf16 pairs, or an int8 layout of the same shape), nbs at most `per_pass`; the inputs reach it as XT (uint16_t: bf16
+// as they are; float: widened once, exactly). Each block's weights are read from memory once and reused from cache
+// for every further group of rows.
 template <typename XT, int kRows, typename WT, typename Rows>
-torch::Tensor run(const torch::Tensor& x, int64_t N, int64_t K, const WT* wp, const float* bp, Rows rows) {
+torch::Tensor run(const torch::Tensor& x, int64_t N, int64_t K, const WT* wp, const float* bp, Rows rows, int per_pass = 1) {
   const auto x2 = std::is_same<XT, float>::value ? x.reshape({-1, K}).to(torch::kFloat).contiguous() : x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   auto sizes = x.sizes().vec();
@@ -40,9 +41,11 @@ torch::Tensor run(const torch::Tensor& x, int64_t N, int64_t K, const WT* wp, co
   const XT* xp = (const XT*)x2.data_ptr();
   uint16_t* yp = (uint16_t*)y.data_ptr();
   at::parallel_for(0, N / kBlock, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb)
+    for (int64_t nb = b0; nb < b1; nb += per_pass) {
+      const int nbs = (int)std::min<int64_t>(per_pass, b1 - nb);
       for (int64_t m0 = 0; m0 < M; m0 += kRows)
-        rows((int)std::min<int64_t>(kRows, M - m0), xp + m0 * K, wp + nb * (K / 2) * 64, bp, yp + m0 * N, N, K, nb);
+        rows((int)std::min<int64_t>(kRows, M - m0), nbs, xp + m0 * K, wp + nb * (K / 2) * 64, bp, yp + m0 * N, N, K, nb);
+    }
   });
   return y.view(sizes);
 }

@@ -215,8 +215,9 @@ void blocks(int nbs, const uint16_t* x, const uint16_t* w, int64_t stride, const
   return block_rows<M, 1>(x, w, stride, bias, y, N, K, nb);
 }
 
-void rows(int m, int nbs, const uint16_t* x, const uint16_t* w, int64_t stride, const float* bias, uint16_t* y, int64_t N,
-          int64_t K, int64_t nb) {
+// m rows of blocks nb..nb+nbs-1 (nbs at most blocks_per_pass(m): the shared loop's `per_pass` for its first group).
+void rows(int m, int nbs, const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t N, int64_t K, int64_t nb) {
+  const int64_t stride = (K / 2) * 64;
   switch (m) {
     case 1: return blocks<1>(nbs, x, w, stride, bias, y, N, K, nb);
     case 2: return blocks<2>(nbs, x, w, stride, bias, y, N, K, nb);
@@ -229,37 +230,16 @@ void rows(int m, int nbs, const uint16_t* x, const uint16_t* w, int64_t stride, 
   }
 }
 
-// Without AMX: blocks_per_pass(rows) blocks at a time, every group of kRows rows over them before the next ones (their
-// weights read from memory once, then from cache).
-torch::Tensor vector_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
-  const auto [N, K] = bf16_blocks::check(x, packed, bias);
-  const auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0), stride = (K / 2) * 64;
-  auto y = torch::empty({M, N}, x.options());
-  const uint16_t* xp = (const uint16_t*)x2.data_ptr();
-  const uint16_t* wp = (const uint16_t*)packed.data_ptr();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  uint16_t* yp = (uint16_t*)y.data_ptr();
-  const int per_pass = blocks_per_pass((int)std::min<int64_t>(M, kRows));
-  at::parallel_for(0, N / kBlock, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; nb += per_pass) {
-      const int nbs = (int)std::min<int64_t>(per_pass, b1 - nb);
-      for (int64_t m0 = 0; m0 < M; m0 += kRows)
-        rows((int)std::min<int64_t>(kRows, M - m0), nbs, xp + m0 * K, wp + nb * stride, stride, bp, yp + m0 * N, N, K, nb);
-    }
-  });
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  return y.view(sizes);
-}
-
 }  // namespace
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   return amx::linear(x, packed, bias);
 #else
-  return vector_linear(x, packed, bias);
+  const auto [N, K] = bf16_blocks::check(x, packed, bias);  // blocks_per_pass of a group's rows at a time
+  const int group = (int)std::clamp<int64_t>(x.numel() / K, 1, kRows);
+  return bf16_blocks::run<uint16_t, kRows>(x, N, K, (const uint16_t*)packed.data_ptr(),
+                                           bias.has_value() ? bias->data_ptr<float>() : nullptr, rows, blocks_per_pass(group));
 #endif
 }
 

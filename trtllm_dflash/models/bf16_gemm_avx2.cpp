@@ -132,7 +132,7 @@ void rows(int m, const float* x, const WT* w, const float* scale, const float* b
 }  // namespace
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
-  return bf16_blocks::linear<float, kGroup>(x, packed, bias, [](int m, const float* x, const uint16_t* w, const float* bias,
+  return bf16_blocks::linear<float, kGroup>(x, packed, bias, [](int m, int, const float* x, const uint16_t* w, const float* bias,
                                                                 uint16_t* y, int64_t N, int64_t K, int64_t nb) {
     rows<uint16_t>(m, x, w, nullptr, bias, y, N, K, nb);
   });
@@ -153,7 +153,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous()), "linear_int8: an fp32 bias");
   const float* sp = scale.data_ptr<float>();
   return bf16_blocks::run<float, kGroup>(x, N, K, (const int8_t*)packed.data_ptr(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                                         [sp](int m, const float* x, const int8_t* w, const float* bias, uint16_t* y, int64_t N,
+                                         [sp](int m, int, const float* x, const int8_t* w, const float* bias, uint16_t* y, int64_t N,
                                               int64_t K, int64_t nb) { rows<int8_t>(m, x, w, sp, bias, y, N, K, nb); });
 }
 
