@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--draft-ngram", action=argparse.BooleanOptionalAction, default=True,
                     help="Re-weight the draft's greedy guesses with its n-gram prior (draft_ngram.npz) where it has one.")
     ap.add_argument("--int8-draft", action=argparse.BooleanOptionalAction, default=True,
-                    help="bf16 on a CPU with AVX2 alone, or AVX-512 without AMX: the draft's weights as int8, as the runtime keeps them there.")
+                    help="bf16 on a CPU with AVX2 alone: the draft's weights as int8, as the runtime keeps them there.")
     ap.add_argument("--lookup", action="store_true",
                     help="Also verify prompt-lookup guesses where the text repeats (lookup.py), as the runtime does by default; "
                          "without it tau is the draft's alone.")

@@ -9,8 +9,8 @@ ran there before) and oneDNN's packed fp32 kernel (what the fp32 default runs th
 shapes; the kernels take turns per round and each figure is the fastest of `--reps` rounds (`median_ms`: their
 median). The CLI's thread settings.
 
-Where our kernel also multiplies int8 weights (`bf16_gemm.int8_weights`: the AVX2 variant, the AVX-512 one where
-faster; a draft's linears take them there), `ours_int8` times the same weights quantized by `bf16_gemm.pack_int8`.
+Where our kernel also multiplies int8 weights (`bf16_gemm.int8_weights`: the AVX2 variant; a draft's linears take
+them there), `ours_int8` times the same weights quantized by `bf16_gemm.pack_int8`.
 
 `--against REV` also builds our kernel as it was at git revision REV (its source and headers, `git show`) and times it
 in the same rounds, `ours@REV`, checking that both give the same bits: a kernel change measured side by side.

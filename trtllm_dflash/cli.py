@@ -67,7 +67,7 @@ lookup_option = click.option(
 
 int8_draft_option = click.option(
     "--int8-draft/--no-int8-draft", default=True, show_default=True,
-    help="bf16 on a CPU with AVX2 alone, or AVX-512 without AMX: keep the draft's weights as int8 (half the bytes a drafting step reads); output is the same either way.")
+    help="bf16 on a CPU with AVX2 alone: keep the draft's weights as int8 (half the bytes a drafting step reads); output is the same either way.")
 
 
 def sampling_options(fn):

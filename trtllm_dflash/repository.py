@@ -36,7 +36,7 @@ class RepoParams:
     engine_model: str = "dflash"  # the ensemble's engine step; a `tensorrt_llm` model has the same I/O
     speculation: str = "adaptive"  # block length per step: adaptive (measured costs) or fixed (always the full block)
     lookup: bool = True  # prompt-lookup guesses where a request's text repeats (lookup.py)
-    int8_draft: bool = True  # bf16 on AVX2 alone or AVX-512 without AMX: the draft's weights as int8 (DFlashEngine.load)
+    int8_draft: bool = True  # bf16 on AVX2 alone: the draft's weights as int8 (DFlashEngine.load)
     prefix_cache_tokens: int = PREFIX_CACHE_TOKENS  # prompt tokens whose K/V the engine keeps for later prompts (prefix_cache.py)
 
     def models(self) -> tuple[str, ...]:

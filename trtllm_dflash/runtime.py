@@ -159,8 +159,8 @@ class DFlashEngine:
              lookup: bool = True, draft_ngram: bool = True, int8_draft: bool = True, progress=print) -> "DFlashEngine":
         """`draft_vocab`: use the draft's vocabulary file (models/draft_vocab.py) where it has one; `draft_ngram` its
         n-gram prior on greedy guesses (models/draft_ngram.py); `int8_draft`: keep a bf16 draft's weights as int8
-        where our kernel multiplies them (bf16_gemm.int8_weights: AVX2 alone, AVX-512 without AMX), verification
-        keeping the output the target's."""
+        where our kernel multiplies them (bf16_gemm.int8_weights: on AVX2 alone), verification keeping the output the
+        target's."""
         dtype = resolve_dtype(dtype)
         target_path = resolve_target(target, progress)
         draft_path = None if no_draft else resolve_draft(draft, target)

@@ -26,20 +26,6 @@ inline std::pair<int64_t, int64_t> check(const torch::Tensor& x, const torch::Te
   return {N, K};
 }
 
-// The checks every variant's linear_int8 makes (int8 weights packed by bf16_gemm.pack_int8 [N/32, K/2, 2, 32], fp32
-// scales [N]); returns the weight's {N, K}.
-inline std::pair<int64_t, int64_t> check_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                                              const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kChar && packed.dim() == 4 &&
-              packed.size(2) == 2 && packed.size(3) == kBlock && packed.is_contiguous(),
-              "linear_int8: bf16 x and int8 weights packed [N/32, K/2, 2, 32]");
-  const int64_t N = packed.size(0) * kBlock, K = packed.size(1) * 2;
-  TORCH_CHECK(x.size(-1) == K, "linear_int8: input has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == N, "linear_int8: fp32 scales [N]");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous()), "linear_int8: an fp32 bias");
-  return {N, K};
-}
-
 // The loop every variant runs over the blocks of 32 outputs: `rows(m, nbs, x, w, bias, y, N, K, nb)` computes up to
 // kRows rows of blocks nb..nb+nbs-1 from their weights `w` (block b's K/2 lines of 64 elements at w + b * K/2 * 64:
 // bf16 pairs, or an int8 layout of the same shape), nbs at most `per_pass`; the inputs reach it as XT (uint16_t: bf16

@@ -9,9 +9,6 @@
 // Built with AMX (the `amx` variant: -mamx-tile -mamx-bf16), the same layout feeds AMX's tile multiply instead: a
 // tile of 16 weight pairs x 16 outputs is 16 rows of 64 bytes, 128 bytes apart in the packed lines, so the weights
 // are read as packed for VDPBF16PS, and up to 16 rows of x cost one pass over them at memory speed.
-//
-// Both builds also multiply int8 weights with a scale per output (`linear_int8`, for a draft's linears; bf16_gemm.py:
-// int8_weights), with FMA, as the AVX2 variant does.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -70,46 +67,6 @@ void block_rows(const uint16_t* x, const uint16_t* w, int64_t stride, const floa
     const int64_t out = (nb + b) * kBlock;
     for (int m = 0; m < M; ++m) {
       __m512 a0 = acc[b][0][m], a1 = acc[b][1][m];
-      if (bias) {
-        a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias + out));
-        a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + out + 16));
-      }
-      _mm256_storeu_si256((__m256i*)(y + m * N + out), (__m256i)_mm512_cvtneps_pbh(a0));
-      _mm256_storeu_si256((__m256i*)(y + m * N + out + 16), (__m256i)_mm512_cvtneps_pbh(a1));
-    }
-  }
-}
-
-// int8 weights (bf16_gemm.pack_int8's layout [N/32][K/2][2][32]: per block and input pair, the 32 outputs' weights for
-// the even input, then for the odd one) with a scale per output, for a draft's linears: half the bytes of bf16 to
-// stream. Each weight is widened to fp32 exactly and multiplied with FMA into one fp32 sum per output over the inputs in
-// order, the even input's product then the odd's, as the AVX2 variant's `linear_int8` adds them: the same bits as it,
-// whatever M is and wherever the row sits. Rows x[0..M) (fp32, widened once) times blocks nb..nb+B-1 (block b's
-// weights at w + b * stride).
-template <int M, int B>
-void block_rows_int8(const float* x, const int8_t* w, int64_t stride, const float* scale, const float* bias, uint16_t* y,
-                     int64_t N, int64_t K, int64_t nb) {
-  __m512 acc[B][2][M];
-  for (int b = 0; b < B; ++b)
-    for (int m = 0; m < M; ++m) acc[b][0][m] = acc[b][1][m] = _mm512_setzero_ps();
-  const auto widen = [](const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); };
-  for (int64_t kp = 0; kp < K / 2; ++kp) {
-    for (int b = 0; b < B; ++b) {
-      const int8_t* line = w + b * stride + kp * 64;
-      _mm_prefetch((const char*)line + kPrefetchBytes, _MM_HINT_T0);
-      const __m512 e0 = widen(line), e1 = widen(line + 16), o0 = widen(line + 32), o1 = widen(line + 48);
-      for (int m = 0; m < M; ++m) {
-        const __m512 xe = _mm512_set1_ps(x[m * K + 2 * kp]), xo = _mm512_set1_ps(x[m * K + 2 * kp + 1]);
-        acc[b][0][m] = _mm512_fmadd_ps(o0, xo, _mm512_fmadd_ps(e0, xe, acc[b][0][m]));
-        acc[b][1][m] = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, acc[b][1][m]));
-      }
-    }
-  }
-  for (int b = 0; b < B; ++b) {
-    const int64_t out = (nb + b) * kBlock;
-    for (int m = 0; m < M; ++m) {
-      __m512 a0 = _mm512_mul_ps(acc[b][0][m], _mm512_loadu_ps(scale + out));
-      __m512 a1 = _mm512_mul_ps(acc[b][1][m], _mm512_loadu_ps(scale + out + 16));
       if (bias) {
         a0 = _mm512_add_ps(a0, _mm512_loadu_ps(bias + out));
         a1 = _mm512_add_ps(a1, _mm512_loadu_ps(bias + out + 16));
@@ -247,39 +204,29 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 }  // namespace amx
 #endif
 
-// B blocks for M rows: bf16 weights (no scale), or int8 ones with their scales.
-template <int M, int B, typename WT, typename XT>
-inline void pass_blocks(const XT* x, const WT* w, int64_t stride, const float* scale, const float* bias, uint16_t* y, int64_t N,
-                        int64_t K, int64_t nb) {
-  if constexpr (std::is_same_v<WT, int8_t>) block_rows_int8<M, B>(x, w, stride, scale, bias, y, N, K, nb);
-  else block_rows<M, B>(x, w, stride, bias, y, N, K, nb);
-}
-
 // `nbs` (at most blocks_per_pass(M)) blocks for m rows.
-template <int M, typename WT, typename XT>
-void blocks(int nbs, const XT* x, const WT* w, int64_t stride, const float* scale, const float* bias, uint16_t* y, int64_t N,
-            int64_t K, int64_t nb) {
+template <int M>
+void blocks(int nbs, const uint16_t* x, const uint16_t* w, int64_t stride, const float* bias, uint16_t* y, int64_t N, int64_t K,
+            int64_t nb) {
   constexpr int B = blocks_per_pass(M);
-  if constexpr (B >= 4) if (nbs == 4) return pass_blocks<M, 4>(x, w, stride, scale, bias, y, N, K, nb);
-  if constexpr (B >= 3) if (nbs == 3) return pass_blocks<M, 3>(x, w, stride, scale, bias, y, N, K, nb);
-  if constexpr (B >= 2) if (nbs == 2) return pass_blocks<M, 2>(x, w, stride, scale, bias, y, N, K, nb);
-  return pass_blocks<M, 1>(x, w, stride, scale, bias, y, N, K, nb);
+  if constexpr (B >= 4) if (nbs == 4) return block_rows<M, 4>(x, w, stride, bias, y, N, K, nb);
+  if constexpr (B >= 3) if (nbs == 3) return block_rows<M, 3>(x, w, stride, bias, y, N, K, nb);
+  if constexpr (B >= 2) if (nbs == 2) return block_rows<M, 2>(x, w, stride, bias, y, N, K, nb);
+  return block_rows<M, 1>(x, w, stride, bias, y, N, K, nb);
 }
 
 // m rows of blocks nb..nb+nbs-1 (nbs at most blocks_per_pass(m): the shared loop's `per_pass` for its first group).
-template <typename WT, typename XT>
-void rows(int m, int nbs, const XT* x, const WT* w, const float* scale, const float* bias, uint16_t* y, int64_t N, int64_t K,
-          int64_t nb) {
-  const int64_t stride = (K / 2) * 64;  // a block's weights: K/2 lines of 64 elements
+void rows(int m, int nbs, const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y, int64_t N, int64_t K, int64_t nb) {
+  const int64_t stride = (K / 2) * 64;
   switch (m) {
-    case 1: return blocks<1>(nbs, x, w, stride, scale, bias, y, N, K, nb);
-    case 2: return blocks<2>(nbs, x, w, stride, scale, bias, y, N, K, nb);
-    case 3: return blocks<3>(nbs, x, w, stride, scale, bias, y, N, K, nb);
-    case 4: return blocks<4>(nbs, x, w, stride, scale, bias, y, N, K, nb);
-    case 5: return blocks<5>(nbs, x, w, stride, scale, bias, y, N, K, nb);
-    case 6: return blocks<6>(nbs, x, w, stride, scale, bias, y, N, K, nb);
-    case 7: return blocks<7>(nbs, x, w, stride, scale, bias, y, N, K, nb);
-    default: return blocks<8>(nbs, x, w, stride, scale, bias, y, N, K, nb);
+    case 1: return blocks<1>(nbs, x, w, stride, bias, y, N, K, nb);
+    case 2: return blocks<2>(nbs, x, w, stride, bias, y, N, K, nb);
+    case 3: return blocks<3>(nbs, x, w, stride, bias, y, N, K, nb);
+    case 4: return blocks<4>(nbs, x, w, stride, bias, y, N, K, nb);
+    case 5: return blocks<5>(nbs, x, w, stride, bias, y, N, K, nb);
+    case 6: return blocks<6>(nbs, x, w, stride, bias, y, N, K, nb);
+    case 7: return blocks<7>(nbs, x, w, stride, bias, y, N, K, nb);
+    default: return blocks<8>(nbs, x, w, stride, bias, y, N, K, nb);
   }
 }
 
@@ -291,23 +238,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 #else
   const auto [N, K] = bf16_blocks::check(x, packed, bias);  // blocks_per_pass of a group's rows at a time
   const int group = (int)std::clamp<int64_t>(x.numel() / K, 1, kRows);
-  return bf16_blocks::run<uint16_t, kRows>(x, N, K, (const uint16_t*)packed.data_ptr(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                                           [](int m, int nbs, const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* y,
-                                              int64_t N, int64_t K, int64_t nb) { rows(m, nbs, x, w, nullptr, bias, y, N, K, nb); },
-                                           blocks_per_pass(group));
+  return bf16_blocks::run<uint16_t, kRows>(x, N, K, (const uint16_t*)packed.data_ptr(),
+                                           bias.has_value() ? bias->data_ptr<float>() : nullptr, rows, blocks_per_pass(group));
 #endif
-}
-
-// y = (x Q^T) * scale (+ bias) for int8 weights Q [N, K] with one fp32 scale per output, packed by bf16_gemm.pack_int8.
-torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                          const c10::optional<torch::Tensor>& bias) {
-  const auto [N, K] = bf16_blocks::check_int8(x, packed, scale, bias);
-  const int group = (int)std::clamp<int64_t>(x.numel() / K, 1, kRows);
-  const float* sp = scale.data_ptr<float>();
-  return bf16_blocks::run<float, kRows>(x, N, K, (const int8_t*)packed.data_ptr(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                                        [sp](int m, int nbs, const float* x, const int8_t* w, const float* bias, uint16_t* y, int64_t N,
-                                             int64_t K, int64_t nb) { rows(m, nbs, x, w, sp, bias, y, N, K, nb); },
-                                        blocks_per_pass(group));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -316,7 +249,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("pack", &bf16_blocks::pack, "W [N, K] -> [N/32, K/2, 32, 2]");
   m.def("linear", &linear, nogil, "x [..., K] with packed W -> [..., N]");
-  m.def("linear_int8", &linear_int8, nogil, "x [..., K] with int8 W packed by pack_int8 and its scales [N] -> [..., N]");
   m.def("attend", &slot_attention::attend, nogil, "q [N, H, D] over slots of a bf16 KV cache up to each token's position -> [N, H, D]");
   m.def("rope_attend", &slot_attention::rope_attend, nogil,
         "q [N, H, D], k/v [N, KVH, D]: RoPE, the K/V written into the cache, attention -> [N, H * D]");

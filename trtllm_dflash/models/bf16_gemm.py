@@ -7,8 +7,6 @@ projection does not depend on the rows beside it.
   up to 256 rows (161.7 against 164.2 ms). For up to 6 rows a pass takes 2-4 blocks of outputs at once: on a Xeon
   held off AMX a verify's 2-4 rows then cost about what one row does (12.0-13.5 against 11.8 ms, where one block a
   pass took 15.8-20.8 against 13.6; 2026-11-29, `benchmarks/results/bf16-kernel-xeon-held-to-avx512-blocks-20261129.json`).
-  It also multiplies int8 weights as the `avx2` variant does (`linear_int8`, the same bits), which a draft's linears
-  keep where they are timed faster (`int8_faster`).
 - `amx` (bf16_gemm.cpp built with AMX), for CPUs with AMX-BF16: the same packed weights fed to AMX's tile multiply,
   16 rows at a time, for calls of up to `TILE_ROWS` rows (more take oneDNN's tile kernel: `PackedLinear`). On a
   2-core Xeon with AMX, one thread (2026-11-29, `benchmarks/results/bf16-kernel-xeon-amx-tiles-20261129.json`),
@@ -38,7 +36,6 @@ import hashlib
 import importlib.util
 import os
 import sys
-import time
 from importlib import resources
 
 import torch
@@ -65,37 +62,10 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 def int8_weights() -> bool:
-    """Whether a draft's linears keep int8 weights here (`linear_int8`): half the bytes a drafting step streams, where
-    memory, not arithmetic, bounds its few rows. Always in the avx2 variant (its bf16 weights are widened for FMA
-    too); in the avx512 one where they are timed faster on this CPU (`int8_faster`). Not on AMX's tiles, which multiply
-    bf16 as fast as the FMA kernel multiplies int8 at a block's 8 rows and faster beyond."""
-    name = variant()
-    return kernel() is not None and (name == "avx2" or (name == "avx512" and int8_faster()))
-
-
-@functools.cache
-def int8_faster() -> bool:
-    """Whether `linear_int8` beats `linear` for a draft's 4 and 8 rows on this CPU, by 10 %: widening int8 for FMA takes
-    more instructions a byte than VDPBF16PS takes, so a CPU whose memory outruns its AVX-512 units (an AMD Zen 4 runs
-    them at half width) may not gain from the halved bytes. On a 2-core Xeon held off AMX (2026-11-29,
-    `benchmarks/results/bf16-kernel-xeon-held-to-avx512-int8-20261129.json`) SmolLM2-135M's linears took 7.0-11.8 ms as
-    int8 for 1 to 8 rows, 11.8-19.4 as bf16. Timed once per process over 48 MB of weights (more than a last-level
-    cache holds, as a step's are), the kernels alternating, the best of 6 rounds each."""
-    ours = kernel()
-    weight = torch.full((3072, 576), 0.01, dtype=torch.bfloat16)  # a draft MLP's gate_up shape; 14 copies: 48 MB of bf16
-    packed = [ours.pack(weight) for _ in range(14)]
-    quantized = pack_int8(weight)
-    int8 = [(quantized[0].clone(), quantized[1]) for _ in range(14)]
-    best = {"bf16": float("inf"), "int8": float("inf")}
-    for _ in range(6):
-        for kind in best:
-            t0 = time.perf_counter()
-            for rows in (4, 8):
-                x = torch.full((rows, 576), 0.01, dtype=torch.bfloat16)
-                for i in range(14):
-                    ours.linear(x, packed[i], None) if kind == "bf16" else ours.linear_int8(x, *int8[i], None)
-            best[kind] = min(best[kind], time.perf_counter() - t0)
-    return best["int8"] < 0.9 * best["bf16"]
+    """Whether this CPU's kernel multiplies int8 weights (`linear_int8`: the avx2 variant). Where it does, a draft's
+    linears keep int8 weights (runtime.py): half the bytes a drafting step streams, where memory, not arithmetic, bounds
+    its few rows."""
+    return variant() == "avx2" and kernel() is not None
 
 
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

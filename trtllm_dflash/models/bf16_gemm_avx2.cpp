@@ -144,7 +144,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 // more slowly than FMA consumes them.
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const c10::optional<torch::Tensor>& bias) {
-  const auto [N, K] = bf16_blocks::check_int8(x, packed, scale, bias);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kChar && packed.dim() == 4 &&
+              packed.size(2) == 2 && packed.size(3) == kBlock && packed.is_contiguous(),
+              "linear_int8: bf16 x and int8 weights packed [N/32, K/2, 2, 32]");
+  const int64_t N = packed.size(0) * kBlock, K = packed.size(1) * 2;
+  TORCH_CHECK(x.size(-1) == K, "linear_int8: input has ", x.size(-1), " features, the weight ", K);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == N, "linear_int8: fp32 scales [N]");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous()), "linear_int8: an fp32 bias");
   const float* sp = scale.data_ptr<float>();
   return bf16_blocks::run<float, kGroup>(x, N, K, (const int8_t*)packed.data_ptr(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
                                          [sp](int m, int, const float* x, const int8_t* w, const float* bias, uint16_t* y, int64_t N,
