@@ -8,8 +8,7 @@ for the same prompt is what leaves the change visible. Each engine runs its own 
 
 Engines: `NAME=DIR` a draft directory (`NAME=` the packaged one), `NAME=@REV` the packaged draft with our bf16
 kernel's linears as of git revision REV (built beside the current one, as `bench_bf16_kernel.py --against` does),
-`NAME=DIR#bf16` the draft's weights kept bf16 where the kernel would take them as int8 (`int8_draft`, AVX2 alone),
-`NAME=DIR#held` the policy holding each request's acceptance record whole, as before 2026-11-29 (policy.EVIDENCE_MEMORY).
+`NAME=DIR#bf16` the draft's weights kept bf16 where the kernel would take them as int8 (`int8_draft`, AVX2 alone).
 Prompt kinds: the quickstart's chat, math and code prompts, each followed by 7 everyday questions
 (`bench_serving.CHAT`), 6 held-out GSM8K questions or 6 HumanEval functions (`pip install -e ".[bench]"`).
 
@@ -65,12 +64,9 @@ def load(target: str, spec: str | None):
         return DFlashEngine.load(target, no_draft=True, progress=lambda m: None)
     if not spec.startswith("@"):
         path, _, keep = spec.partition("#")
-        if keep not in ("", "bf16", "held"):
-            raise SystemExit(f"{spec}: after '#' only 'bf16' (the draft's weights kept bf16) or 'held' (records held whole).")
-        engine = DFlashEngine.load(target, path or None, int8_draft=keep != "bf16", progress=lambda m: None)
-        if keep == "held":
-            engine.policy.memory = 1.0
-        return engine
+        if keep not in ("", "bf16"):
+            raise SystemExit(f"{spec}: after '#' only 'bf16' (the draft's weights kept bf16).")
+        return DFlashEngine.load(target, path or None, int8_draft=keep != "bf16", progress=lambda m: None)
     from bench_bf16_kernel import kernel_at
     from trtllm_dflash.models import bf16_gemm
 

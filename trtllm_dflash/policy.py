@@ -12,9 +12,7 @@ plainly is still probed so its acceptance stays measured, with the block that wo
 its evidence allows and as the draft is known to be (its card's held-out acceptance; the full block where verifying is
 cheap), and only where that block could pay: once when the row is new, then only as often as PROBE_BUDGET of its share
 of the plain steps covers the probe's expected loss (its cost less what its expected tokens would take at the best
-allocation's rate: a row near break-even is probed often, one the draft never serves rarely). A row's own record fades
-step by step (EVIDENCE_MEMORY), as how well the draft serves an answer changes along it: one held plainly by a poor
-start is probed again once its record has faded enough to leave room for a better one.
+allocation's rate: a row near break-even is probed often, one the draft never serves rarely).
 A greedy drafting row also learns the slot after its block: the draft guesses it too (one slot more of its forward),
 and where every verified guess is accepted the bonus token says whether that guess was right (generate.py), so a row
 held at short blocks by other requests' record measures whether a longer one would pay, without paying to verify it.
@@ -56,12 +54,6 @@ FACTOR_RATE = 0.1
 # then drafts by choice), so it must fade: held, one learned from a chat answer kept every later request plain (the
 # quickstart's math row at acceptance 1.3, not 2.4).
 YIELD_MEMORY, YIELD_PRIOR = 0.97, 8.0
-# A row's own acceptance counts fade by EVIDENCE_MEMORY a step (its weight halves in about 35 steps): how well the draft
-# serves an answer changes along it (a story's names, then a refrain). Held whole, the record of a poor start kept the
-# quickstart's chat question decoding plainly for its last 100 of 140 steps and never probed again, at 1.14 tokens a
-# step where drafting every step took 1.55 (a Xeon held off AMX, 2026-11-29); faded, the optimistic estimate a probe is
-# priced with drifts back toward the draft's card, and PROBE_BUDGET still bounds how often it is paid.
-EVIDENCE_MEMORY = 0.98
 MARGIN = 1.02  # a longer block must beat the best shorter one by this much: ties go to less speculation
 
 
@@ -71,20 +63,15 @@ class RowCounts:
     accepted: list[float]  # [j]: ... and slot j was accepted
     plain_seconds: float = 0.0  # this row's share of the steps since it last drafted
 
-    def fade(self, by: float) -> None:
-        self.reached = [x * by for x in self.reached]
-        self.accepted = [x * by for x in self.accepted]
-
 
 class BlockPolicy:
     def __init__(self, max_block: int, adaptive: bool = False, ragged: bool = True, ceiling: float = OPTIMISTIC,
-                 short: bool = False, memory: float = EVIDENCE_MEMORY):
+                 short: bool = False):
         """`ragged`: the target verifies rows of different lengths on one flat axis (else every row is padded to the
         longest, and a step costs n * max(k_i) tokens). `ceiling`: the per-slot acceptance a probe is priced with.
-        `short`: the draft drafts a step's blocks over their longest k + 1 slots (DraftConfig.short_blocks), not whole.
-        `memory`: how much of a row's record each step keeps (1.0 holds it whole: benchmarks/bench_engines.py)."""
+        `short`: the draft drafts a step's blocks over their longest k + 1 slots (DraftConfig.short_blocks), not whole."""
         self.max_block, self.adaptive, self.ragged, self.ceiling = max_block, adaptive and max_block > 1, ragged, ceiling
-        self.short, self.memory = short, memory
+        self.short = short
         self.verify_cost: dict[int, float] = {}  # tokens verified -> seconds (FALL/RISE average of measurements)
         self.draft_cost: dict[int, float] = {}  # drafting rows * slots drafted per row -> seconds
         self.population = self._new_counts()
@@ -320,8 +307,6 @@ class BlockPolicy:
                          draft_tokens=drafting * width)
         share = (draft_seconds + verify_seconds) / len(rows)
         for i, (r, b, a, lk) in enumerate(zip(rows, ks, accepted, looked)):
-            if r in self._rows:
-                self._rows[r].fade(self.memory)
             table, pop = (self._lookup_rows, self.lookup_population) if lk else (self._rows, self.population)
             counts = table.get(r)
             if counts is None:
