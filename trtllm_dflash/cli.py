@@ -234,9 +234,9 @@ def client(url, prompt, max_tokens, stream, temperature, top_p, top_k, seed, sto
 @click.option("--max-tokens", type=int, default=96, show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
 @click.option("--compare/--no-compare", default=True, show_default=True,
-              help="Time DFlash against the same build without a draft on a chat, a math and a code prompt.")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Runs of each prompt on each server (interleaved, the order alternating); the table shows medians.")
+              help="Time DFlash against the same build without a draft on three chat, three math and three code prompts.")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs of each prompt on each server (interleaved, the order alternating); the table pools them.")
 @user_errors
 def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
     """Build the embedded default (SmolLM2-135M + draft, torch backend), start Triton, stream one completion over gRPC,

@@ -1,16 +1,17 @@
 """`trtdflash quickstart`: build the embedded default, serve it with the real tritonserver, stream one answer, then
-time DFlash against the same build without a draft on one chat, one math and one code prompt.
+time DFlash against the same build without a draft on three chat, three math and three code prompts.
 
 The two builds differ only in the draft (same target, dtype, batch and sequence limits). Both are served at once, each
 gets the same untimed warm-up request first, and every prompt runs on one server and then the other, the order
-alternating between rounds: a drift of the machine's speed (a busy neighbour, a slower minute on a VM) lands on both
-columns instead of on whichever build ran second. Each figure is the median of `rounds` greedy runs: a first look,
-not a benchmark (that is `benchmarks/bench_serving.py`).
+alternating from one prompt to the next: a drift of the machine's speed (a busy neighbour, a slower minute on a VM)
+lands on both columns instead of on whichever build ran second. A kind's row pools its prompts (tokens over seconds,
+as a user sending all three would see) and gives the range of their speed-ups beside it: one prompt alone says more
+about that prompt than about its kind (the chat question used alone until 2026-11-29 was the slowest of eight in every
+`benchmarks/bench_engines.py` run). A first look, not a benchmark (that is `benchmarks/bench_serving.py`).
 """
 
 from __future__ import annotations
 
-import statistics
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,46 +25,78 @@ from .errors import DFlashError
 from .resolve import cache_dir
 from .serve import ServerConfig, TritonServer
 
-CODE_STUB = '''def running_max(values: list[int]) -> list[int]:
+KINDS = ("chat", "math", "code")
+CHAT_QUESTIONS = ("What are three simple habits that help people sleep better?",
+                  "How do I keep a basil plant healthy on a windowsill?",
+                  "What is a simple way to plan a week of dinners?")
+CODE_STUBS = ('''def running_max(values: list[int]) -> list[int]:
     """Return a list whose i-th element is the largest of values[0..i].
     >>> running_max([1, 3, 2, 5, 4])
     [1, 3, 3, 5, 5]
     """
-'''
+''', '''def second_largest(values: list[int]) -> int:
+    """Return the second largest distinct value in values.
+    >>> second_largest([4, 1, 7, 7, 3])
+    4
+    """
+''', '''def chunk(items: list[int], size: int) -> list[list[int]]:
+    """Split items into consecutive lists of length size; the last one may be shorter.
+    >>> chunk([1, 2, 3, 4, 5], 2)
+    [[1, 2], [3, 4], [5]]
+    """
+''')
 
 
 def demo_prompts() -> list[tuple[str, str]]:
-    """One prompt per kind, none of them in the draft's training data (math: the first held-out GSM8K question)."""
-    return [("chat", "What are three simple habits that help people sleep better?"),
-            ("math", gsm8k_records(holdout=True)[0]["question"]),
-            ("code", CODE_COMPLETE_TEMPLATE.format(code=CODE_STUB))]
+    """(kind, prompt): three of each kind, none in the draft's training data (math: the first three held-out GSM8K
+    questions), the kinds taking turns as a server's mixed traffic would."""
+    math = [r["question"] for r in gsm8k_records(holdout=True)[:3]]
+    code = [CODE_COMPLETE_TEMPLATE.format(code=stub) for stub in CODE_STUBS]
+    return [(kind, text) for texts in zip(CHAT_QUESTIONS, math, code) for kind, text in zip(KINDS, texts)]
+
+
+def _pooled(runs: list[Completion]) -> float:
+    seconds = sum(c.wall_time for c in runs)
+    return sum(c.num_tokens for c in runs) / seconds if seconds > 0 else 0.0
 
 
 @dataclass
 class Comparison:
-    """One prompt's greedy runs on both servers, one per round."""
+    """One prompt kind's greedy runs on both servers: dflash[i] and baseline[i] answered prompts[i]."""
     kind: str
+    prompts: list[str]
     dflash: list[Completion]
     baseline: list[Completion]
 
     @property
     def dflash_tokens_per_second(self) -> float:
-        return statistics.median(c.tokens_per_second for c in self.dflash)
+        return _pooled(self.dflash)
 
     @property
     def baseline_tokens_per_second(self) -> float:
-        return statistics.median(c.tokens_per_second for c in self.baseline)
-
-    @property
-    def acceptance_length(self) -> float:
-        """The median, like the speeds: an engine's policy learns from every request, so a prompt's first round may
-        draft less than its later ones."""
-        return statistics.median(c.acceptance_length for c in self.dflash)
+        return _pooled(self.baseline)
 
     @property
     def speedup(self) -> float:
         base = self.baseline_tokens_per_second
         return self.dflash_tokens_per_second / base if base else 0.0
+
+    @property
+    def prompt_speedups(self) -> list[float]:
+        """Each prompt's speed-up (its rounds pooled), in the order the prompts first ran."""
+        out = []
+        for p in dict.fromkeys(self.prompts):
+            d = [c for q, c in zip(self.prompts, self.dflash) if q == p]
+            b = _pooled([c for q, c in zip(self.prompts, self.baseline) if q == p])
+            out.append(_pooled(d) / b if b else 0.0)
+        return out
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per target forward over all the kind's DFlash runs (each run's forwards recovered from
+        its acceptance length, which is its tokens after the first over its forwards)."""
+        steps = sum(round((c.num_tokens - 1) / c.acceptance_length) for c in self.dflash if c.acceptance_length > 0)
+        return sum(c.num_tokens - 1 for c in self.dflash if c.acceptance_length > 0) / steps if steps else 0.0
 
 
 @dataclass
@@ -84,9 +117,10 @@ def _warm_up(url: str, prompt: str) -> None:
 
 def run_quickstart(output: Path | None = None, draft: str | None = None, prompt: str = "Explain speculative decoding in two sentences.",
                    max_tokens: int = 96, dtype: str = "auto", compare: bool = True, say: Callable[[str], None] = print,
-                   on_text: Callable[[str], None] = print, rounds: int = 3) -> QuickstartResult:
+                   on_text: Callable[[str], None] = print, rounds: int = 1) -> QuickstartResult:
     """Build (or reuse) the DFlash repository, serve it and stream `prompt` through `on_text`; with `compare`, also
-    build the same repository without a draft (in `<output>-no-draft`), serve both and time them on `demo_prompts()`."""
+    build the same repository without a draft (in `<output>-no-draft`), serve both and time them on `demo_prompts()`,
+    each `rounds` times."""
     if rounds < 1:
         raise DFlashError(f"--rounds must be at least 1, got {rounds}.")
     out = Path(output) if output else cache_dir() / "quickstart"
@@ -111,31 +145,37 @@ def run_quickstart(output: Path | None = None, draft: str | None = None, prompt:
         urls = {"dflash": server.grpc_url, "baseline": baseline.grpc_url}
         for url in urls.values():
             _warm_up(url, prompts[0][1])
-        runs = {(kind, build): [] for kind, _ in prompts for build in urls}
-        say(f"Timing both on a {', a '.join(k for k, _ in prompts)} prompt, {max_tokens} tokens each, {rounds} rounds "
-            "(one server then the other, the order alternating)...")
-        for r in range(rounds):
-            for kind, text in prompts:
-                for build in (("dflash", "baseline") if r % 2 == 0 else ("baseline", "dflash")):
-                    runs[kind, build].append(complete(urls[build], CompletionRequest(text, max_tokens)))
+        rows = {kind: Comparison(kind, [], [], []) for kind in KINDS}
+        say(f"Timing both on {len(prompts)} prompts ({', '.join(KINDS)} taking turns), {max_tokens} tokens each, "
+            f"{rounds} round{'s' if rounds > 1 else ''} (one server then the other, the order alternating)...")
+        for i, (kind, text) in enumerate(prompts * rounds):
+            done = {build: complete(urls[build], CompletionRequest(text, max_tokens))
+                    for build in (("dflash", "baseline") if i % 2 == 0 else ("baseline", "dflash"))}
+            rows[kind].prompts.append(text)
+            rows[kind].dflash.append(done["dflash"])
+            rows[kind].baseline.append(done["baseline"])
         say("Stopping both servers...")
-    result.rows = [Comparison(kind, runs[kind, "dflash"], runs[kind, "baseline"]) for kind, _ in prompts]
+    result.rows = list(rows.values())
     return result
 
 
 def comparison_table(result: QuickstartResult) -> str:
-    """Tokens/s with and without the draft, the speed-up, acceptance length, and whether every run's greedy text is the
-    same (always in fp32; in bf16 a near-tie may flip a token between the builds)."""
-    runs = "one run each" if result.rounds == 1 else f"median of {result.rounds} interleaved runs"
+    """Tokens/s with and without the draft, the speed-up, the range of the kind's prompts' speed-ups, acceptance
+    length, and whether every run's greedy text is the same on both servers (always in fp32; in bf16 a near-tie may
+    flip a token between the builds)."""
+    n = len(result.rows[0].prompts) // result.rounds if result.rows else 0
+    runs = f"{n} prompts a kind" + ("" if result.rounds == 1 else f" x {result.rounds} rounds")
     lines = [f"DFlash vs the same server without a draft ({result.dtype}, batch 1, greedy, {runs}, {cpu_model()}):", "",
-             f"{'prompt':<8}{'DFlash tok/s':>14}{'no draft tok/s':>16}{'speed-up':>10}{'acceptance':>12}  same text",
-             "-" * 70]
+             f"{'prompt':<8}{'DFlash tok/s':>14}{'no draft tok/s':>16}{'speed-up':>10}{'per prompt':>14}{'acceptance':>12}"
+             "  same text", "-" * 84]
     for r in result.rows:
-        d = r.dflash[0]
-        same = "yes" if all(c.text == d.text for c in r.dflash + r.baseline) else "no (bf16 near-tie)" if result.dtype == "bf16" else "NO"
+        same = ("yes" if all(d.text == b.text for d, b in zip(r.dflash, r.baseline)) else
+                "no (bf16 near-tie)" if result.dtype == "bf16" else "NO")
+        spread = r.prompt_speedups
         lines.append(f"{r.kind:<8}{r.dflash_tokens_per_second:>14.1f}{r.baseline_tokens_per_second:>16.1f}"
-                     f"{r.speedup:>9.2f}x{r.acceptance_length:>12.2f}  {same}")
-    lines += ["", "acceptance: tokens committed per target forward (1.00: the draft never helped).",
+                     f"{r.speedup:>9.2f}x{f'{min(spread):.2f}-{max(spread):.2f}x':>14}{r.acceptance_length:>12.2f}  {same}")
+    lines += ["", "tok/s: a kind's tokens over its seconds; per prompt: the slowest and fastest prompt's speed-up;",
+              "acceptance: tokens committed per target forward (1.00: the draft never helped).",
               "Next: `trtdflash generate --prompt ...` decodes without a server; `trtdflash build --output out/` then",
               "`trtdflash serve out/` serves your own build; deploying on GPUs with TensorRT-LLM and all measured figures: README.md."]
     return "\n".join(lines)
