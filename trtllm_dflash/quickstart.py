@@ -6,8 +6,8 @@ gets the same untimed warm-up request first, and every prompt runs on one server
 alternating from one prompt to the next: a drift of the machine's speed (a busy neighbour, a slower minute on a VM)
 lands on both columns instead of on whichever build ran second. A kind's row pools its prompts (tokens over seconds,
 as a user sending all three would see) and gives the range of their speed-ups beside it: one prompt alone says more
-about that prompt than about its kind (the chat question used alone until 2026-11-29 was the slowest of eight in every
-`benchmarks/bench_engines.py` run). A first look, not a benchmark (that is `benchmarks/bench_serving.py`).
+about that prompt than about its kind (the chat question used alone until 2026-11-29 is among the slowest of the eight
+in `benchmarks/bench_engines.py`'s chat set). A first look, not a benchmark (that is `benchmarks/bench_serving.py`).
 """
 
 from __future__ import annotations
