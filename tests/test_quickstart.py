@@ -26,3 +26,18 @@ def test_quickstart_streams_then_compares_with_the_same_build_without_a_draft(tm
     assert "(fp32, batch 1, greedy, 3 prompts a kind x 2 rounds" in out.stdout
     twin = json.loads((tmp_path / "qs-no-draft" / "manifest.json").read_text())
     assert twin["options"]["no_draft"] is True and twin["options"]["dtype"] == "fp32"
+
+
+def test_the_demo_prompts_are_three_of_each_kind_none_from_the_training_data():
+    from trtllm_dflash.data import answers_records, gsm8k_records, magpie_records
+    from trtllm_dflash.quickstart import CODE_STUBS, demo_prompts
+
+    prompts = demo_prompts()
+    assert [kind for kind, _ in prompts] == ["chat", "math", "code"] * 3 and len({text for _, text in prompts}) == 9
+    norm = lambda text: " ".join(text.lower().split())  # noqa: E731
+    trained_chat = {norm(r["question"]) for r in magpie_records()}
+    trained_math = {norm(r["question"]) for r in gsm8k_records()}
+    trained_code = {r["key"].rsplit(":", 1)[-1] for r in answers_records() if r["key"].startswith(("code:", "docstring:"))}
+    for kind, text in prompts:
+        assert norm(text) not in (trained_chat if kind == "chat" else trained_math if kind == "math" else set()), text
+    assert not {stub.split("(")[0].removeprefix("def ") for stub in CODE_STUBS} & trained_code
