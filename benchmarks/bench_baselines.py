@@ -25,8 +25,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-ISA_ENV = {"native": {}, "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
-           "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+from bench_engines import cpu_ticks  # noqa: E402
+from bench_step_cost import ISA_ENV  # noqa: E402: native, avx512 (held off AMX), avx2
+
 ISA_FLAGS = {"avx512": {"avx512_bf16"}, "avx2": {"avx2", "fma"}}  # what the CPU needs for the held configuration
 BUILDS = ("dflash", "no draft")
 
@@ -41,10 +42,6 @@ def environment(extra: dict[str, str]):
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
-
-def cpu_ticks() -> list[int]:
-    return [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
 
 
 def main(argv=None) -> None:
