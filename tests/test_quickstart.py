@@ -3,9 +3,12 @@ from real requests (fp32, so DFlash's text must equal the text of the build with
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from trtllm_dflash.quickstart import demo_prompts
 
 TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")
 ROW = re.compile(r"^(chat|math|code)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)-([\d.]+)x\s+([\d.]+)\s+(.+)$")
@@ -24,13 +27,15 @@ def test_quickstart_streams_then_compares_with_the_same_build_without_a_draft(tm
         assert 0 < slowest <= speedup + 0.01 and speedup <= fastest + 0.01, (kind, m[0])  # the pooled figure lies between its prompts'
         assert acceptance >= 1.0 and same == "yes", (kind, m[0])  # greedy fp32: lossless across the two servers
     assert "(fp32, batch 1, greedy, 3 prompts a kind x 2 rounds" in out.stdout
+    streamed = next(text for kind, text in demo_prompts() if kind == "code")  # by default the first code prompt
+    assert f"--prompt {shlex.quote(streamed)} --max-tokens 16" in out.stderr, out.stderr[-2000:]
     twin = json.loads((tmp_path / "qs-no-draft" / "manifest.json").read_text())
     assert twin["options"]["no_draft"] is True and twin["options"]["dtype"] == "fp32"
 
 
 def test_the_demo_prompts_are_three_of_each_kind_none_from_the_training_data():
     from trtllm_dflash.data import answers_records, gsm8k_records, magpie_records
-    from trtllm_dflash.quickstart import CODE_STUBS, demo_prompts
+    from trtllm_dflash.quickstart import CODE_STUBS
 
     prompts = demo_prompts()
     assert [kind for kind, _ in prompts] == ["chat", "math", "code"] * 3 and len({text for _, text in prompts}) == 9

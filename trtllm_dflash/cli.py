@@ -230,7 +230,7 @@ def client(url, prompt, max_tokens, stream, temperature, top_p, top_k, seed, sto
 @click.option("--output", default=None, help="Build directory (default: <cache>/quickstart); rebuilt only when inputs change. "
                                              "The comparison build goes beside it, in OUTPUT-no-draft.")
 @click.option("--draft", default=None, help="DFlash draft directory. Default: the packaged SmolLM2-135M draft.")
-@click.option("--prompt", default="Explain speculative decoding in two sentences.", show_default=True)
+@click.option("--prompt", default=None, help="The prompt streamed first. Default: the comparison's first code prompt.")
 @click.option("--max-tokens", type=int, default=96, show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
 @click.option("--compare/--no-compare", default=True, show_default=True,
