@@ -13,7 +13,6 @@ in `benchmarks/bench_engines.py`'s chat set). A first look, not a benchmark (tha
 from __future__ import annotations
 
 import shlex
-import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,6 @@ from .client import Completion, CompletionRequest, complete
 from .cpu import cpu_model, resolve_dtype
 from .data import CODE_COMPLETE_TEMPLATE, gsm8k_records
 from .errors import DFlashError
-from .models import bf16_gemm
 from .resolve import cache_dir
 from .serve import ServerConfig, TritonServer
 
@@ -129,9 +127,6 @@ def run_quickstart(output: Path | None = None, draft: str | None = None, prompt:
         raise DFlashError(f"--rounds must be at least 1, got {rounds}.")
     out = Path(output) if output else cache_dir() / "quickstart"
     dtype = resolve_dtype(dtype)
-    # A first run compiles this CPU's kernel (about 30 s) when the server loads; start it now, beside the target's
-    # conversion and the server's start. Not a daemon: a compile cut off would leave its lock behind.
-    threading.Thread(target=bf16_gemm.kernel, name="bf16-kernel-build").start()
     result = QuickstartResult(run_build(BuildOptions(output=out, draft=draft, dtype=dtype), progress=say), dtype, rounds)
     prompts = demo_prompts()
     prompt = prompt or next(text for kind, text in prompts if kind == "code")
