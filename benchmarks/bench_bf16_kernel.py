@@ -52,13 +52,17 @@ def kernel_at(rev: str, name: str):
 
     filename, flags = bf16_gemm.VARIANTS[name]
     build = Path(tempfile.mkdtemp(prefix="bf16-kernel-"))
-    for f in (filename, *bf16_gemm.HEADERS):
+    sources = []
+    for f in (filename, bf16_gemm.BINDINGS, *bf16_gemm.HEADERS):
         shown = subprocess.run(["git", "show", f"{rev}:trtllm_dflash/models/{f}"], cwd=REPO, capture_output=True)
+        if shown.returncode and f in (bf16_gemm.BINDINGS, "kernels.h"):
+            continue  # a revision before 2026-11-29's split: its kernel source holds its bindings and declarations
         if shown.returncode:
             raise SystemExit(f"--against {rev}: git cannot show trtllm_dflash/models/{f} there ({shown.stderr.decode().strip()}).")
         (build / f).write_bytes(shown.stdout)
+        sources += [str(build / f)] if f.endswith(".cpp") else []
     print(f"building our {name} kernel as of {rev} in {build}...", file=sys.stderr, flush=True)
-    return load(name=f"trtdflash_bf16_gemm_{name}_against", sources=[str(build / filename)], build_directory=str(build),
+    return load(name=f"trtdflash_bf16_gemm_{name}_against", sources=sources, build_directory=str(build),
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 
 

@@ -4,9 +4,11 @@
 // AMD EPYC Zen 4, 2026-11-26): one vector pass instead. silu's fp32 value may differ from torch's in its last bit
 // (its own exp), which tips a bf16 rounding only rarely; a row's result never depends on the rows beside it.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
+#include "kernels.h"
 #include "slot_attention.h"
 
 namespace activation {
@@ -56,15 +58,15 @@ inline Vec silu(Vec x) {
 }
 
 // gate_up [..., 2I] bf16 (gate, then up) -> [..., I] bf16; I a multiple of 16.
-inline torch::Tensor silu_mul(const torch::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16 && gate_up.dim() >= 1, "silu_mul: bf16 rows");
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() >= 1, "silu_mul: bf16 rows");
   const int64_t I = gate_up.size(-1) / 2;
   TORCH_CHECK(gate_up.size(-1) == 2 * I && I % kLanes == 0, "silu_mul: rows of gate and up, each a multiple of 16 wide");
   const auto x = gate_up.contiguous();
   const int64_t rows = x.numel() / (2 * I);
   auto sizes = x.sizes().vec();
   sizes.back() = I;
-  auto out = torch::empty(sizes, x.options());
+  auto out = at::empty(sizes, x.options());
   const uint16_t* xp = (const uint16_t*)x.data_ptr();
   uint16_t* op = (uint16_t*)out.data_ptr();
   at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {  // a step's few rows stay on the calling thread

@@ -3,8 +3,11 @@
 // to fp32 (AMD EPYC Zen 4, 2026-11-26), on every step of plain decoding and DFlash alike. The result is torch's: the
 // first maximum of a row, or its first NaN where it has one.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+
+#include "kernels.h"
 #include <cmath>
 #include <limits>
 
@@ -68,11 +71,11 @@ inline int64_t row(const uint16_t* p, int64_t V) {
 }
 
 // x [..., V] bf16 -> [...] int64.
-inline torch::Tensor argmax(const torch::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() >= 1 && x.size(-1) > 0, "argmax: bf16 rows of at least one value");
+at::Tensor argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) > 0, "argmax: bf16 rows of at least one value");
   const auto xc = x.contiguous();
   const int64_t V = xc.size(-1), rows = xc.numel() / V;
-  auto out = torch::empty(xc.sizes().slice(0, xc.dim() - 1), xc.options().dtype(torch::kLong));
+  auto out = at::empty(xc.sizes().slice(0, xc.dim() - 1), xc.options().dtype(at::kLong));
   const uint16_t* xp = (const uint16_t*)xc.data_ptr();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {

@@ -9,10 +9,13 @@
 // Built with AMX (the `amx` variant: -mamx-tile -mamx-bf16), the same layout feeds AMX's tile multiply instead: a
 // tile of 16 weight pairs x 16 outputs is 16 rows of 64 bytes, 128 bytes apart in the packed lines, so the weights
 // are read as packed for VDPBF16PS, and up to 16 rows of x cost one pass over them at memory speed.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "bf16_blocks.h"
 #include "rms_norm.h"
 #include "activation.h"
@@ -164,16 +167,16 @@ void block(const uint16_t* x, const uint16_t* w, int64_t stride, const float* bi
 #undef AMX_BLOCK_STEP
 
 // The process must have asked the kernel for AMX's state first (bf16_gemm.py: amx_permitted, arch_prctl).
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const auto [N, K] = bf16_blocks::check(x, packed, bias);
   auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0), R = std::min(M, kTileRows);
   if (M > kTileRows && M % kTileRows) {  // whole tiles of rows: the last group's padding is multiplied, never stored
-    auto padded = torch::zeros({(M + kTileRows - 1) / kTileRows * kTileRows, K}, x2.options());
+    auto padded = at::zeros({(M + kTileRows - 1) / kTileRows * kTileRows, K}, x2.options());
     padded.narrow(0, 0, M).copy_(x2);
     x2 = padded;
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const uint16_t* xp = (const uint16_t*)x2.data_ptr();
   const uint16_t* wp = (const uint16_t*)packed.data_ptr();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
@@ -232,7 +235,7 @@ void rows(int m, int nbs, const uint16_t* x, const uint16_t* w, const float* bia
 
 }  // namespace
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   return amx::linear(x, packed, bias);
 #else
@@ -241,21 +244,4 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   return bf16_blocks::run<uint16_t, kRows>(x, N, K, (const uint16_t*)packed.data_ptr(),
                                            bias.has_value() ? bias->data_ptr<float>() : nullptr, rows, blocks_per_pass(group));
 #endif
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The compute calls release the GIL: in a server, the request threads build and send their responses on the other
-  // core while the engine thread's forward runs, instead of waiting for each kernel call to return.
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("pack", &bf16_blocks::pack, "W [N, K] -> [N/32, K/2, 32, 2]");
-  m.def("linear", &linear, nogil, "x [..., K] with packed W -> [..., N]");
-  m.def("attend", &slot_attention::attend, nogil, "q [N, H, D] over slots of a bf16 KV cache up to each token's position -> [N, H, D]");
-  m.def("rope_attend", &slot_attention::rope_attend, nogil,
-        "q [N, H, D], k/v [N, KVH, D]: RoPE, the K/V written into the cache, attention -> [N, H * D]");
-  m.def("block_attend", &slot_attention::block_attend, nogil,
-        "the draft's block attention: q [b, H, Q, D] over each row's context K/V [b, KVH, C, D] and its block's -> [b, H, Q, D]");
-  m.attr("ATTEND_HEAD_DIMS") = slot_attention::head_dims();
-  m.def("silu_mul", &activation::silu_mul, nogil, "bf16 gate_up [..., 2I] -> silu(gate) * up [..., I], rounded as torch's bf16 ops");
-  m.def("argmax", &argmax::argmax, nogil, "bf16 rows [..., V] -> the first maximum's index (or first NaN's) [...], as torch.argmax");
-  m.def("rms_norm", &rms_norm::rms_norm, nogil, "bf16 rows [..., H] -> weight * bf16(x * rsqrt(mean(x^2) + eps))");
 }

@@ -24,9 +24,10 @@ projection does not depend on the rows beside it.
   (2026-11-29, `benchmarks/results/bf16-kernel-xeon-avx2-emulated-int8-20261129.json`) SmolLM2-135M's linears took
   15.4-19.7 ms as int8 for 1 to 4 rows, 24.7-32.0 as bf16 (8 rows: 32.3 against 39.5).
 
-Each is compiled on first use with the system C++ compiler (torch's cpp_extension; about 25 s once, then cached
-under the trtllm_dflash cache) and used only where the CPU has its instructions; where none is built (no compiler,
-another CPU, `TRTDFLASH_BF16_KERNEL=off`), linears keep oneDNN's and ATen's kernels.
+Each is compiled on first use with the system C++ compiler (torch's cpp_extension; the kernel source and the Python
+bindings, `bindings.cpp`, side by side on two cores: about 8 s once on a 2-core Xeon, then cached under the
+trtllm_dflash cache) and used only where the CPU has its instructions; where none is built (no compiler, another
+CPU, `TRTDFLASH_BF16_KERNEL=off`), linears keep oneDNN's and ATen's kernels.
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ import torch
 
 BLOCK = 32  # outputs per block of the packed layout (every variant packs alike)
 _AVX512 = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-fopenmp"]
-VARIANTS = {  # name -> (source, compiler flags)
+VARIANTS = {  # name -> (kernel source, compiler flags)
     "amx": ("bf16_gemm.cpp", [*_AVX512, "-mamx-tile", "-mamx-bf16"]),
     "avx512": ("bf16_gemm.cpp", _AVX512),
-    "avx2": ("bf16_gemm_avx2.cpp", ["-O3", "-mavx2", "-mfma", "-fopenmp"]),
+    "avx2": ("bf16_gemm_avx2.cpp", ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DTRTDFLASH_INT8"]),
 }
-HEADERS = ("bf16_blocks.h", "slot_attention.h", "rms_norm.h", "activation.h", "argmax.h")  # what every variant compiles
-# in: the layout and loop, a step's attention, RMSNorm, the MLP's activation, greedy's argmax
+BINDINGS = "bindings.cpp"  # every variant's Python module, compiled beside its kernel source (kernels.h: why)
+HEADERS = ("kernels.h", "bf16_blocks.h", "slot_attention.h", "rms_norm.h", "activation.h", "argmax.h")  # what every
+# variant compiles in: the entry points, the layout and loop, a step's attention, RMSNorm, the MLP's activation, argmax
 ENV = "TRTDFLASH_BF16_KERNEL"  # "off": keep the library kernels (A/B timing, or a compiler that misbehaves)
 TILE_ROWS = 64  # on a CPU with AMX, linears of more rows take oneDNN's tile kernel (faster for long prompt chunks);
 # decode steps, verified blocks and batches up to this many tokens share ours (the same text alone and batched)
@@ -144,8 +146,8 @@ def kernel():
 
     filename, flags = VARIANTS[name]
     module_name = f"trtdflash_bf16_gemm_{name}"
-    source = resources.files(__package__) / filename
-    text = source.read_bytes() + b"".join((resources.files(__package__) / h).read_bytes() for h in HEADERS)  # beside it
+    package = resources.files(__package__)
+    text = b"".join((package / f).read_bytes() for f in (filename, BINDINGS, *HEADERS))  # the headers: beside the sources
     build = cache_dir() / "kernels" / f"bf16_gemm_{name}-{hashlib.sha256(text + ' '.join(flags).encode()).hexdigest()[:16]}"
     built = build / f"{module_name}.so"
     if built.is_file() and not (build / "lock").exists():  # built from this very source, and no build under way (the
@@ -154,11 +156,11 @@ def kernel():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    print(f"trtllm_dflash: building the bf16 matrix kernel for this CPU ({name}; once, about 25 s) in {build}", file=sys.stderr)
+    print(f"trtllm_dflash: building the bf16 matrix kernel for this CPU ({name}; once, about 10 s) in {build}", file=sys.stderr)
     try:
         build.mkdir(parents=True, exist_ok=True)
-        with resources.as_file(source) as path:
-            return load(name=module_name, sources=[str(path)], build_directory=str(build), extra_cflags=flags,
+        with resources.as_file(package / filename) as source, resources.as_file(package / BINDINGS) as bindings:
+            return load(name=module_name, sources=[str(source), str(bindings)], build_directory=str(build), extra_cflags=flags,
                         extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: the library kernels still work
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

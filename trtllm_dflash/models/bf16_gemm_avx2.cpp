@@ -8,10 +8,11 @@
 // result does not depend on the rows beside it (batch-invariant). The bias comes in fp32.
 //
 // The same loop multiplies int8 weights with a scale per output (`linear_int8`: a draft's, bf16_gemm.py).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "bf16_blocks.h"
 #include "rms_norm.h"
 #include "activation.h"
@@ -131,7 +132,7 @@ void rows(int m, const float* x, const WT* w, const float* scale, const float* b
 
 }  // namespace
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   return bf16_blocks::linear<float, kGroup>(x, packed, bias, [](int m, int, const float* x, const uint16_t* w, const float* bias,
                                                                 uint16_t* y, int64_t N, int64_t K, int64_t nb) {
     rows<uint16_t>(m, x, w, nullptr, bias, y, N, K, nb);
@@ -142,35 +143,17 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 // as [N/32][K/2][2][32]: per block and input pair, the 32 outputs' weights for the even input, then for the odd one.
 // Half the bytes of bf16 to stream, the same fp32 arithmetic: for a draft's few rows, whose weights memory delivers
 // more slowly than FMA consumes them.
-torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                          const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kChar && packed.dim() == 4 &&
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kChar && packed.dim() == 4 &&
               packed.size(2) == 2 && packed.size(3) == kBlock && packed.is_contiguous(),
               "linear_int8: bf16 x and int8 weights packed [N/32, K/2, 2, 32]");
   const int64_t N = packed.size(0) * kBlock, K = packed.size(1) * 2;
   TORCH_CHECK(x.size(-1) == K, "linear_int8: input has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == N, "linear_int8: fp32 scales [N]");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous()), "linear_int8: an fp32 bias");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N, "linear_int8: fp32 scales [N]");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous()), "linear_int8: an fp32 bias");
   const float* sp = scale.data_ptr<float>();
   return bf16_blocks::run<float, kGroup>(x, N, K, (const int8_t*)packed.data_ptr(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
                                          [sp](int m, int, const float* x, const int8_t* w, const float* bias, uint16_t* y, int64_t N,
                                               int64_t K, int64_t nb) { rows<int8_t>(m, x, w, sp, bias, y, N, K, nb); });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The compute calls release the GIL: in a server, the request threads build and send their responses on the other
-  // core while the engine thread's forward runs, instead of waiting for each kernel call to return.
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("pack", &bf16_blocks::pack, "W [N, K] -> [N/32, K/2, 32, 2]");
-  m.def("linear", &linear, nogil, "x [..., K] with packed W -> [..., N]");
-  m.def("linear_int8", &linear_int8, nogil, "x [..., K] with int8 W packed by pack_int8 and its scales [N] -> [..., N]");
-  m.def("attend", &slot_attention::attend, nogil, "q [N, H, D] over slots of a bf16 KV cache up to each token's position -> [N, H, D]");
-  m.def("rope_attend", &slot_attention::rope_attend, nogil,
-        "q [N, H, D], k/v [N, KVH, D]: RoPE, the K/V written into the cache, attention -> [N, H * D]");
-  m.def("block_attend", &slot_attention::block_attend, nogil,
-        "the draft's block attention: q [b, H, Q, D] over each row's context K/V [b, KVH, C, D] and its block's -> [b, H, Q, D]");
-  m.attr("ATTEND_HEAD_DIMS") = slot_attention::head_dims();
-  m.def("silu_mul", &activation::silu_mul, nogil, "bf16 gate_up [..., 2I] -> silu(gate) * up [..., I], rounded as torch's bf16 ops");
-  m.def("argmax", &argmax::argmax, nogil, "bf16 rows [..., V] -> the first maximum's index (or first NaN's) [...], as torch.argmax");
-  m.def("rms_norm", &rms_norm::rms_norm, nogil, "bf16 rows [..., H] -> weight * bf16(x * rsqrt(mean(x^2) + eps))");
 }

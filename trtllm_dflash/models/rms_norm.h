@@ -4,8 +4,11 @@
 // torch rounds it; the sum of squares runs over 16 lanes in a fixed order (torch's own order is its kernel's), so a
 // row's result does not depend on the rows beside it.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
+
+#include "kernels.h"
 #include <cmath>
 
 #include "slot_attention.h"
@@ -18,14 +21,14 @@ using slot_attention::widen;
 
 // x [..., H] bf16, weight [H] bf16 -> [..., H] bf16; H a multiple of 16. A weight [G, H] scales x [..., G, H] row by
 // row (the draft's query and key heads, each kind with its own norm, in one call).
-inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16, "rms_norm: bf16 tensors");
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "rms_norm: bf16 tensors");
   const int64_t H = x.size(-1), G = weight.dim() == 2 ? weight.size(0) : 1;
   TORCH_CHECK(weight.size(-1) == H && H % kLanes == 0 && (weight.dim() == 1 || (weight.dim() == 2 && x.dim() >= 2 && x.size(-2) == G)),
               "rms_norm: weight [H] or [G, H] for x [..., G, H], H a multiple of 16");
   const auto xc = x.contiguous(), wc = weight.contiguous();
   const int64_t rows = xc.numel() / H;
-  auto out = torch::empty_like(xc);
+  auto out = at::empty_like(xc);
   const uint16_t* xp = (const uint16_t*)xc.data_ptr();
   const uint16_t* wp = (const uint16_t*)wc.data_ptr();
   uint16_t* op = (uint16_t*)out.data_ptr();

@@ -8,8 +8,11 @@
 // weighted sum of V, one rounding to bf16): a token's output does not depend on how many tokens or rows share the
 // call, so a decode step, a verify block and a batch of rows give the same result (what bf16 lossless needs).
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+
+#include "kernels.h"
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>
@@ -183,7 +186,7 @@ inline GroupFn group_fn(int64_t g) {
   }
 }
 
-inline std::vector<int64_t> head_dims() { return {64, 128, 256}; }  // what `pick` compiles, for the Python side
+std::vector<int64_t> head_dims() { return {64, 128, 256}; }  // what `pick` compiles, for the Python side
 
 inline GroupFn pick(int64_t head_dim, int64_t g) {
   switch (head_dim) {
@@ -212,10 +215,10 @@ inline Plan plan(int64_t H, int64_t KVH, int64_t D, const char* who) {
 
 // q [N, H, D] bf16; k, v [S, KVH, C, D] bf16; slot, pos [N] int64 -> [N, H, D] bf16 (query head h reads K/V head
 // h / (H / KVH), HF's repeat_kv order).
-inline torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& slot, const torch::Tensor& pos, double scale) {
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& slot, const at::Tensor& pos, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(), "attend: q [N, H, D], k/v [S, KVH, C, D]");
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 && v.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "attend: bf16 tensors");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "attend: a contiguous cache");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), S = k.size(0), KVH = k.size(1), C = k.size(2);
@@ -224,13 +227,13 @@ inline torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, cons
   const GroupFn fn = p.fn;
   const int64_t groups = p.groups, per = p.per;
   const auto qc = q.contiguous();
-  const auto sl = slot.to(torch::kLong).contiguous(), ps = pos.to(torch::kLong).contiguous();
+  const auto sl = slot.to(at::kLong).contiguous(), ps = pos.to(at::kLong).contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
   const int64_t* pp = ps.data_ptr<int64_t>();
   for (int64_t t = 0; t < N; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < S && pp[t] >= 0 && pp[t] < C, "attend: token ", t, " reads slot ", sp[t], " position ", pp[t],
                 " outside the cache");
-  auto out = torch::empty({N, H, D}, q.options());
+  auto out = at::empty({N, H, D}, q.options());
   const uint16_t* qp = (const uint16_t*)qc.data_ptr();
   const uint16_t* kp = (const uint16_t*)k.data_ptr();
   const uint16_t* vp = (const uint16_t*)v.data_ptr();
@@ -272,20 +275,20 @@ inline void rope(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, in
 // any stride: views of the fused QKV output), cos, sin [N, D]. Rotates k and writes it and v into the cache at each
 // token's slot and position, then attends as `attend` does with q rotated. -> [N, H * D]. One call for what took
 // about twenty torch ops a layer (views, RoPE, the cache writes, the layout for `attend`).
-inline torch::Tensor rope_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
-                                 const torch::Tensor& sin, torch::Tensor kc, torch::Tensor vc, const torch::Tensor& slot,
-                                 const torch::Tensor& pos, double scale) {
+at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor kc, at::Tensor vc, const at::Tensor& slot,
+                       const at::Tensor& pos, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && kc.dim() == 4 && vc.sizes() == kc.sizes(),
               "rope_attend: q [N, H, D], k/v [N, KVH, D], caches [S, KVH, C, D]");
-  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&q, &k, &v, &cos, &sin, &kc, &vc})
-    TORCH_CHECK(t->scalar_type() == torch::kBFloat16, "rope_attend: bf16 tensors");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &cos, &sin, &kc, &vc})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16, "rope_attend: bf16 tensors");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), S = kc.size(0), KVH = kc.size(1), C = kc.size(2);
   TORCH_CHECK(k.size(0) == N && k.size(1) == KVH && k.size(2) == D && kc.size(3) == D && D % 2 == 0, "rope_attend: shapes disagree");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
               "rope_attend: each token's heads contiguous");
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "rope_attend: a contiguous cache");
   const auto cs = cos.reshape({N, D}).contiguous(), sn = sin.reshape({N, D}).contiguous();
-  const auto sl = slot.to(torch::kLong).contiguous(), ps = pos.to(torch::kLong).contiguous();
+  const auto sl = slot.to(at::kLong).contiguous(), ps = pos.to(at::kLong).contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
   const int64_t* pp = ps.data_ptr<int64_t>();
   for (int64_t t = 0; t < N; ++t)
@@ -303,7 +306,7 @@ inline torch::Tensor rope_attend(const torch::Tensor& q, const torch::Tensor& k,
       rope(kp + t * k.stride(0) + h * D, cp + t * D, np + t * D, D, kcp + at);
       std::memcpy(vcp + at, vp + t * v.stride(0) + h * D, D * sizeof(uint16_t));
     }
-  auto qr = torch::empty({N, H, D}, q.options());
+  auto qr = at::empty({N, H, D}, q.options());
   const uint16_t* qp = (const uint16_t*)q.data_ptr();
   uint16_t* qrp = (uint16_t*)qr.data_ptr();
   for (int64_t t = 0; t < N; ++t)
@@ -316,24 +319,24 @@ inline torch::Tensor rope_attend(const torch::Tensor& q, const torch::Tensor& k,
 // k, v [b, KVH, Q, D]; ctx_k, ctx_v [b, KVH, C, D]; rows of D contiguous, any other strides (views of the draft's
 // cache and of its fused QKV output are read in place) -> [b, H, Q, D], a view of a [b, Q, H, D] tensor (the layout
 // the output projection reads). No mask is built and the context is not copied beside the block.
-inline torch::Tensor block_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& ctx_k,
-                                  const torch::Tensor& ctx_v, const torch::Tensor& ctx_lens, bool causal, double scale) {
+at::Tensor block_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& ctx_k,
+                        const at::Tensor& ctx_v, const at::Tensor& ctx_lens, bool causal, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && ctx_k.dim() == 4 && v.sizes() == k.sizes() && ctx_v.sizes() == ctx_k.sizes(),
               "block_attend: q [b, H, Q, D], k/v [b, KVH, Q, D], ctx_k/ctx_v [b, KVH, C, D]");
-  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&q, &k, &v, &ctx_k, &ctx_v})
-    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->stride(3) == 1, "block_attend: bf16 tensors, rows of D contiguous");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &ctx_k, &ctx_v})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(3) == 1, "block_attend: bf16 tensors, rows of D contiguous");
   const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), KVH = k.size(1), C = ctx_k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(2) == Q && k.size(3) == D && ctx_k.size(0) == B && ctx_k.size(1) == KVH && ctx_k.size(3) == D,
               "block_attend: shapes disagree");
   const Plan p = plan(H, KVH, D, "block_attend");
   const GroupFn fn = p.fn;
   const int64_t groups = p.groups, per = p.per;
-  const auto lens = ctx_lens.to(torch::kLong).contiguous();
+  const auto lens = ctx_lens.to(at::kLong).contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
   TORCH_CHECK(lens.numel() == B, "block_attend: one context length per row");
   for (int64_t i = 0; i < B; ++i) TORCH_CHECK(lp[i] >= 0 && lp[i] <= C, "block_attend: row ", i, " has context length ", lp[i], " outside [0, ", C, "]");
   const auto qc = q.transpose(1, 2).contiguous();  // [b, Q, H, D]: a token's heads side by side (free for the draft's q)
-  auto out = torch::empty({B, Q, H, D}, q.options());
+  auto out = at::empty({B, Q, H, D}, q.options());
   const uint16_t* qp = (const uint16_t*)qc.data_ptr();
   const uint16_t* kp = (const uint16_t*)k.data_ptr();
   const uint16_t* vp = (const uint16_t*)v.data_ptr();

@@ -1,0 +1,38 @@
+// The entry points of our CPU kernel module, declared apart from their definitions (bf16_gemm.cpp or
+// bf16_gemm_avx2.cpp and the headers they include) so that bindings.cpp, whose torch and pybind11 headers take half of
+// a build, compiles on one core while the kernels compile on the other; the kernels include ATen's tensor and factory
+// headers alone, not torch/extension.h, which took 28 s to compile by itself. A first build of the `amx` variant took
+// 26-27 s with the bindings in the kernel's file and torch/extension.h everywhere, and takes 8 s so (2-core Xeon with
+// AMX, 2026-11-29, the same bits from every function of every variant).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace bf16_blocks {
+at::Tensor pack(const at::Tensor& weight);
+}
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+#ifdef TRTDFLASH_INT8
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias);
+#endif
+namespace slot_attention {
+std::vector<int64_t> head_dims();
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot,
+                  const at::Tensor& pos, double scale);
+at::Tensor rope_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor kc, at::Tensor vc, const at::Tensor& slot, const at::Tensor& pos,
+                       double scale);
+at::Tensor block_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& ctx_k,
+                        const at::Tensor& ctx_v, const at::Tensor& ctx_lens, bool causal, double scale);
+}  // namespace slot_attention
+namespace activation {
+at::Tensor silu_mul(const at::Tensor& gate_up);
+}
+namespace argmax {
+at::Tensor argmax(const at::Tensor& x);
+}
+namespace rms_norm {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+}
