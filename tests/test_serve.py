@@ -27,7 +27,7 @@ from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.client import CompletionRequest, complete
 from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.resolve import resolve_draft
-from trtllm_dflash.serve import ServerConfig, TritonServer, free_port
+from trtllm_dflash.serve import ServerConfig, TritonServer, free_port, stop_all
 
 PROMPT = "Name three colors."
 MAX_TOKENS = 24
@@ -290,6 +290,27 @@ def test_serve_cli_prints_endpoints_and_stops_gracefully_on_sigterm(build_dir):
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
 
+
+
+def test_stop_all_stops_servers_side_by_side_each_gracefully_and_once(build_dir):
+    """The quickstart's two servers are stopped together: each gets one SIGTERM and exits cleanly, and the servers
+    unload their models at the same time rather than one after the other."""
+    servers = []
+    try:
+        for _ in range(2):
+            servers.append(TritonServer(ServerConfig(build_dir, grpc_port=0, http_port=0, metrics_port=0)).start())
+        for s in servers:
+            assert complete(s.grpc_url, CompletionRequest("Hi", 8), timeout=120).text
+        stop_all(servers)
+        assert [s.proc.returncode for s in servers] == [0, 0]
+        assert [s.stop() for s in servers] == [0, 0]  # stopping again is a no-op
+        unloaded = [re.findall(r"^I\d+ (\d\d:\d\d:\d\d\.\d+) .*successfully unloaded 'dflash'", s.log_path.read_text(), re.M) for s in servers]
+        assert all(len(u) == 1 for u in unloaded), unloaded
+        first, second = (sum(float(x) * 60 ** (2 - i) for i, x in enumerate(u[0].split(":"))) for u in unloaded)
+        assert abs(first - second) < 2.0, unloaded  # side by side: one unload does not wait for the other's server
+    finally:
+        for s in servers:
+            s.stop()
 
 def test_examples_run_against_the_server(server, reference):
     root = Path(__file__).resolve().parent.parent / "examples"

@@ -24,7 +24,7 @@ from .cpu import cpu_model, resolve_dtype
 from .data import CODE_COMPLETE_TEMPLATE, gsm8k_records
 from .errors import DFlashError
 from .resolve import cache_dir
-from .serve import ServerConfig, TritonServer
+from .serve import ServerConfig, TritonServer, stop_all
 
 KINDS = ("chat", "math", "code")
 CHAT_QUESTIONS = ("What are three simple habits that help people sleep better?",
@@ -159,6 +159,7 @@ def run_quickstart(output: Path | None = None, draft: str | None = None, prompt:
             rows[kind].dflash.append(done["dflash"])
             rows[kind].baseline.append(done["baseline"])
         say("Stopping both servers...")
+        stop_all([server, baseline])
     result.rows = list(rows.values())
     return result
 
