@@ -2,8 +2,10 @@
 kernel as it stood at an earlier git revision, on the same prompts with the engines taking turns.
 
 A change to the draft or to the kernels moves DFlash and plain decoding alike on a machine whose speed swings by a
-quarter within minutes; taking turns per prompt (the order rotating) and dividing by the draft-free engine's time
-for the same prompt is what leaves the change visible. Each engine runs its own loop with a server's threads
+quarter within minutes; taking turns per prompt (the order rotating) and dividing by the draft-free engine's time for
+the same prompt is what leaves the change visible. Every round loads the engines anew, the load order rotating (give a
+multiple of the engine count as --rounds): in one process an engine loaded last ran about a tenth faster than the same
+engine loaded first (2026-11-30, HISTORY.md). Each engine runs its own loop with a server's threads
 (`server_thread_env`), as `bench_policy.py` does, so a policy learns only from the requests it serves.
 
 Engines: `NAME=DIR` a draft directory (`NAME=` the packaged one), `NAME=@REV` the packaged draft with our bf16
@@ -107,11 +109,21 @@ def main(argv=None):
     from trtllm_dflash.generate import GenerationStats
 
     sets = {k: v for k, v in prompt_sets().items() if k in args.kinds}
-    loops = {}
-    for name, spec in [*specs.items(), ("no draft", None)]:
-        engine = load(args.target, spec)  # calibrated as it is loaded, before the next one builds or loads anything
-        loops[name] = (engine, engine.scheduler(1, engine.target.max_positions, log=lambda m: None))
-        print(f"{name}: {spec if spec is not None else 'no draft'}", file=sys.stderr, flush=True)
+    names, loops = [*specs, "no draft"], {}
+
+    def load_all(order: list[str]) -> None:
+        """Every engine loaded again, in `order`: in one process an engine loaded last ran about a tenth faster than
+        the same engine loaded first (2026-11-30, benchmarks/HISTORY.md), so each round rotates the order."""
+        for engine, scheduler in loops.values():
+            scheduler.stop()
+        loops.clear()
+        gc.collect()
+        for name in order:
+            engine = load(args.target, specs.get(name))  # calibrated as it is loaded, before the next one loads anything
+            loops[name] = (engine, engine.scheduler(1, engine.target.max_positions, log=lambda m: None))
+            print(f"{name}: {specs.get(name) or 'no draft'}", file=sys.stderr, flush=True)
+        for name in order:  # one-off setup of each loop, not timed
+            run(name, "Say hello.", 8)
 
     def run(name: str, text: str, n: int) -> dict:
         engine, scheduler = loops[name]
@@ -121,11 +133,11 @@ def main(argv=None):
         return {"tokens_per_second": round(tokens / (time.perf_counter() - t0), 2), "acceptance_length": round(stats.acceptance_length, 3),
                 "block_lengths": {str(k): v for k, v in sorted(stats.block_lengths.items())}}
 
-    names, rounds, ticks = list(loops), [], cpu_ticks()
+    rounds, ticks = [], cpu_ticks()
     try:
-        for name in names:  # one-off setup of each loop, not timed
-            run(name, "Say hello.", 8)
         for r in range(args.rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            load_all(order)
             for kind, texts in sets.items():
                 runs = {name: [] for name in names}
                 for j, text in enumerate(texts):
@@ -134,16 +146,17 @@ def main(argv=None):
                         runs[name].append(run(name, text, args.max_new_tokens))
                 speedups = {name: [round(a["tokens_per_second"] / b["tokens_per_second"], 3) for a, b in zip(runs[name], runs["no draft"])]
                             for name in specs}
-                rounds.append({"kind": kind, "round": r, "speedup_median": {n: round(statistics.median(s), 3) for n, s in speedups.items()},
+                rounds.append({"kind": kind, "round": r, "load_order": order, "speedup_median": {n: round(statistics.median(s), 3) for n, s in speedups.items()},
                                "speedups": speedups, "runs": runs})
                 print(f"{kind}, round {r}: " + ", ".join(f"{n} {statistics.median(s):.2f}x" for n, s in speedups.items()), flush=True)
+        dtype = loops["no draft"][0].dtype
     finally:
         for _, scheduler in loops.values():
             scheduler.stop()
     delta = [b - a for a, b in zip(ticks, cpu_ticks())]
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
               "steal_percent": round(100 * delta[7] / max(sum(delta), 1), 2), "torch_threads": torch.get_num_threads(),
-              "dtype": loops["no draft"][0].dtype, "engines": specs, "args": vars(args), "rounds": rounds}
+              "dtype": dtype, "engines": specs, "args": vars(args), "rounds": rounds}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"median speed-up over the draft-free engine, per round (steal {report['steal_percent']} %):")
