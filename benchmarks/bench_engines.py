@@ -121,7 +121,7 @@ def main(argv=None):
         for name in order:
             engine = load(args.target, specs.get(name))  # calibrated as it is loaded, before the next one loads anything
             loops[name] = (engine, engine.scheduler(1, engine.target.max_positions, log=lambda m: None))
-            print(f"{name}: {specs.get(name) or 'no draft'}", file=sys.stderr, flush=True)
+            print(f"{name}: {specs[name] if name in specs else 'no draft'}", file=sys.stderr, flush=True)
         for name in order:  # one-off setup of each loop, not timed
             run(name, "Say hello.", 8)
 
