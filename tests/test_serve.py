@@ -291,7 +291,6 @@ def test_serve_cli_prints_endpoints_and_stops_gracefully_on_sigterm(build_dir):
             proc.wait(timeout=60)
 
 
-
 def test_stop_all_stops_servers_side_by_side_each_gracefully_and_once(build_dir):
     """The quickstart's two servers are stopped together: each gets one SIGTERM and exits cleanly, and the servers
     unload their models at the same time rather than one after the other."""
@@ -311,6 +310,7 @@ def test_stop_all_stops_servers_side_by_side_each_gracefully_and_once(build_dir)
     finally:
         for s in servers:
             s.stop()
+
 
 def test_examples_run_against_the_server(server, reference):
     root = Path(__file__).resolve().parent.parent / "examples"
