@@ -5,7 +5,8 @@ A change to the draft or to the kernels moves DFlash and plain decoding alike on
 quarter within minutes; taking turns per prompt (the order rotating) and dividing by the draft-free engine's time for
 the same prompt is what leaves the change visible. Every round loads the engines anew, the load order rotating (give a
 multiple of the engine count as --rounds): in one process an engine loaded last ran about a tenth faster than the same
-engine loaded first (2026-11-30, HISTORY.md). Each engine runs its own loop with a server's threads
+engine loaded first, as where its weights land in memory moves its speed (`bench_placement.py`; 2026-11-30,
+HISTORY.md). Each engine runs its own loop with a server's threads
 (`server_thread_env`), as `bench_policy.py` does, so a policy learns only from the requests it serves.
 
 Engines: `NAME=DIR` a draft directory (`NAME=` the packaged one), `NAME=@REV` the packaged draft with our bf16
@@ -113,7 +114,8 @@ def main(argv=None):
 
     def load_all(order: list[str]) -> None:
         """Every engine loaded again, in `order`: in one process an engine loaded last ran about a tenth faster than
-        the same engine loaded first (2026-11-30, benchmarks/HISTORY.md), so each round rotates the order."""
+        the same engine loaded first (its weights' place in memory: `bench_placement.py`), so each round rotates the
+        order."""
         for engine, scheduler in loops.values():
             scheduler.stop()
         loops.clear()

@@ -4,8 +4,10 @@ served model gets (`server_thread_env`: steps on one CPU fewer than the machine 
 Every configuration runs on an engine loop of its own (`DFlashEngine.scheduler`, as the Triton model runs it), so a
 loop's policy learns only from the requests it serves:
 
-- alone: each prompt kind on three loops, the adaptive policy (the default), a full block every step
-  (`--speculation fixed`) and the build without a draft, the order alternating between rounds;
+- alone: each prompt on three loops, the adaptive policy (the default), a full block every step
+  (`--speculation fixed`) and the build without a draft, the order alternating between rounds; the engines are
+  loaded anew for each prompt, the load order rotating, as where an engine's weights land in memory moves its speed
+  by several percent (`bench_placement.py`);
 - sequence: the quickstart's order (its streamed question, an 8-token warm-up, then rounds of chat, math and code)
   on one adaptive loop and one draft-free loop, taking turns per request. A new request is priced with all requests'
   acceptance until its own counts outweigh it (policy.py), so what a prompt gets depends on what ran before it:
@@ -73,14 +75,16 @@ def main(argv=None):
         prompts.append((f"{kind} {counts[kind]}", text))
     configs = {"adaptive": {}, "fixed": {"speculation": "fixed"}, "no draft": {"no_draft": True}}
 
-    def loops(names):
-        """Fresh engines (a policy lives with its engine and learns from every request it serves), with a loop each."""
+    def loops(names: list[str]):
+        """Fresh engines, loaded in the order given (a policy lives with its engine and learns from every request it
+        serves), with a loop each."""
         engines = {name: DFlashEngine.load(args.target, dtype=args.dtype, progress=lambda m: None, **configs[name]) for name in names}
         return engines, {name: e.scheduler(1, e.target.max_positions) for name, e in engines.items()}
 
     alone = {}
-    for kind, prompt in prompts:
-        engines, schedulers = loops(configs)
+    for j, (kind, prompt) in enumerate(prompts):
+        order = list(configs)[j % len(configs):] + list(configs)[: j % len(configs)]
+        engines, schedulers = loops(order)
         try:
             for name, s in schedulers.items():  # one-off setup of each loop, not timed
                 run(engines[name], s, "Say hello.", 8)
@@ -95,7 +99,7 @@ def main(argv=None):
         alone[kind] = {"speedup_median": {name: round(statistics.median(x["tokens_per_second"] for x in rs) / base, 3) for name, rs in runs.items()},
                        "speedup_by_round": {name: [round(x["tokens_per_second"] / b["tokens_per_second"], 3) for x, b in zip(rs, runs["no draft"])]
                                             for name, rs in runs.items() if name != "no draft"},
-                       "runs": runs}
+                       "load_order": order, "runs": runs}
         say(f"alone, {kind}: " + ", ".join(f"{n} {v:.2f}x" for n, v in alone[kind]["speedup_median"].items()))
 
     engines, schedulers = loops(["adaptive", "no draft"])
