@@ -88,6 +88,7 @@ def load(target: str, spec: str | None):
     for i, m in packed().items():
         if i not in before and m.kernel is not None:
             m.kernel = old
+    engine.target.rebind()  # its layers were bound to the current kernel as it loaded (calibration ran a forward)
     return engine
 
 

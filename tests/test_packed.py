@@ -468,6 +468,40 @@ def test_step_attention_kernel_is_softmax_attention_and_batch_invariant(isa):
     _kernel_child(STEP_ATTENTION, isa)
 
 
+DECODER_STEP = """
+import torch
+from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.resolve import resolve_target
+target = TargetModel.load(resolve_target("smollm2-135m", lambda m: None), torch.bfloat16)
+target.set_taps([1, 14, 27])
+cache = target.new_cache(4, 128)
+g = torch.Generator().manual_seed(3)
+starts = [40, 57, 33, 80]
+with torch.inference_mode():
+    for slot, n in enumerate(starts):  # prompts prefilled through the layer loop (more tokens than a step)
+        target.forward(torch.randint(100, 1000, (1, n), generator=g), 0, cache, capture=False, logits_to_keep=1, first_slot=slot)
+    fused = target._fused
+    assert fused[0] is not None and len(fused[0]) == 30
+    for rows in ([[5]], [list(range(5, 13))], [[5, 6], [7], [8, 9, 10, 11], [12, 13, 14]], [[5]] * 4):
+        got = target.forward_rows(rows, starts[: len(rows)], cache, capture=True)
+        target._fused = (None, 0)  # the same step through the layer loop's calls, one by one
+        want = target.forward_rows(rows, starts[: len(rows)], cache, capture=True)
+        target._fused = fused
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), [len(r) for r in rows]
+print(bf16_gemm.variant())
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2", "avx512"])
+def test_a_steps_layers_in_one_kernel_call_each_are_the_layer_loop_bit_for_bit(isa):
+    """A bf16 step runs each decoder layer of the real target as one call of our kernel (decoder_layer.h), with the
+    same logits and tapped features, bit for bit, as the layer loop's calls one by one: a decode step, a verify block,
+    ragged rows and a batch of decode steps, on every variant."""
+    _kernel_child(DECODER_STEP, isa)
+
+
 GIL_FREE = """
 import threading, time, torch
 from trtllm_dflash.models import bf16_gemm

@@ -21,6 +21,7 @@
 #include "activation.h"
 #include "argmax.h"
 #include "slot_attention.h"
+#include "decoder_layer.h"
 
 namespace {
 

@@ -49,8 +49,9 @@ VARIANTS = {  # name -> (kernel source, compiler flags)
     "avx2": ("bf16_gemm_avx2.cpp", ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DTRTDFLASH_INT8"]),
 }
 BINDINGS = "bindings.cpp"  # every variant's Python module, compiled beside its kernel source (kernels.h: why)
-HEADERS = ("kernels.h", "bf16_blocks.h", "slot_attention.h", "rms_norm.h", "activation.h", "argmax.h")  # what every
-# variant compiles in: the entry points, the layout and loop, a step's attention, RMSNorm, the MLP's activation, argmax
+HEADERS = ("kernels.h", "bf16_blocks.h", "slot_attention.h", "rms_norm.h", "activation.h", "argmax.h", "decoder_layer.h")
+# what every variant compiles in: the entry points, the layout and loop, a step's attention, RMSNorm, the MLP's
+# activation, argmax, a decoder layer's step in one call
 ENV = "TRTDFLASH_BF16_KERNEL"  # "off": keep the library kernels (A/B timing, or a compiler that misbehaves)
 TILE_ROWS = 64  # on a CPU with AMX, linears of more rows take oneDNN's tile kernel (faster for long prompt chunks);
 # decode steps, verified blocks and batches up to this many tokens share ours (the same text alone and batched)

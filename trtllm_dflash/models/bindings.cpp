@@ -22,4 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &activation::silu_mul, nogil, "bf16 gate_up [..., 2I] -> silu(gate) * up [..., I], rounded as torch's bf16 ops");
   m.def("argmax", &argmax::argmax, nogil, "bf16 rows [..., V] -> the first maximum's index (or first NaN's) [...], as torch.argmax");
   m.def("rms_norm", &rms_norm::rms_norm, nogil, "bf16 rows [..., H] -> weight * bf16(x * rsqrt(mean(x^2) + eps))");
+  m.def("decoder_step", &decoder_layer::step, nogil,
+        "a Llama/Qwen2 decoder layer over a step's tokens [..., H]: the lean loop's calls in one (decoder_layer.h)");
 }

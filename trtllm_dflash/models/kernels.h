@@ -36,3 +36,11 @@ at::Tensor argmax(const at::Tensor& x);
 namespace rms_norm {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 }
+namespace decoder_layer {
+at::Tensor step(const at::Tensor& x, const at::Tensor& input_norm, double input_eps, const at::Tensor& qkv,
+                const c10::optional<at::Tensor>& qkv_bias, int64_t q_heads, int64_t kv_heads, const at::Tensor& cos,
+                const at::Tensor& sin, at::Tensor kc, at::Tensor vc, const at::Tensor& slot, const at::Tensor& pos,
+                double scale, const at::Tensor& o, const c10::optional<at::Tensor>& o_bias, const at::Tensor& post_norm,
+                double post_eps, const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias,
+                const at::Tensor& down, const c10::optional<at::Tensor>& down_bias);
+}

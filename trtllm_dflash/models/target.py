@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +14,8 @@ from transformers.cache_utils import Cache
 
 from ..errors import DFlashError
 from ..config import rope_of
-from .packed import pack_linears
+from . import bf16_gemm
+from .packed import PackedLinear, pack_linears
 from .quantized import load_quantized_lm, read_quant_spec
 
 RECURRENT_HINTS = ("mamba", "rwkv", "recurrent", "linear_attention", "gated_deltanet", "xlstm")
@@ -202,6 +204,7 @@ class TargetModel:
         # ... and its MLP activation, silu(gate) * up in one call (activation.h)
         self.mlp_kernel = self.rms_kernel if self.rms_kernel is not None and self.text_config.intermediate_size % 16 == 0 else None
         self._plan: tuple[list[tuple], Callable] | None = None  # the lean loop's callables (`_layer_plan`), bound at its first run
+        self._fused: tuple[list[tuple] | None, int] = (None, 0)  # ... and a step's layers as one kernel call each (`_fused_layers`)
 
     def _use_ragged_attention(self) -> bool:
         """Wrap the model's attention so `forward_rows` can lay rows on one flat axis; True where it could (HF models
@@ -389,37 +392,45 @@ class TargetModel:
         captured = {}
         layers, final_norm = self._layer_plan()
         lead = (-1,) if step else x.shape[:-1]  # a step's tokens on one axis, [b*T], for the kernel; else [b, T]
-        for i, (norm1, qkv, sizes, qk_norm, head_dim, scaling, o_proj, norm2, gate_up, act, down) in enumerate(layers):
-            # one view, then the heads split: Tensor.split's Python wrapper and a view per piece cost 2-5 % of a bf16 step
-            heads = qkv(norm1(x)).view(*lead, sum(sizes) // head_dim, head_dim)
-            q, k, v = heads.split_with_sizes([n // head_dim for n in sizes], -2)
-            if qk_norm is not None:  # Qwen3: RMSNorm per head before RoPE
-                q, k = qk_norm[0](q), qk_norm[1](k)
-            if step:  # RoPE, the cache writes and attention in one call: the same bits as the ops below (slot_attention.h)
-                keys, values = cache.buffers(i, k.shape[-2], head_dim, k.dtype)
-                out = self.attention.rope_attend(q, k, v, token_cos, token_sin, keys, values, token_slot, token_pos,
-                                                 scaling)  # [b*T, heads*hd]
-            else:
-                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, T, hd]
-                q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-                keys, values = cache.update(k, v, i)  # this forward's rows' K/V [b | n, nkv, K, hd]
-                if slot_rows is None and q.shape[0] == 1 and (q.shape[2] > 1 or masks is None):  # not one query over a whole slot
-                    if q.shape[2] == 1 and q.dtype == torch.bfloat16:  # decoding one row: the K/V slice taken to fp32 and
-                        # SDPA's fp32 kernel cost 25 us a layer against 65-90 for any bf16 attention (context 200, 2 threads,
-                        # AMD EPYC, 2026-11-25); with 8 queries, or several rows, the bf16 kernels are as fast or faster
-                        out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), scale=scaling,
-                                                             enable_gqa=q.shape[1] != keys.shape[1]).to(q.dtype).transpose(1, 2)
-                    else:
-                        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, scale=scaling,
-                                                             enable_gqa=q.shape[1] != keys.shape[1]).transpose(1, 2)
-                elif slot_rows is None:  # rows of one length: SDPA's CPU kernel under a per-row mask cost 1.2x the step
-                    out = _rows_sdpa(q, keys, values, masks, scaling)
+        fused, max_tokens = self._fused if step else (None, 0)
+        if fused is not None and token_pos.numel() <= max_tokens:  # a step's layers as one kernel call each
+            for i, (kv_heads, head_dim, pre, post) in enumerate(fused):
+                keys, values = cache.buffers(i, kv_heads, head_dim, x.dtype)
+                x = self.attention.decoder_step(x, *pre, token_cos, token_sin, keys, values, token_slot, token_pos, *post)
+                if i in taps:
+                    captured[i] = x
+        else:
+            for i, (norm1, qkv, sizes, qk_norm, head_dim, scaling, o_proj, norm2, gate_up, act, down) in enumerate(layers):
+                # one view, then the heads split: Tensor.split's Python wrapper and a view per piece cost 2-5 % of a bf16 step
+                heads = qkv(norm1(x)).view(*lead, sum(sizes) // head_dim, head_dim)
+                q, k, v = heads.split_with_sizes([n // head_dim for n in sizes], -2)
+                if qk_norm is not None:  # Qwen3: RMSNorm per head before RoPE
+                    q, k = qk_norm[0](q), qk_norm[1](k)
+                if step:  # RoPE, the cache writes and attention in one call: the same bits as the ops below (slot_attention.h)
+                    keys, values = cache.buffers(i, k.shape[-2], head_dim, k.dtype)
+                    out = self.attention.rope_attend(q, k, v, token_cos, token_sin, keys, values, token_slot, token_pos,
+                                                     scaling)  # [b*T, heads*hd]
                 else:
-                    out = _flat_rows_sdpa(q[0], keys, values, masks, scaling, slot_rows)[None]
-            x = x + o_proj(out.reshape(*x.shape[:-1], -1))
-            x = x + down(act(gate_up(norm2(x))))
-            if i in taps:
-                captured[i] = x
+                    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, T, hd]
+                    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+                    keys, values = cache.update(k, v, i)  # this forward's rows' K/V [b | n, nkv, K, hd]
+                    if slot_rows is None and q.shape[0] == 1 and (q.shape[2] > 1 or masks is None):  # not one query over a whole slot
+                        if q.shape[2] == 1 and q.dtype == torch.bfloat16:  # decoding one row: the K/V slice taken to fp32 and
+                            # SDPA's fp32 kernel cost 25 us a layer against 65-90 for any bf16 attention (context 200, 2 threads,
+                            # AMD EPYC, 2026-11-25); with 8 queries, or several rows, the bf16 kernels are as fast or faster
+                            out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), scale=scaling,
+                                                                 enable_gqa=q.shape[1] != keys.shape[1]).to(q.dtype).transpose(1, 2)
+                        else:
+                            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, scale=scaling,
+                                                                 enable_gqa=q.shape[1] != keys.shape[1]).transpose(1, 2)
+                    elif slot_rows is None:  # rows of one length: SDPA's CPU kernel under a per-row mask cost 1.2x the step
+                        out = _rows_sdpa(q, keys, values, masks, scaling)
+                    else:
+                        out = _flat_rows_sdpa(q[0], keys, values, masks, scaling, slot_rows)[None]
+                x = x + o_proj(out.reshape(*x.shape[:-1], -1))
+                x = x + down(act(gate_up(norm2(x))))
+                if i in taps:
+                    captured[i] = x
         h = final_norm(x[:, -logits_to_keep:] if logits_to_keep else x)
         feats = torch.cat([captured[l] for l in self._taps], dim=-1) if taps else None
         return self.lm_head(h), feats
@@ -448,7 +459,37 @@ class TargetModel:
                              attn.head_dim, attn.scaling, attn.o_proj.forward, self._norm_of(layer.post_attention_layernorm),
                              mlp.gate_up_proj.forward, act, mlp.down_proj.forward))
             self._plan = plan, self._norm_of(self.model.get_decoder().norm)
+            self._fused = self._fused_layers()
         return self._plan
+
+    def _fused_layers(self) -> tuple[list[tuple] | None, int]:
+        """Per decoder layer the arguments of our kernel's `decoder_step` (decoder_layer.h: a step's layer in one call,
+        the same calls the lean loop makes one by one) before and after the step's own, with the most tokens a step may
+        have for it (more go to oneDNN's tiles, as PackedLinear sends them); None where a layer is not what it computes:
+        a norm on q and k (Qwen3), a linear not on this kernel module or int8, RMSNorm or the activation not ours."""
+        kernel = self.attention
+        if kernel is None or self.mlp_kernel is None or not hasattr(kernel, "decoder_step"):
+            return None, 0
+        fused, tiled = [], False
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if hasattr(attn, "q_norm") or not all(isinstance(m, PackedLinear) and m.kernel is kernel and m.scale is None
+                                                  for m in linears):
+                return None, 0
+            tiled = tiled or any(m.tiled for m in linears)
+            q_size, kv_size, _ = attn.q_proj.outputs.sizes
+            n1, n2, hd = layer.input_layernorm, layer.post_attention_layernorm, attn.head_dim
+            fused.append((kv_size // hd, hd,
+                          (n1.weight, n1.variance_epsilon, attn.qkv_proj.packed, attn.qkv_proj.kernel_bias, q_size // hd, kv_size // hd),
+                          (attn.scaling, attn.o_proj.packed, attn.o_proj.kernel_bias, n2.weight, n2.variance_epsilon,
+                           mlp.gate_up_proj.packed, mlp.gate_up_proj.kernel_bias, mlp.down_proj.packed, mlp.down_proj.kernel_bias)))
+        return fused, bf16_gemm.TILE_ROWS if tiled else sys.maxsize
+
+    def rebind(self) -> None:
+        """Bind the lean loop's calls anew at the next forward: after a loaded model's packed weights or their kernel
+        module were swapped (benchmarks do), which calls bound earlier would not see."""
+        self._plan, self._fused = None, (None, 0)
 
     def _mask_rules(self) -> dict[str, int | None]:
         """Mask name -> sliding window (None = full), in the form the HF decoder takes precomputed masks."""
