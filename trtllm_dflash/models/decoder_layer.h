@@ -1,8 +1,8 @@
 // One decoder layer of a step in one call: a Llama or Qwen2 layer over a step's tokens on one axis (RMSNorm, the
 // fused q/k/v projection, RoPE with the cache writes and attention, o, the residual, RMSNorm, the fused gate/up
-// projection, silu(gate) * up, down, the residual). TargetModel._lean_forward made these eleven calls, and the views
-// and splits between them, from Python: a few hundred dispatches a step, their Python and the GIL taken back after
-// each call. Here they are the same functions in the same order on the same arguments, so the same bits.
+// projection, silu(gate) * up, down, the residual). TargetModel._lean_forward made these calls, and the views and
+// splits between them, from Python: about twenty Python calls a layer, each kernel call giving up the GIL and taking
+// it back. Here they are the same functions in the same order on the same arguments, so the same bits.
 #pragma once
 #include <ATen/core/Tensor.h>
 
