@@ -5,8 +5,8 @@ then copies them 31 tokens a step) while most answers accept far less. The left 
 that accepted each slot (slots past the draft's block are lookup's, summed); the right one every prompt's own tau,
 with the set's mean and median marked.
 
-    python benchmarks/plot_acceptance.py benchmarks/results/acceptance-smollm2-135m-stage21-lookup-40-20261128.json \
-        benchmarks/results/acceptance-smollm2-135m-stage21-magpie-lookup-20261129.json --out benchmarks/results/acceptance-smollm2-135m.png
+    python benchmarks/plot_acceptance.py benchmarks/results/acceptance-smollm2-135m-stage22-lookup-40-20261201.json \
+        benchmarks/results/acceptance-smollm2-135m-stage22-magpie-lookup-20261201.json --out benchmarks/results/acceptance-smollm2-135m.png
 """
 
 from __future__ import annotations
