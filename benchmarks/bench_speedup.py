@@ -15,7 +15,9 @@ GSM8K questions and on unseen chat (MT-Bench first turns), timed two ways in one
   whole command's seconds are recorded beside it).
 
 `--isa avx2` repeats everything in a child process with oneDNN and ATen limited to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2,
-ATEN_CPU_CAPABILITY=avx2): an approximation of an AVX2-only CPU on a newer one.
+ATEN_CPU_CAPABILITY=avx2): an approximation of an AVX2-only CPU on a newer one; `--isa avx512` holds oneDNN and our
+kernel off AMX's tiles (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16), as a CPU with AVX-512 BF16 and no AMX (an AMD Zen 4)
+runs, on a CPU with AMX.
 
     .venv/bin/python benchmarks/bench_speedup.py --isa native avx2 --math 3 --chat 3 --max-new-tokens 96
 """
@@ -39,7 +41,8 @@ from trtllm_dflash.threads import configure_threads
 
 configure_threads()  # before torch loads: the warm engine gets the threads `trtdflash generate` runs with (threads.py)
 
-ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+from bench_step_cost import ISA_ENV  # noqa: E402: native, avx512 (held off AMX), avx2
+
 TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")
 
 
