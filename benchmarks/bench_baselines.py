@@ -26,9 +26,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from bench_engines import cpu_ticks  # noqa: E402
-from bench_step_cost import ISA_ENV  # noqa: E402: native, avx512 (held off AMX), avx2
+from bench_step_cost import ISA_ENV, runnable_isas  # noqa: E402: native, avx512 (held off AMX), avx2
 
-ISA_FLAGS = {"avx512": {"avx512_bf16"}, "avx2": {"avx2", "fma"}}  # what the CPU needs for the held configuration
 BUILDS = ("dflash", "no draft")
 
 
@@ -55,15 +54,13 @@ def main(argv=None) -> None:
 
     from trtllm_dflash.build import BuildOptions, run_build
     from trtllm_dflash.client import CompletionRequest, complete
-    from trtllm_dflash.cpu import cpu_flags, machine_info
+    from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.quickstart import KINDS, demo_prompts
     from trtllm_dflash.resolve import cache_dir
     from trtllm_dflash.serve import ServerConfig, TritonServer
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    isas = [i for i in args.isa if ISA_FLAGS.get(i, set()) <= cpu_flags()]
-    if skipped := sorted(set(args.isa) - set(isas)):
-        say(f"skipping {', '.join(skipped)}: this CPU lacks the instructions")
+    isas = runnable_isas(args.isa)
     root = Path(args.builds) if args.builds else cache_dir() / "bench-baselines"
     builds = {"dflash": run_build(BuildOptions(output=root / "dflash", dtype="bf16"), progress=say),
               "no draft": run_build(BuildOptions(output=root / "no-draft", no_draft=True, dtype="bf16"), progress=say)}

@@ -41,7 +41,7 @@ from trtllm_dflash.threads import configure_threads
 
 configure_threads()  # before torch loads: the warm engine gets the threads `trtdflash generate` runs with (threads.py)
 
-from bench_step_cost import ISA_ENV  # noqa: E402: native, avx512 (held off AMX), avx2
+from bench_step_cost import ISA_ENV, runnable_isas  # noqa: E402: native, avx512 (held off AMX), avx2
 
 TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")
 
@@ -160,7 +160,7 @@ def main(argv=None):
               "target": args.target, "max_new_tokens": args.max_new_tokens, "batch": 1, "greedy": True, "isa": {}}
     flags = ["--target", args.target, "--dtypes", *args.dtypes, "--math", str(args.math), "--chat", str(args.chat),
              "--max-new-tokens", str(args.max_new_tokens), "--cli" if args.cli else "--no-cli"]
-    for isa in args.isa:
+    for isa in runnable_isas(args.isa):
         print(f"{isa}: measuring...", flush=True)
         done = subprocess.run([sys.executable, __file__, *flags, "--child"], env=os.environ | ISA_ENV[isa],
                               capture_output=True, text=True)

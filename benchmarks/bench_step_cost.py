@@ -36,6 +36,18 @@ from trtllm_dflash.threads import configure_threads
 configure_threads()  # before torch loads, and inherited by the children: the CLI's thread settings (threads.py)
 ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
            "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}}  # avx512: a CPU with AMX held off its tiles (as a Zen 4)
+ISA_FLAGS = {"avx512": {"avx512_bf16"}, "avx2": {"avx2", "fma"}}  # what the CPU needs for the held configuration
+
+
+def runnable_isas(requested: list[str]) -> list[str]:
+    """The requested ISA settings this CPU can run, in order; the others are named on stderr and skipped, since a
+    library capped at an ISA the CPU lacks silently falls back to a lower one and the row would be mislabelled."""
+    from trtllm_dflash.cpu import cpu_flags
+
+    isas = [i for i in requested if ISA_FLAGS.get(i, set()) <= cpu_flags()]
+    if skipped := [i for i in requested if i not in isas]:
+        print(f"skipping {', '.join(skipped)}: this CPU lacks the instructions", file=sys.stderr, flush=True)
+    return isas
 
 
 def target_class_at(rev: str):
@@ -129,7 +141,7 @@ def main(argv=None):
     result = {"benchmark": "bench_step_cost", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine_info(), "target": args.target, "context": args.context,
               "reps": args.reps, "against": args.against, "runs": {}}
-    for isa in args.isa:
+    for isa in runnable_isas(args.isa):
         for dtype in args.dtypes:
             for linears in args.linears:
                 cmd = [sys.executable, __file__, "--child", f"{dtype}:{linears}", "--target", args.target, "--reps", str(args.reps),
