@@ -1,12 +1,13 @@
 """How often bf16 DFlash output differs from bf16 autoregressive output, where, and whether each difference is a near-tie.
 
-In bf16 a verify forward over a block and a one-token decode step round differently, so where the target's two
-best tokens are nearly tied the argmax can flip, and the two outputs continue differently from there. Over the
-held-out sets of bench_acceptance.py (GSM8K holdout, HumanEval, MT-Bench first turns), greedy, both decodings through
-DFlashEngine in bf16 (block 8 with the packaged draft, and block 1): the fraction of identical outputs, the first
-differing position, and at each first difference the gap between the two tokens chosen, from one forward over the
-common prefix (bf16 and fp32 logits), in units of bf16's resolution at that logit's magnitude (one ulp: 2^(e-7)
-for a value in [2^e, 2^(e+1))). Writes benchmarks/results/bf16-agreement-<target>.json.
+In bf16 a verify forward over a block and a one-token decode step round differently, so where the target's two best
+tokens are nearly tied the argmax can flip, and the two outputs continue differently from there. Over the held-out
+sets of bench_acceptance.py (GSM8K holdout, HumanEval, MT-Bench first turns), greedy, both decodings through
+DFlashEngine in bf16 (the packaged draft's full block every step, prompt lookup on as `generate` runs it, so a lookup
+step verifies up to 32 tokens; and block 1): the fraction of identical outputs, the first differing position, and at
+each first difference the gap between the two tokens chosen, from one forward over the common prefix (bf16 and fp32
+logits), in units of bf16's resolution at that logit's magnitude (one ulp: 2^(e-7) for a value in [2^e, 2^(e+1))).
+Writes benchmarks/results/bf16-agreement-<target>.json.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_bf16_agreement.py --prompts 10 --max-new-tokens 128
 """
@@ -68,7 +69,7 @@ def main() -> None:
     fp32 = TargetModel.load(resolve_target(a.target, lambda m: None), torch.float32).model
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
               "torch": torch.__version__, "target": a.target, "draft": str(a.draft or "packaged default"),
-              "block_size": engine.block_size, "max_new_tokens": a.max_new_tokens, "decoding": "greedy, bf16 target and draft",
+              "block_size": engine.block_size, "max_new_tokens": a.max_new_tokens, "decoding": "greedy, bf16 target; fixed full blocks with prompt lookup",
               "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "draft_weights": engine.draft_weights, "sets": {}}
     all_rows = []

@@ -5,7 +5,7 @@ Natively (`--isa native`, a CPU with AVX-512 BF16): ours, oneDNN's packed bf16 k
 where ours does not run) and, for one row, ATen's kernel (oneDNN off: what `PackedLinear` took for single bf16
 tokens before ours). With `--isa avx2` (a child process with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2:
 torch as on a CPU with AVX2 alone) ours is the FMA variant, against ATen's emulated bf16 kernel (what bf16 linears
-ran there before) and oneDNN's packed fp32 kernel (what the fp32 default runs there). Random weights of the target's
+ran there before) and oneDNN's packed fp32 kernel (what `--dtype fp32` runs there, and `--dtype auto` where ours cannot be built). Random weights of the target's
 shapes; the kernels take turns per round and each figure is the fastest of `--reps` rounds (`median_ms`: their
 median). The CLI's thread settings.
 
@@ -110,7 +110,7 @@ def main(argv=None):
         kernels["ours_int8"] = ([bf16_gemm.pack_int8(w) for w in weights], lambda x, w: ours.linear_int8(x, *w, None))
     if can_pack(torch.bfloat16):
         kernels["onednn"] = ([torch.ops.mkldnn._reorder_linear_weight(w) for w in weights], onednn)
-    else:  # AVX2 alone: the fp32 default's kernel, fed the same inputs in fp32
+    else:  # AVX2 alone: fp32's kernel (--dtype fp32, or auto where ours cannot be built), fed the same inputs in fp32
         kernels["onednn_fp32"] = ([torch.ops.mkldnn._reorder_linear_weight(w.float()) for w in weights], lambda x, w: onednn(x.float(), w))
 
     def aten(x, w):

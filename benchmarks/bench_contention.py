@@ -2,11 +2,12 @@
 
 The issue: beside a second CPU-heavy process on the same 2 cores, a `trtdflash generate` that took ~10 s alone ran
 for over 5 minutes (OpenMP threads spinning against each other). trtllm_dflash/threads.py sets one thread per
-usable CPU and a passive wait policy before torch loads. This runs the same greedy workload as `trtdflash generate`
+usable CPU and a short spin (GOMP_SPINCOUNT=3000) before torch loads. This runs the same greedy workload as `trtdflash generate`
 (DFlashEngine with the packaged draft; model loading excluded) in a fresh process per measurement:
 
     policy "default":  torch as it comes (OpenMP threads = cores, libgomp's spinning waits)
-    policy "ours":     threads.configure_threads() first, as the CLI and the Triton models get it
+    policy "ours":     threads.configure_threads() first, as the CLI gets it (a Triton model's loop takes one
+                       thread fewer: threads.server_thread_env)
     policy "passive":  OMP_WAIT_POLICY=PASSIVE (a waiting thread sleeps at once; ours until 2026-11-26)
     policy "spin-N":   GOMP_SPINCOUNT=N (a waiting thread spins N times, then sleeps)
     policy "threads-N": OMP_NUM_THREADS=N (parts combine with "+": threads-1+passive)
@@ -14,7 +15,7 @@ usable CPU and a passive wait policy before torch loads. This runs the same gree
 each alone and beside a neighbour that keeps every CPU busy (a torch matmul loop with default settings, like another
 test suite, or `--neighbour spin`: one pure-Python busy loop per CPU). Reported: seconds per run and the slowdown
 ratio beside/alone per policy. A neighbour that takes half the CPU time should cost about 2x, not many times.
-Writes benchmarks/results/contention-<date>.json (CPU model from lscpu, date, torch version, settings, results).
+Writes benchmarks/results/contention-<YYYYMMDD-HHMM>.json (or --out) (CPU model from lscpu, date, torch version, settings, results).
 
     .venv/bin/python benchmarks/bench_contention.py                       # the measurement (needs an otherwise idle machine)
     .venv/bin/python benchmarks/bench_contention.py --quick --out /tmp/c.json   # end-to-end check, seconds

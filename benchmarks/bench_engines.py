@@ -16,6 +16,7 @@ Prompt kinds: the quickstart's first chat, math and code prompts, each followed 
 (`bench_serving.CHAT`), 6 held-out GSM8K questions or 6 HumanEval functions (`pip install -e ".[bench]"`).
 
     python benchmarks/bench_engines.py new= old=@HEAD~1 --rounds 3
+    python benchmarks/bench_engines.py new=#bf16 old=@HEAD~1 --rounds 3   # AVX2 alone: an @REV engine's draft is bf16
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
-"""Side-by-side decoding speed: autoregressive (block 1) vs DFlash, per dtype, same prompts, same run.
+"""Side-by-side decoding speed by block length: autoregressive (block 1), DFlash with a fixed block of each length,
+and DFlash as `trtdflash generate` runs it, per dtype and thread count, same prompts, same run.
 
-Reports medians over prompts of tokens/s and acceptance length, and the speed-up of every DFlash
-configuration against the *fastest* autoregressive configuration measured here.
+The fixed rows draft and verify exactly that many slots every step, without prompt lookup (an engine loaded with
+`speculation="fixed", lookup=False`), so each row is that block length alone; the `default` row is the engine as
+`generate` loads it (adaptive block lengths per step, lookup). Reports medians over prompts of tokens/s and
+acceptance length, and the speed-up of every configuration against the *fastest* autoregressive configuration
+measured here. Blocks longer than the draft's are refused.
 
-    python benchmarks/bench_generate.py --target smollm2-135m --blocks 1 8 16 --dtypes fp32 bf16
+    python benchmarks/bench_generate.py --target smollm2-135m --blocks 2 4 8 --dtypes fp32 bf16
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", default=None, help="default: the target's packaged draft")
-    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[2, 4, 8], help="fixed DFlash block lengths (block 1 always runs)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     ap.add_argument("--math-prompts", type=int, default=4)
@@ -53,27 +57,35 @@ def main(argv=None):
     prompts = load_prompts(args.math_prompts)
     rows = []
     for dtype in args.dtypes:
-        engine = DFlashEngine.load(args.target, args.draft, dtype=dtype, block_size=max(args.blocks), progress=lambda m: None)
-        encoded = [engine.encode(p) for p in prompts]
-        engine.generate(prompts[0], max_new_tokens=8)  # warm-up
+        engines = {"fixed": DFlashEngine.load(args.target, args.draft, dtype=dtype, speculation="fixed", lookup=False, progress=lambda m: None),
+                   "default": DFlashEngine.load(args.target, args.draft, dtype=dtype, progress=lambda m: None)}
+        if too_long := [b for b in args.blocks if b > engines["fixed"].block_size]:
+            ap.error(f"--blocks {' '.join(map(str, too_long))}: longer than the draft's block ({engines['fixed'].block_size})")
+        encoded = [engines["fixed"].encode(p) for p in prompts]
+        configs = [("fixed", 1), *(("fixed", b) for b in args.blocks if b > 1), ("default", None)]
+        for engine in engines.values():
+            engine.generate(prompts[0], max_new_tokens=8)  # warm-up
         for threads in args.threads:
             torch.set_num_threads(threads)
-            for block in args.blocks:
+            for name, block in configs:
                 tps, taus, outputs = [], [], []
                 for ids in encoded:
                     stats = GenerationStats()
-                    toks = [t for new, _ in engine.stream(ids, max_new_tokens=args.max_new_tokens, block_size=block, stats=stats) for t in new]
+                    toks = [t for new, _ in engines[name].stream(ids, max_new_tokens=args.max_new_tokens, block_size=block, stats=stats)
+                            for t in new]
                     tps.append(stats.tokens_per_second)
                     taus.append(stats.acceptance_length)
                     outputs.append(toks)
-                row = {"dtype": dtype, "threads": threads, "block_size": block, "median_tokens_per_second": statistics.median(tps),
+                label = "default" if block is None else str(block)
+                row = {"dtype": dtype, "threads": threads, "block_size": label, "median_tokens_per_second": statistics.median(tps),
                        "median_acceptance_length": statistics.median(taus), "tokens_per_second": tps, "acceptance_length": taus,
                        "outputs": outputs}
                 rows.append(row)
-                print(f"{dtype:5s} threads={threads} block={block:2d}: {row['median_tokens_per_second']:6.1f} tok/s (median), "
+                print(f"{dtype:5s} threads={threads} block={label:>7s}: {row['median_tokens_per_second']:6.1f} tok/s (median), "
                       f"tau {row['median_acceptance_length']:.2f}", flush=True)
+        del engines
 
-    baselines = [r for r in rows if r["block_size"] == 1]
+    baselines = [r for r in rows if r["block_size"] == "1"]
     best = max(baselines, key=lambda r: r["median_tokens_per_second"]) if baselines else None
     for r in rows:
         same = [b for b in baselines if b["dtype"] == r["dtype"] and b["threads"] == r["threads"]]
@@ -83,6 +95,7 @@ def main(argv=None):
         del r["outputs"]
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
               "target": args.target, "draft": args.draft or "default", "prompts": len(prompts),
+              "configs": "block 1: plain decoding; N: a fixed block of N, no lookup; default: as trtdflash generate runs",
               "max_new_tokens": args.max_new_tokens, "fastest_baseline": {k: best[k] for k in ("dtype", "threads")} if best else None,
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -5,10 +5,11 @@ Every configuration runs on an engine loop of its own (`DFlashEngine.scheduler`,
 loop's policy learns only from the requests it serves:
 
 - alone: each prompt on three loops, the adaptive policy (the default), a full block every step
-  (`--speculation fixed`) and the build without a draft, the order alternating between rounds; the engines are
+  (`--speculation fixed`; prompt lookup on in both, as `generate` runs them: a lookup row verifies up to 32 tokens
+  instead of the draft's block) and the build without a draft, the order alternating between rounds; the engines are
   loaded anew for each prompt, the load order rotating, as where an engine's weights land in memory moves its speed
   by several percent (`bench_placement.py`);
-- sequence: the quickstart's order (its streamed question, an 8-token warm-up, then rounds of chat, math and code)
+- sequence: the quickstart's order (its streamed prompt, an 8-token warm-up, then rounds of chat, math and code)
   on one adaptive loop and one draft-free loop, taking turns per request. A new request is priced with all requests'
   acceptance until its own counts outweigh it (policy.py), so what a prompt gets depends on what ran before it:
   the JSON records each request's drafted and accepted tokens and its block lengths.
@@ -34,8 +35,6 @@ from trtllm_dflash.threads import configure_threads, server_thread_env
 
 configure_threads()
 os.environ.update(server_thread_env())  # before torch loads: a served model's settings (threads.py)
-
-STREAMED = "Explain speculative decoding in two sentences."  # the quickstart's streamed question (its default)
 
 
 def run(engine, scheduler, prompt: str, max_new_tokens: int) -> dict:
@@ -63,7 +62,7 @@ def main(argv=None):
     import torch
 
     from trtllm_dflash.cpu import machine_info
-    from trtllm_dflash.quickstart import demo_prompts
+    from trtllm_dflash.quickstart import demo_prompts, streamed_prompt
     from trtllm_dflash.runtime import DFlashEngine
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -105,7 +104,7 @@ def main(argv=None):
     engines, schedulers = loops(["adaptive", "no draft"])
     sequence = []
     try:
-        for i, (label, prompt, n) in enumerate([("streamed", STREAMED, args.max_new_tokens), ("warm-up", prompts[0][1], 8)]
+        for i, (label, prompt, n) in enumerate([("streamed", streamed_prompt(), args.max_new_tokens), ("warm-up", prompts[0][1], 8)]
                                                + [(kind, p, args.max_new_tokens) for r in range(args.rounds) for kind, p in prompts]):
             pair = {}
             for name in (("adaptive", "no draft") if i % 2 == 0 else ("no draft", "adaptive")):
@@ -123,7 +122,7 @@ def main(argv=None):
               "torch_threads": torch.get_num_threads(), "dtype": engines["adaptive"].dtype, "args": vars(args),
               "alone": alone, "sequence_speedup_median": in_sequence, "sequence": sequence}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{'prompt':<7} {'alone: adaptive':>16} {'fixed block':>12} {'in the sequence':>16}   (speed-up over the draft-free loop)")
+    print(f"{'prompt':<7} {'alone: adaptive':>16} {'fixed':>12} {'in the sequence':>16}   (speed-up over the draft-free loop)")
     for kind, _ in prompts:
         m = alone[kind]["speedup_median"]
         print(f"{kind:<7} {m['adaptive']:>15.2f}x {m['fixed']:>11.2f}x {in_sequence[kind]:>15.2f}x")

@@ -10,12 +10,14 @@ counts the guesses each proposer would have had accepted:
   sources, none to a held-out prompt): the longest suffix of the context found in them, continued by its most frequent
   next token while the product of those tokens' shares stays at or above MIN_SHARE (vLLM's suffix decoding keeps such
   an index of earlier outputs; unlike it, the guesses here are not capped at the matched suffix's length).
-It then walks each output a step at a time under rules for choosing a step's proposer, and under the oracle that
-takes whichever would accept most: what verifying all of them in one forward (a tree) could reach. The outputs come
-from a real run with the runtime's own rule (lookup where it matches, else the draft), whose measured tau checks the
-replay of that rule. The outputs are the target's whatever the draft (greedy decoding is lossless), so `--outputs FILE`
-keeps them for the next run, which then replays another `--draft` in about 4 minutes instead of decoding again: a
-quick screen of candidate drafts (bench_acceptance.py, which decodes, is the measurement that counts).
+It then walks each output a step at a time under rules for choosing a step's proposer, and under the oracle that takes
+whichever would accept most: what verifying all of them in one forward (a tree) could reach. The outputs come from a
+real run with the runtime's own rule (lookup where it matches, else the draft), whose measured tau checks the replay
+of that rule (with the shipped prior and lookup: `--ngram-weight`, `--ngram-own` and `--lookup-guesses` change the
+replay only, so with them set the check no longer applies). The outputs are the target's whatever the draft (greedy
+decoding is lossless), so `--outputs FILE` keeps them for the next run, which then replays another `--draft` in about
+4 minutes instead of decoding again: a quick screen of candidate drafts (bench_acceptance.py, which decodes, is the
+measurement that counts).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_proposers.py --math 40 --code 40 --chat 40
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_proposers.py --outputs /tmp/outputs.json --draft runs/my-draft/draft

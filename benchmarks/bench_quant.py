@@ -3,7 +3,8 @@
 Per format (none, fp8, nvfp4, mxfp4; `trtdflash convert`, ModelOpt 0.47.0, run through the embedded runtime's
 emulation of TensorRT-LLM's numerics): perplexity of the target on held-out GSM8K solutions, agreement of its greedy
 output with the unquantized target's (fraction of identical tokens, first divergence), and greedy DFlash acceptance
-length tau on held-out math (GSM8K), code (HumanEval) and chat prompts. Greedy DFlash is lossless, so the tokens of
+length tau on held-out math (GSM8K), code (HumanEval) and chat prompts (a full block every step, no prompt lookup,
+the draft without its vocabulary or n-gram prior: the draft's own guesses against each target). Greedy DFlash is lossless, so the tokens of
 the tau runs are the quantized target's own greedy output and serve for the agreement too.
 Writes benchmarks/results/quant-smollm2-135m.json and .png.
 
@@ -144,7 +145,9 @@ def main() -> None:
         tm = loaded_targets[tq]
         draft = load_draft(drafts[dq])
         tm.set_taps(draft.config.target_layer_ids)
-        engine = DFlashEngine(tm, draft, draft.config.block_size)
+        # a full block every step, no lookup: tau is the draft's against this target, not the policy's choice of
+        # block lengths (which follows each run's measured step costs) or the prompt's repeats
+        engine = DFlashEngine(tm, draft, draft.config.block_size, speculation="fixed", lookup=False)
         report["block_size"] = engine.block_size
         taus, outs, decoded, steps = {}, [], 0, 0
         t0 = time.perf_counter()
