@@ -1,13 +1,13 @@
 """Our bf16 matrix kernel (trtllm_dflash/models/bf16_gemm.py) against the library kernels, over all of a target's
 linear layers at once (one forward's worth of weights, more than the caches hold), by number of rows.
 
-Natively (`--isa native`, a CPU with AVX-512 BF16): ours, oneDNN's packed bf16 kernel (what `PackedLinear` uses
-where ours does not run) and, for one row, ATen's kernel (oneDNN off: what `PackedLinear` took for single bf16
-tokens before ours). With `--isa avx2` (a child process with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2:
-torch as on a CPU with AVX2 alone) ours is the FMA variant, against ATen's emulated bf16 kernel (what bf16 linears
-ran there before) and oneDNN's packed fp32 kernel (what `--dtype fp32` runs there, and `--dtype auto` where ours cannot be built). Random weights of the target's
-shapes; the kernels take turns per round and each figure is the fastest of `--reps` rounds (`median_ms`: their
-median). The CLI's thread settings.
+Natively (`--isa native`, a CPU with AVX-512 BF16): ours, oneDNN's packed bf16 kernel (what `PackedLinear` uses where
+ours does not run) and, for one row, ATen's kernel (oneDNN off: what `PackedLinear` took for single bf16 tokens before
+ours). With `--isa avx2` (a child process with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2: torch as on a CPU
+with AVX2 alone) ours is the FMA variant, against ATen's emulated bf16 kernel (what bf16 linears ran there before) and
+oneDNN's packed fp32 kernel (what `--dtype fp32` runs there, and `--dtype auto` where ours cannot be built). Random
+weights of the target's shapes; the kernels take turns per round and each figure is the fastest of `--reps` rounds
+(`median_ms`: their median). The CLI's thread settings.
 
 Where our kernel also multiplies int8 weights (`bf16_gemm.int8_weights`: the AVX2 variant; a draft's linears take
 them there), `ours_int8` times the same weights quantized by `bf16_gemm.pack_int8`.

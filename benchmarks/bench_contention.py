@@ -1,8 +1,8 @@
 """Generation speed alone and beside a busy neighbour process, with torch's default OpenMP settings and with ours.
 
-The issue: beside a second CPU-heavy process on the same 2 cores, a `trtdflash generate` that took ~10 s alone ran
-for over 5 minutes (OpenMP threads spinning against each other). trtllm_dflash/threads.py sets one thread per
-usable CPU and a short spin (GOMP_SPINCOUNT=3000) before torch loads. This runs the same greedy workload as `trtdflash generate`
+The issue: beside a second CPU-heavy process on the same 2 cores, a `trtdflash generate` that took ~10 s alone ran for
+over 5 minutes (OpenMP threads spinning against each other). trtllm_dflash/threads.py sets one thread per usable CPU
+and a short spin (GOMP_SPINCOUNT=3000) before torch loads. This runs the same greedy workload as `trtdflash generate`
 (DFlashEngine with the packaged draft; model loading excluded) in a fresh process per measurement:
 
     policy "default":  torch as it comes (OpenMP threads = cores, libgomp's spinning waits)
@@ -14,8 +14,9 @@ usable CPU and a short spin (GOMP_SPINCOUNT=3000) before torch loads. This runs 
 
 each alone and beside a neighbour that keeps every CPU busy (a torch matmul loop with default settings, like another
 test suite, or `--neighbour spin`: one pure-Python busy loop per CPU). Reported: seconds per run and the slowdown
-ratio beside/alone per policy. A neighbour that takes half the CPU time should cost about 2x, not many times.
-Writes benchmarks/results/contention-<YYYYMMDD-HHMM>.json (or --out) (CPU model from lscpu, date, torch version, settings, results).
+ratio beside/alone per policy. A neighbour that takes half the CPU time should cost about 2x, not many times. Writes
+benchmarks/results/contention-<YYYYMMDD-HHMM>.json (or --out) (CPU model from lscpu, date, torch version, settings,
+results).
 
     .venv/bin/python benchmarks/bench_contention.py                       # the measurement (needs an otherwise idle machine)
     .venv/bin/python benchmarks/bench_contention.py --quick --out /tmp/c.json   # end-to-end check, seconds

@@ -57,10 +57,10 @@ def main(argv=None):
     prompts = load_prompts(args.math_prompts)
     rows = []
     for dtype in args.dtypes:
-        engines = {"fixed": DFlashEngine.load(args.target, args.draft, dtype=dtype, speculation="fixed", lookup=False, progress=lambda m: None),
-                   "default": DFlashEngine.load(args.target, args.draft, dtype=dtype, progress=lambda m: None)}
+        engines = {"fixed": DFlashEngine.load(args.target, args.draft, dtype=dtype, speculation="fixed", lookup=False, progress=lambda m: None)}
         if too_long := [b for b in args.blocks if b > engines["fixed"].block_size]:
             ap.error(f"--blocks {' '.join(map(str, too_long))}: longer than the draft's block ({engines['fixed'].block_size})")
+        engines["default"] = DFlashEngine.load(args.target, args.draft, dtype=dtype, progress=lambda m: None)
         encoded = [engines["fixed"].encode(p) for p in prompts]
         configs = [("fixed", 1), *(("fixed", b) for b in args.blocks if b > 1), ("default", None)]
         for engine in engines.values():

@@ -3,10 +3,10 @@
 Per format (none, fp8, nvfp4, mxfp4; `trtdflash convert`, ModelOpt 0.47.0, run through the embedded runtime's
 emulation of TensorRT-LLM's numerics): perplexity of the target on held-out GSM8K solutions, agreement of its greedy
 output with the unquantized target's (fraction of identical tokens, first divergence), and greedy DFlash acceptance
-length tau on held-out math (GSM8K), code (HumanEval) and chat prompts (a full block every step, no prompt lookup,
-the draft without its vocabulary or n-gram prior: the draft's own guesses against each target). Greedy DFlash is lossless, so the tokens of
-the tau runs are the quantized target's own greedy output and serve for the agreement too.
-Writes benchmarks/results/quant-smollm2-135m.json and .png.
+length tau on held-out math (GSM8K), code (HumanEval) and chat prompts (a full block every step, no prompt lookup, the
+draft without its vocabulary or n-gram prior: the draft's own guesses against each target). Greedy DFlash is lossless,
+so the tokens of the tau runs are the quantized target's own greedy output and serve for the agreement too. Writes
+benchmarks/results/quant-smollm2-135m.json and .png.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_quant.py --prompts 10 --max-new-tokens 64
 """

@@ -56,10 +56,10 @@ def demo_prompts() -> list[tuple[str, str]]:
     return [(kind, text) for texts in zip(CHAT_QUESTIONS, math, code) for kind, text in zip(KINDS, texts)]
 
 
-def streamed_prompt() -> str:
-    """The prompt the quickstart streams unless given one: the first code prompt, where the draft's blocks are long
-    enough to watch."""
-    return next(text for kind, text in demo_prompts() if kind == "code")
+def streamed_prompt(prompts: list[tuple[str, str]] | None = None) -> str:
+    """The prompt the quickstart streams unless given one: the first code prompt (of `prompts`, default
+    `demo_prompts()`), where the draft's blocks are long enough to watch."""
+    return next(text for kind, text in (prompts or demo_prompts()) if kind == "code")
 
 
 def _pooled(runs: list[Completion]) -> float:
@@ -126,16 +126,15 @@ def run_quickstart(output: Path | None = None, draft: str | None = None, prompt:
                    max_tokens: int = 96, dtype: str = "auto", compare: bool = True, say: Callable[[str], None] = print,
                    on_text: Callable[[str], None] = print, rounds: int = 1) -> QuickstartResult:
     """Build (or reuse) the DFlash repository, serve it and stream `prompt` (default: `streamed_prompt()`) through
-    `on_text`; with `compare`, also build
-    the same repository without a draft (in `<output>-no-draft`), serve both and time them on `demo_prompts()`, each
-    `rounds` times."""
+    `on_text`; with `compare`, also build the same repository without a draft (in `<output>-no-draft`), serve both and
+    time them on `demo_prompts()`, each `rounds` times."""
     if rounds < 1:
         raise DFlashError(f"--rounds must be at least 1, got {rounds}.")
     out = Path(output) if output else cache_dir() / "quickstart"
     dtype = resolve_dtype(dtype)
     result = QuickstartResult(run_build(BuildOptions(output=out, draft=draft, dtype=dtype), progress=say), dtype, rounds)
     prompts = demo_prompts()
-    prompt = prompt or streamed_prompt()
+    prompt = prompt or streamed_prompt(prompts)
     with ExitStack() as stack:
         say("Starting tritonserver (free loopback ports)...")
         server = stack.enter_context(_serve(result.build))
