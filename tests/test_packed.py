@@ -512,17 +512,20 @@ x = torch.randn(256, 8192).to(torch.bfloat16)
 k, v = (torch.randn(1, 4, 4096, 128).to(torch.bfloat16) for _ in range(2))
 q, slot, pos = torch.randn(256, 16, 128).to(torch.bfloat16), torch.zeros(256, dtype=torch.long), torch.arange(3840, 4096)
 for name, call in (("linear", lambda: kernel.linear(x, w, None)), ("attend", lambda: kernel.attend(q, k, v, slot, pos, 0.1))):
-    t0 = time.perf_counter()
-    call()
-    alone = time.perf_counter() - t0
-    done, ticks = threading.Event(), [time.perf_counter()]
-    worker = threading.Thread(target=lambda: (call(), done.set()))
-    worker.start()
-    while not done.is_set():  # this thread keeps running Python while the call runs in the other
-        ticks.append(time.perf_counter())
-    worker.join()
-    longest = max(b - a for a, b in zip(ticks, ticks[1:]))
-    assert alone > 0.01 and longest < alone / 2, (name, alone, longest)
+    tries = []
+    for _ in range(3):  # a call that keeps the GIL holds the spinner up every time; a host's stolen time, once
+        done, ticks = threading.Event(), [time.perf_counter()]
+        worker = threading.Thread(target=lambda: (call(), done.set()))
+        worker.start()
+        while not done.is_set():  # this thread keeps running Python while the call runs in the other
+            ticks.append(time.perf_counter())
+        worker.join()
+        took, longest = ticks[-1] - ticks[0], max(b - a for a, b in zip(ticks, ticks[1:]))
+        tries.append((round(took, 4), round(longest, 4)))
+        if took > 0.01 and longest < took / 2:
+            break
+    else:
+        raise AssertionError((name, "(call seconds, longest hold-up) per try", tries))
 print(bf16_gemm.variant())
 """
 
