@@ -171,8 +171,9 @@ def test_refuses_to_overwrite_a_directory_that_is_not_a_build(random_draft_dir, 
 def test_serve_and_client_explain_what_is_wrong(tmp_path):
     r = CliRunner().invoke(main, ["serve", str(tmp_path)])
     assert r.exit_code == 2 and "is not a trtdflash build output" in r.output
-    r = CliRunner().invoke(main, ["client", "--url", "127.0.0.1:1", "--prompt", "hi"])
-    assert r.exit_code == 2 and "Cannot reach Triton at 127.0.0.1:1" in r.output
+    for prompt in (["--prompt", "hi"], ["hi"]):
+        r = CliRunner().invoke(main, ["client", "--url", "127.0.0.1:1", *prompt])
+        assert r.exit_code == 2 and "Cannot reach Triton at 127.0.0.1:1" in r.output
 
 
 def test_serve_refuses_a_port_in_use(random_draft_dir, tmp_path):

@@ -27,6 +27,23 @@ def test_generate_json_autoregressive_and_with_draft_agree(random_draft_dir):
     assert spec["num_tokens"] == len(spec["token_ids"])
 
 
+def test_the_prompt_comes_as_the_argument_as_an_option_or_from_stdin():
+    """`trtdflash generate "..."` as `llm` and `ollama run` take a prompt; `--prompt` and `-` (stdin) write the same."""
+    base = ["generate", "--no-draft", "--max-new-tokens", "6", "--dtype", "fp32", "--json"]
+    out = [CliRunner().invoke(main, [*base, *args], input=stdin) for args, stdin in
+           ((["Name a fruit."], None), (["--prompt", "Name a fruit."], None), (["-"], "Name a fruit."), (["Name a tree."], None))]
+    assert all(r.exit_code == 0 for r in out), [r.output for r in out]
+    ids = [json.loads(r.output.strip().splitlines()[-1])["token_ids"] for r in out]
+    assert ids[0] == ids[1] == ids[2] != ids[3]
+
+
+@pytest.mark.parametrize("command", ["generate", "client"])
+@pytest.mark.parametrize("args, message", [([], "Missing the prompt"), (["hi", "--prompt", "hi"], "Give the prompt once")])
+def test_a_missing_or_doubled_prompt_gets_one_sentence(command, args, message):
+    r = run(command, *args)
+    assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output
+
+
 def test_generate_says_how_the_draft_holds_its_weights():
     """bf16 on a CPU with AVX2 alone keeps the draft's weights as int8 by default (`int8_weights`), elsewhere bf16;
     `--no-int8-draft` keeps them bf16 anywhere; the text is the same either way."""

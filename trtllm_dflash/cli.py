@@ -70,6 +70,21 @@ int8_draft_option = click.option(
     help="bf16 on a CPU with AVX2 alone: keep the draft's weights as int8 (half the bytes a drafting step reads); output is the same either way.")
 
 
+def prompt_input(fn):
+    """The prompt as the argument, as `llm` and `ollama run` take it, or as --prompt; `-` reads it from stdin."""
+    fn = click.option("--prompt", "prompt_option", default=None, help="The prompt, if not given as the argument.")(fn)
+    return click.argument("prompt", required=False)(fn)
+
+
+def the_prompt(prompt: str | None, prompt_option: str | None) -> str:
+    if prompt is not None and prompt_option is not None:
+        raise click.UsageError("Give the prompt once: as the argument or with --prompt, not both.")
+    text = prompt if prompt is not None else prompt_option
+    if text is None:
+        raise click.UsageError("Missing the prompt: give it as the argument (\"-\" reads it from stdin) or with --prompt.")
+    return sys.stdin.read() if text == "-" else text
+
+
 def sampling_options(fn):
     for opt in reversed([
         click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
@@ -85,7 +100,7 @@ def sampling_options(fn):
 @click.option("--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory.")
 @click.option("--draft", default=None, help="DFlash draft directory (z-lab format). Default: the target's packaged draft.")
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding (the baseline).")
-@click.option("--prompt", required=True)
+@prompt_input
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the tokenizer's chat template.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's); 1 = autoregressive.")
@@ -101,9 +116,10 @@ def sampling_options(fn):
 @int8_draft_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @user_errors
-def generate(target, draft, no_draft, prompt, chat, max_new_tokens, block_size, temperature, top_p, top_k, seed, stop_strings, dtype, speculation,
+def generate(target, draft, no_draft, prompt, prompt_option, chat, max_new_tokens, block_size, temperature, top_p, top_k, seed, stop_strings, dtype, speculation,
              lookup, draft_vocab, draft_ngram, int8_draft, as_json):
     """Generate text from a prompt with DFlash speculative decoding on the embedded PyTorch backend."""
+    prompt = the_prompt(prompt, prompt_option)
     from .config import SamplingParams
     from .generate import GenerationStats
     from .runtime import DFlashEngine
@@ -212,15 +228,16 @@ def _stream_completion(url, prompt, max_tokens, stream, sampling, stop_words, as
 
 @main.command()
 @click.option("--url", default="127.0.0.1:8001", show_default=True, help="Triton gRPC endpoint.")
-@click.option("--prompt", required=True)
+@prompt_input
 @click.option("--max-tokens", type=int, default=128, show_default=True)
 @click.option("--stream/--no-stream", default=True, show_default=True, help="One response per step, or one at the end.")
 @sampling_options
 @click.option("--stop", "stop_words", multiple=True, help="Stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token count, acceptance length, TTFT, tokens/s.")
 @user_errors
-def client(url, prompt, max_tokens, stream, temperature, top_p, top_k, seed, stop_words, as_json):
+def client(url, prompt, prompt_option, max_tokens, stream, temperature, top_p, top_k, seed, stop_words, as_json):
     """Send one prompt to a running server over gRPC (tritonclient) and print the text as it arrives."""
+    prompt = the_prompt(prompt, prompt_option)
     from .config import SamplingParams
 
     _stream_completion(url, prompt, max_tokens, stream, SamplingParams(temperature, top_p, top_k, seed), stop_words, as_json)
