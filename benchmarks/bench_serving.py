@@ -24,56 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from trtllm_dflash.build import BuildOptions, run_build
-from trtllm_dflash.data import gsm8k_records
-from trtllm_dflash.loadgen import Job, run_load, summary
-from trtllm_dflash.serve import ServerConfig, TritonServer
 from trtllm_dflash.cpu import machine_info
-
-CHAT = [  # everyday questions, not from any training set
-    "What are some good ways to stay focused while working from home?",
-    "Can you explain what a black hole is in simple terms?",
-    "Give me three ideas for a rainy-day activity with kids.",
-    "How do I make a good cup of coffee at home?",
-    "What is the difference between weather and climate?",
-    "Suggest a short plan for learning to play the guitar.",
-    "Why do leaves change color in autumn?",
-    "What should I consider when adopting a dog?",
-]
-
-
-def prompts(n_math: int) -> list[str]:
-    held_out = gsm8k_records(holdout=True)
-    math = [r["question"] for r in held_out[len(held_out) - n_math:]]
-    return [p for pair in zip(math, CHAT * (len(math) // len(CHAT) + 1)) for p in pair]  # alternate math and chat
-
-
-def median_level(rounds: list[dict]) -> dict:
-    """The round with the median steady tokens/s (its latencies with it), and every round's figures."""
-    ranked = sorted(rounds, key=lambda lv: lv["steady_tokens_per_s"])
-    return ranked[(len(ranked) - 1) // 2] | {"steady_tokens_per_s_rounds": [lv["steady_tokens_per_s"] for lv in rounds],
-                                             "total_tokens_per_s_rounds": [lv["total_tokens_per_s"] for lv in rounds]}
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for key, levels in result["levels"].items():
-        xs = [lv["steady_tokens_per_s"] for lv in levels]
-        ys = [lv["tokens_per_s_per_user"] for lv in levels]
-        ax.plot(xs, ys, marker="o" if "dflash" in key else "s", linestyle="-" if "dflash" in key else "--", label=key)
-        for lv, x, y in zip(levels, xs, ys):
-            ax.annotate(str(lv["concurrency"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("total output tokens/s (server, all clients busy)")
-    ax.set_ylabel("output tokens/s per user (median)")
-    ax.set_title(f"{result['target']} via Triton, concurrency annotated\n{result['machine']['cpu']}, {result['date'][:10]}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+from trtllm_dflash.loadgen import Job, compare, default_prompts, plot_pareto, run_load
+from trtllm_dflash.serve import ServerConfig, TritonServer
 
 
 def main(argv=None):
@@ -96,7 +49,7 @@ def main(argv=None):
         ap.error("--requests must exceed the highest --concurrency: the steady window starts once every client streams and ends when the queue runs dry")
 
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"serving-{args.target}.json"
-    prompt_list = prompts(args.math_prompts)
+    prompt_list = default_prompts(args.math_prompts)
     result = {"benchmark": "bench_serving", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine_info(), "target": args.target, "max_tokens": args.max_tokens, "speculation": args.speculation, "prefix_cache_tokens": args.prefix_cache_tokens,
               "max_batch_size": max(args.concurrency), "rounds": args.rounds, "prompts": len(prompt_list), "levels": {}, "ratios": {}}
@@ -112,24 +65,14 @@ def main(argv=None):
                                       progress=lambda m: None)
                     servers[name] = TritonServer(ServerConfig(build, grpc_port=0, http_port=0, metrics_port=0)).start()
                     run_load(servers[name].grpc_url, [Job(p, 16) for p in prompt_list[:2]], 2)  # warm-up
-                runs = {name: {c: [] for c in args.concurrency} for name, _ in builds}
-                for r in range(args.rounds):
-                    for c in args.concurrency:
-                        # at least 8: 4 requests at concurrency 1 (a few seconds) were more VM noise than signal; four
-                        # per client: with two, only about the first half of a level has every client busy
-                        jobs = [Job(prompt_list[i % len(prompt_list)], args.max_tokens) for i in range(args.requests or max(8, 4 * c))]
-                        for name, _ in builds[:: 1 if r % 2 == 0 else -1]:  # alternate which build goes first
-                            lv = summary(run_load(servers[name].grpc_url, jobs, c))
-                            runs[name][c].append(lv)
-                            print(f"{dtype} {name:8s} round {r + 1} c={c:2d}: {lv['steady_tokens_per_s']:7.1f} tok/s steady "
-                                  f"({lv['total_tokens_per_s']:.1f} whole run), "
-                                  f"{lv['tokens_per_s_per_user']:6.1f}/user, TTFT p50 {lv['ttft_p50_s']:.3f}s, "
-                                  f"tau {lv['acceptance_length_median']}, errors {len(lv['errors'])}", flush=True)
+                levels = compare({name: servers[name].grpc_url for name, _ in builds}, prompt_list, args.concurrency,
+                                 max_tokens=args.max_tokens, requests=args.requests, rounds=args.rounds,
+                                 progress=lambda m: print(f"{dtype} {m}", flush=True))
             finally:
                 for server in servers.values():
                     server.stop()
             for name, _ in builds:
-                result["levels"][f"{dtype} {name}"] = [{"concurrency": c} | median_level(runs[name][c]) for c in args.concurrency]
+                result["levels"][f"{dtype} {name}"] = levels[name]
             d, a = result["levels"][f"{dtype} dflash"], result["levels"][f"{dtype} no-draft"]
             result["ratios"][dtype] = {
                 "dflash_vs_no_draft": {str(x["concurrency"]): round(x["steady_tokens_per_s"] / y["steady_tokens_per_s"], 3) for x, y in zip(d, a)},
@@ -139,7 +82,8 @@ def main(argv=None):
             }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out.with_suffix(".png"))
+    plot_pareto(result["levels"], f"{result['target']} via Triton, concurrency annotated\n{result['machine']['cpu']}, {result['date'][:10]}",
+                out.with_suffix(".png"))
     print(json.dumps(result["ratios"], indent=2))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

@@ -1,6 +1,6 @@
 """The load generator's arithmetic: the steady window counts only what streamed while every client was busy."""
 
-from trtllm_dflash.loadgen import LoadRun, Outcome, summary
+from trtllm_dflash.loadgen import LoadRun, Outcome, median_level, summary
 
 
 def test_steady_throughput_excludes_ramp_and_drain():
@@ -21,3 +21,10 @@ def test_no_steady_window_when_the_queue_never_holds_a_second_wave():
     a = Outcome(0, tokens=2, arrivals=[(1.0, 1), (2.0, 2)], latency=2.0)
     report = summary(LoadRun([a], wall=2.0, full=(3.0, 3.0)))
     assert report["steady_tokens_per_s"] is None and report["steady_s"] == 0.0
+
+
+def test_a_level_reports_its_median_round_and_keeps_every_round():
+    rounds = [{"steady_tokens_per_s": x, "total_tokens_per_s": x - 1, "ttft_p50_s": x / 100} for x in (30.0, 10.0, 20.0)]
+    level = median_level(rounds)
+    assert level["steady_tokens_per_s"] == 20.0 and level["ttft_p50_s"] == 0.2  # the median round's latencies with it
+    assert level["steady_tokens_per_s_rounds"] == [30.0, 10.0, 20.0] and level["total_tokens_per_s_rounds"] == [29.0, 9.0, 19.0]

@@ -127,6 +127,29 @@ def test_cli_client_json(server, reference):
     assert got["time_to_first_token"] > 0 and got["tokens_per_second"] > 0 and "acceptance_length" in got
 
 
+def test_cli_bench_loads_the_server_and_reports_every_request(server, tmp_path):
+    """`trtdflash bench` against the real server, named twice: at each level every request streams the tokens asked
+    for, and the table, the results JSON and the plot report it."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Write a long story about a dragon who learns to bake bread."})
+                       + "\nList every month of the year with one fact about each.\n")
+    out = subprocess.run([TRTDFLASH, "bench", "--url", f"a={server.grpc_url}", "--url", f"b={server.grpc_url}", "--concurrency", "1,2",
+                          "--requests", "3", "--max-tokens", "8", "--prompts", str(prompts), "--output", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert list(report["levels"]) == ["a", "b"] and report["num_prompts"] == 2
+    for levels in report["levels"].values():
+        assert [lv["concurrency"] for lv in levels] == [1, 2]
+        for lv in levels:
+            assert lv["completed"] == 3 and lv["errors"] == [] and lv["tokens"] == 3 * 8
+            assert lv["steady_tokens_per_s"] > 0 and lv["ttft_p50_s"] > 0 and lv["acceptance_length_median"] >= 1
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [line.split() for line in out.stdout.splitlines() if line[:5].strip().isdigit()]
+    assert [r[:2] for r in rows] == [["1", "a"], ["1", "b"], ["2", "a"], ["2", "b"]]
+    assert all(r[-1].endswith("x") for r in rows[1::2]) and not any(r[-1].endswith("x") for r in rows[::2])
+
+
 def test_concurrent_streams_all_complete(server, reference):
     """Three streams on a build with max_batch_size 2: two run interleaved, the third waits for a slot."""
     results, errors = [None] * 3, []

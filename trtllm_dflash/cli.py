@@ -244,6 +244,34 @@ def client(url, prompt, prompt_option, max_tokens, stream, temperature, top_p, t
 
 
 @main.command()
+@click.option("--url", "urls", multiple=True, default=["127.0.0.1:8001"], show_default=True,
+              help="Triton gRPC endpoint; repeat it to load several servers in turn (NAME=HOST:PORT names one in the table).")
+@click.option("--concurrency", default="1,2,4,8", show_default=True, help="Closed-loop clients per level, comma-separated.")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="One prompt per line, or JSON lines with a \"prompt\" field. Default: held-out GSM8K questions alternating "
+                   "with everyday questions.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--requests", type=click.IntRange(min=0), default=0, help="Requests per level (default: four per client, at least 8).")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs of every level on every server, the order turning; each figure is the median round's.")
+@click.option("--output", default=None, help="Write the results here as JSON, and the throughput-latency plot beside it (.png).")
+@user_errors
+def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output):
+    """Load running servers with closed-loop streaming clients (each sends its next request when its last one ends):
+    tokens/s, per-user speed, time to first token, inter-token latency and acceptance at each concurrency level."""
+    from .bench import run_bench
+
+    try:
+        levels = [int(c) for c in concurrency.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"give numbers of clients separated by commas, such as 1,4,16; got {concurrency!r}.",
+                                 param_hint="--concurrency") from None
+    report = run_bench(urls, levels, prompts_file=prompts_file, max_tokens=max_tokens, requests=requests, rounds=rounds,
+                       output=output, progress=lambda m: click.echo(m, err=True))
+    click.echo(report["table"])
+
+
+@main.command()
 @click.option("--output", default=None, help="Build directory (default: <cache>/quickstart); rebuilt only when inputs change. "
                                              "The comparison build goes beside it, in OUTPUT-no-draft.")
 @click.option("--draft", default=None, help="DFlash draft directory. Default: the packaged SmolLM2-135M draft.")

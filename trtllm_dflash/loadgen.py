@@ -1,6 +1,6 @@
 """Load against a running server: closed-loop gRPC clients (each sends its next request when the previous one ends),
-streaming or not, some leaving mid-stream. One home for what the serving benchmark, the soak run and the load test
-send, and for the latency figures they report.
+streaming or not, some leaving mid-stream. One home for what `trtdflash bench`, the serving benchmark, the soak run
+and the load test send, and for the latency figures they report.
 """
 
 from __future__ import annotations
@@ -12,7 +12,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .client import CompletionRequest, EnsembleStream
+from .client import CompletionRequest, EnsembleStream, complete
+from .errors import DFlashError
+
+EVERYDAY_QUESTIONS = (  # not from any training set
+    "What are some good ways to stay focused while working from home?",
+    "Can you explain what a black hole is in simple terms?",
+    "Give me three ideas for a rainy-day activity with kids.",
+    "How do I make a good cup of coffee at home?",
+    "What is the difference between weather and climate?",
+    "Suggest a short plan for learning to play the guitar.",
+    "Why do leaves change color in autumn?",
+    "What should I consider when adopting a dog?",
+)
 
 
 @dataclass(frozen=True)
@@ -138,6 +150,79 @@ def summary(run: LoadRun) -> dict:
         "latency_p50_s": pct([o.latency for o in done], 50), "latency_p99_s": pct([o.latency for o in done], 99),
         "acceptance_length_median": round(statistics.median(o.acceptance_length for o in done), 3) if done else 0.0,
     }
+
+
+def default_prompts(n_math: int = 16) -> list[str]:
+    """The last `n_math` held-out GSM8K questions alternating with everyday questions: mixed traffic that no shipped
+    draft trained on."""
+    from .data import gsm8k_records
+
+    held_out = gsm8k_records(holdout=True)
+    math = [r["question"] for r in held_out[len(held_out) - n_math:]]
+    return [p for pair in zip(math, EVERYDAY_QUESTIONS * (n_math // len(EVERYDAY_QUESTIONS) + 1)) for p in pair]
+
+
+def median_level(rounds: list[dict]) -> dict:
+    """The round with the median steady tokens/s (its latencies with it), and every round's figures."""
+    ranked = sorted(rounds, key=lambda lv: lv["steady_tokens_per_s"] or 0.0)
+    return ranked[(len(ranked) - 1) // 2] | {"steady_tokens_per_s_rounds": [lv["steady_tokens_per_s"] for lv in rounds],
+                                             "total_tokens_per_s_rounds": [lv["total_tokens_per_s"] for lv in rounds]}
+
+
+def compare(urls: dict[str, str], prompts: list[str], concurrency: list[int], *, max_tokens: int, requests: int = 0,
+            rounds: int = 1, progress=print) -> dict[str, list[dict]]:
+    """Every concurrency level on every server in turn, the order turning each round, so that a drift in the
+    machine's speed falls on all of them; per server, one `summary` per level (the median round's).
+
+    A level sends `requests` jobs (default: four per client, at least 8): with fewer than about four per client only
+    the first part of a level has every client busy, and the steady figure needs that window.
+    """
+    if not prompts:
+        raise DFlashError("No prompts to send.")
+    if not concurrency or min(concurrency) < 1:
+        raise DFlashError(f"Concurrency levels must be positive numbers of clients, got {list(concurrency)}.")
+    if requests and requests <= max(concurrency):
+        raise DFlashError(f"--requests ({requests}) must exceed the highest concurrency ({max(concurrency)}): the steady "
+                          "window starts once every client streams and ends when the queue runs dry.")
+    for url in urls.values():  # one short request each: a wrong address fails here in one sentence, and the server warms up
+        complete(url, CompletionRequest(prompts[0], 8))
+    runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in urls}
+    names = list(urls)
+    for r in range(rounds):
+        for c in concurrency:
+            jobs = [Job(prompts[i % len(prompts)], max_tokens) for i in range(requests or max(8, 4 * c))]
+            for name in names if r % 2 == 0 else names[::-1]:
+                lv = summary(run_load(urls[name], jobs, c))
+                runs[name][c].append(lv)
+                if progress:
+                    steady = lv["steady_tokens_per_s"]
+                    progress(f"round {r + 1} c={c:<3d} {name}: {steady if steady is not None else 0:.1f} tok/s steady, "
+                             f"{lv['tokens_per_s_per_user']:.1f}/user, TTFT p50 {lv['ttft_p50_s']:.3f} s, "
+                             f"acceptance {lv['acceptance_length_median']}, errors {len(lv['errors'])}")
+    return {name: [{"concurrency": c} | median_level(runs[name][c]) for c in concurrency] for name in names}
+
+
+def plot_pareto(levels: dict[str, list[dict]], title: str, path: Path) -> None:
+    """Tokens/s per user against the server's steady tokens/s, one line per server, each point's concurrency on it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (name, lvs) in enumerate(levels.items()):
+        xs = [lv["steady_tokens_per_s"] or 0.0 for lv in lvs]
+        ys = [lv["tokens_per_s_per_user"] for lv in lvs]
+        ax.plot(xs, ys, marker="o^Dv"[i // 2 % 4], linestyle="--" if i % 2 else "-", label=name)  # pairs: a build and its baseline
+        for lv, x, y in zip(lvs, xs, ys):
+            ax.annotate(str(lv["concurrency"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("total output tokens/s (server, all clients busy)")
+    ax.set_ylabel("output tokens/s per user (median)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def tree_rss_bytes(pid: int) -> int:

@@ -233,6 +233,9 @@ cd /deploy && ./launch.sh                # Triton: gRPC :8001, HTTP :8000 (model
 3. `trtdflash client --url HOST:8001 --prompt "Hello" --json` answers, with `acceptance_length` above 1.
 4. `examples/gpu_smoke.sh` (in the trtllm-dflash repository) compares greedy output against TensorRT-LLM without
    speculation and prints PASS/FAIL, the acceptance length and tokens/s.
+5. `trtdflash bench --url HOST:8001 --concurrency 1,4,16,64` loads it with closed-loop streaming clients: tokens/s,
+   time to first token, inter-token latency and acceptance per level (`--url dflash=HOST:8001 --url plain=HOST:9001`
+   beside a build made with `--no-draft`; `--output results.json` adds a plot).
 """
 
 
