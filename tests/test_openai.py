@@ -246,3 +246,17 @@ def test_disconnecting_client_cancels_its_request(server, api):
         time.sleep(0.5)
     assert len(cancelled()) > before and int(cancelled()[-1]) < MAX_SEQ_LEN - 64
     assert _serves(api)
+
+
+def test_bench_loads_the_frontend_as_it_would_a_peers(server, tmp_path):
+    """`trtdflash bench` with an http:// URL drives the OpenAI API as vLLM's, SGLang's or trtllm-serve's: every
+    request streams the tokens asked for (the final usage), and ours reports its acceptance beside them."""
+    from trtllm_dflash.bench import run_bench
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a long story about a dragon who learns to bake bread.\nList every month of the year with one fact about each.\n")
+    report = run_bench([f"http://{server.host}:{server.openai_port}"], [1, 2], prompts_file=str(prompts), max_tokens=8, requests=3,
+                       progress=None)
+    for level in next(iter(report["levels"].values())):
+        assert level["completed"] == 3 and level["errors"] == [] and level["tokens"] == 3 * 8
+        assert level["ttft_p50_s"] > 0 and level["steady_tokens_per_s"] > 0 and level["acceptance_length_median"] >= 1

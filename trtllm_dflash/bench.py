@@ -1,6 +1,7 @@
 """`trtdflash bench`: load one or more running servers as `vllm bench serve` and `genai-perf` do, for an operator
 who has deployed a build (on GPUs, or the embedded one) and wants its throughput, latency and acceptance per
-concurrency level, or two deployments side by side (a DFlash build and the same build without a draft).
+concurrency level, or deployments side by side: a DFlash build and the same build without a draft, or a peer
+(vLLM, SGLang, trtllm-serve) through its OpenAI-compatible API on the same GPUs.
 
 The servers take turns level by level (`loadgen.compare`); the figures are measured at the client, as a user sees
 them, so the results file records the client's CPU and the servers' addresses, not the servers' hardware.
@@ -18,16 +19,16 @@ from .loadgen import compare, default_prompts, plot_pareto
 
 
 def parse_urls(urls: tuple[str, ...] | list[str]) -> dict[str, str]:
-    """NAME=HOST:PORT or HOST:PORT (named by itself), in the order given."""
+    """NAME=URL or URL (named by itself), in the order given; URL is HOST:PORT (Triton's gRPC) or http(s)://... (OpenAI)."""
     out: dict[str, str] = {}
     for spec in urls:
         name, sep, url = spec.partition("=")
         if not sep:
             name, url = spec, spec
         if not name or not url:
-            raise DFlashError(f"--url {spec!r}: give HOST:PORT or NAME=HOST:PORT.")
+            raise DFlashError(f"--url {spec!r}: give URL or NAME=URL (HOST:PORT for Triton's gRPC, http://HOST:PORT for OpenAI's API).")
         if name in out:
-            raise DFlashError(f"--url names {name!r} twice; give each server its own NAME=HOST:PORT.")
+            raise DFlashError(f"--url names {name!r} twice; give each server its own NAME=URL.")
         out[name] = url
     return out
 

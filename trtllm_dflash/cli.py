@@ -245,7 +245,8 @@ def client(url, prompt, prompt_option, max_tokens, stream, temperature, top_p, t
 
 @main.command()
 @click.option("--url", "urls", multiple=True, default=["127.0.0.1:8001"], show_default=True,
-              help="Triton gRPC endpoint; repeat it to load several servers in turn (NAME=HOST:PORT names one in the table).")
+              help="Triton's gRPC endpoint (HOST:PORT), or an OpenAI-compatible server's (http://HOST:PORT: vLLM, SGLang, "
+                   "trtllm-serve, ours); repeat it to load several in turn (NAME=URL names one in the table).")
 @click.option("--concurrency", default="1,2,4,8", show_default=True, help="Closed-loop clients per level, comma-separated.")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="One prompt per line, or JSON lines with a \"prompt\" field. Default: held-out GSM8K questions alternating "

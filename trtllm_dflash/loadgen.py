@@ -5,14 +5,18 @@ and the load test send, and for the latency figures they report.
 
 from __future__ import annotations
 
+import functools
+import json
 import queue
 import statistics
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .client import CompletionRequest, EnsembleStream, complete
+from .client import CompletionRequest, EnsembleStream
 from .errors import DFlashError
 
 EVERYDAY_QUESTIONS = (  # not from any training set
@@ -64,13 +68,19 @@ class LoadRun:
     full: tuple[float, float]  # (perf_counter) from every client's first token until the queue ran dry: all clients busy
 
 
+def _error(e: Exception) -> str:
+    return str(e) if isinstance(e, DFlashError) else f"{type(e).__name__}: {e}"
+
+
 def _one(url: str, index: int, job: Job, timeout: float) -> Outcome:
+    if url.startswith(("http://", "https://")):
+        return _one_openai(url, index, job, timeout)
     out, responses = Outcome(index), queue.Queue()
     t0 = time.perf_counter()
     try:
         stream = EnsembleStream(url, CompletionRequest(job.prompt, job.max_tokens, job.stream), lambda result, error: responses.put((result, error)))
     except Exception as e:  # noqa: BLE001 - a refused connection is an outcome like any other
-        out.error = f"{type(e).__name__}: {e}"
+        out.error = _error(e)
         return out
     try:
         while not stream.finished:
@@ -85,12 +95,86 @@ def _one(url: str, index: int, job: Job, timeout: float) -> Outcome:
                 out.left = True
                 break
     except Exception as e:  # noqa: BLE001
-        out.error = f"{type(e).__name__}: {e}"
+        out.error = _error(e)
     finally:
         stream.close()
     done = stream.done
     out.text, out.tokens, out.acceptance_length = "".join(done.pieces), done.num_tokens, done.acceptance_length
     out.ttft, out.latency = done.time_to_first_token, time.perf_counter() - t0
+    return out
+
+
+def openai_base(url: str) -> str:
+    """http://host:port or http://host:port/v1 (as vLLM, SGLang and trtllm-serve are given) -> the /v1 base."""
+    base = url.rstrip("/")
+    return base if base.endswith("/v1") else base + "/v1"
+
+
+@functools.cache
+def openai_model(url: str) -> str:
+    """The first model the server lists: the one a single-model server (vLLM, SGLang, trtllm-serve, ours) serves."""
+    try:
+        with urllib.request.urlopen(openai_base(url) + "/models", timeout=30) as r:
+            models = json.load(r).get("data") or []
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"Cannot reach an OpenAI-compatible server at {url} ({getattr(e, 'reason', e)}); check the --url.") from None
+    if not models:
+        raise DFlashError(f"The OpenAI-compatible server at {url} lists no model.")
+    return models[0]["id"]
+
+
+def _one_openai(url: str, index: int, job: Job, timeout: float) -> Outcome:
+    """One chat completion through OpenAI's HTTP API, greedy, streamed as server-sent events unless `job.stream` is off.
+
+    OpenAI's chunks carry text, not token counts: the final usage's completion tokens are shared out over the chunks
+    by their characters, so the steady window's count is exact at its ends and close in between. An `acceptance_length`
+    comes only from servers that report one (ours, in its `dflash` field).
+    """
+    out, t0 = Outcome(index), time.perf_counter()
+    body = {"messages": [{"role": "user", "content": job.prompt}], "max_tokens": job.max_tokens, "temperature": 0.0, "stream": job.stream}
+    if job.stream:
+        body["stream_options"] = {"include_usage": True}
+    chars, pieces, usage = [], [], None
+    try:
+        body["model"] = openai_model(url)
+        request = urllib.request.Request(openai_base(url) + "/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            if not job.stream:
+                reply = json.load(r)
+                pieces.append(reply["choices"][0]["message"]["content"] or "")
+                out.ttft, usage = time.perf_counter() - t0, reply.get("usage")
+                out.acceptance_length = float((reply.get("dflash") or {}).get("acceptance_length", 0.0))
+                chars.append((time.perf_counter(), len(pieces[0])))
+            for line in r if job.stream else ():
+                data = line.decode("utf-8").strip()
+                if not data.startswith("data:") or data[5:].strip() == "[DONE]":
+                    continue
+                chunk = json.loads(data[5:])
+                if "error" in chunk:
+                    raise DFlashError(f"The server failed the request mid-stream: {chunk['error'].get('message', chunk['error'])}")
+                usage = chunk.get("usage") or usage
+                out.acceptance_length = float((chunk.get("dflash") or {}).get("acceptance_length", out.acceptance_length))
+                piece = (chunk["choices"][0].get("delta") or {}).get("content") if chunk.get("choices") else None
+                if piece:
+                    if not pieces:
+                        out.ttft = time.perf_counter() - t0
+                    pieces.append(piece)
+                    chars.append((time.perf_counter(), sum(map(len, pieces))))
+                    if job.leave_after is not None and len(pieces) >= job.leave_after:
+                        out.left = True
+                        break
+    except urllib.error.HTTPError as e:
+        try:
+            reason = json.loads(e.read()).get("error", {}).get("message", e.reason)
+        except ValueError:
+            reason = e.reason
+        out.error = f"HTTP {e.code}: {reason}"
+    except (OSError, ValueError, KeyError, IndexError, DFlashError) as e:
+        out.error = _error(e)
+    out.text, out.latency = "".join(pieces), time.perf_counter() - t0
+    total = sum(map(len, pieces))
+    out.tokens = int(usage["completion_tokens"]) if usage and not out.left else len(pieces)
+    out.arrivals = [(at, round(out.tokens * n / total) if total else 0) for at, n in chars]
     return out
 
 
@@ -185,7 +269,9 @@ def compare(urls: dict[str, str], prompts: list[str], concurrency: list[int], *,
         raise DFlashError(f"--requests ({requests}) must exceed the highest concurrency ({max(concurrency)}): the steady "
                           "window starts once every client streams and ends when the queue runs dry.")
     for url in urls.values():  # one short request each: a wrong address fails here in one sentence, and the server warms up
-        complete(url, CompletionRequest(prompts[0], 8))
+        probe = _one(url, 0, Job(prompts[0], 8), 600.0)
+        if probe.error:
+            raise DFlashError(probe.error)
     runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in urls}
     names = list(urls)
     for r in range(rounds):

@@ -235,7 +235,8 @@ cd /deploy && ./launch.sh                # Triton: gRPC :8001, HTTP :8000 (model
    speculation and prints PASS/FAIL, the acceptance length and tokens/s.
 5. `trtdflash bench --url HOST:8001 --concurrency 1,4,16,64` loads it with closed-loop streaming clients: tokens/s,
    time to first token, inter-token latency and acceptance per level (`--url dflash=HOST:8001 --url plain=HOST:9001`
-   beside a build made with `--no-draft`; `--output results.json` adds a plot).
+   beside a build made with `--no-draft`, or `--url vllm=http://HOST:8000` beside a peer's OpenAI API; `--output
+   results.json` adds a plot).
 """
 
 
