@@ -1,5 +1,5 @@
-"""Load against a running server: closed-loop gRPC clients (each sends its next request when the previous one ends),
-streaming or not, some leaving mid-stream. One home for what `trtdflash bench`, the serving benchmark, the soak run
+"""Load against a running server: closed-loop clients (each sends its next request when the previous one ends) over
+Triton's gRPC or an OpenAI-compatible HTTP API, streaming or not, some leaving mid-stream. One home for what `trtdflash bench`, the serving benchmark, the soak run
 and the load test send, and for the latency figures they report.
 """
 
