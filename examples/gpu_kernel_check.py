@@ -7,7 +7,8 @@
    (masks + SDPA, the CPU implementation, run here on the GPU) on the attention shapes of the published drafts
    z-lab/Qwen3-8B-DFlash-b16 (32/8 heads, head_dim 128, block 16) and z-lab/gpt-oss-120b-DFlash (64/8 heads,
    head_dim 64, block 10; plus the target's causal 128-token sliding window), ragged batches, fp32 and bf16.
-2. Speed: the kernel against the composed path (masks + concatenated K/V + SDPA, what the reference does).
+2. Speed: the kernel against the composed path (masks + concatenated K/V + SDPA, what the reference does), and
+   its split-KV launch (the context in slices, merged) against one slice at batch 1 and 4 with long contexts.
 3. With TensorRT installed: the plugin `trtdflash::block_attention` (plugins/tensorrt_plugin.py) in a one-layer
    engine against the reference.
 Prints one PASS/FAIL line per check and the times; exits 1 if any check fails.
@@ -83,6 +84,19 @@ def check_kernel(quick: bool) -> bool:
             fused = time_ms(lambda: block_attention(*args, causal, window))
             composed = time_ms(lambda: block_attention_reference(*args, causal, window))
             print(f"  {name:22s} b={b:3d} ctx={ctx:5d}: kernel {fused:7.3f} ms, composed {composed:7.3f} ms, x{composed / fused:.2f}")
+    print("\nsplit KV (bf16, median ms): the slices the launcher chooses against one program per KV head and query tile")
+    from trtllm_dflash.plugins.block_attention import block_attention as kernel, context_splits, launch_config
+
+    for name, nh, nkv, hd, q, causal, window in DRAFTS:
+        for b, ctx in ((1, 2048), (1, 16384), (4, 16384)):
+            args = inputs(nh, nkv, hd, q, [ctx] * b, torch.bfloat16)
+            n = context_splits(args[0], args[1], args[3], window or 0, launch_config(args[0], args[1]))
+            good, err = within_tolerance(kernel(*args, causal, window or 0), args, causal, window)
+            ok &= good
+            split = time_ms(lambda: kernel(*args, causal, window or 0))
+            one = time_ms(lambda: kernel(*args, causal, window or 0, num_splits=1))
+            print(f"  {'PASS' if good else 'FAIL'} {name:22s} b={b} ctx={ctx:5d}: {n:2d} slices {split:7.3f} ms, one {one:7.3f} ms, "
+                  f"x{one / split:.2f} (max err {err:.2e})")
     return ok
 
 

@@ -65,6 +65,31 @@ def test_bf16_within_the_rounding_bound(case):
     assert ((ref_bf16 - exact).abs() <= bound).all()
 
 
+SPLIT_CASES = [c for c in CASES if c[6] >= 90]  # contexts of more than one key tile
+
+
+@pytest.mark.parametrize("splits", [2, 3, 64])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c[0] for c in SPLIT_CASES])
+def test_split_context_merges_to_the_reference(case, splits):
+    """Split KV: slices of the context, each with its own max and sum, merged by the second kernel, give the reference
+    in fp32 (another summation order again). 64 asks for more slices than key tiles: the launcher caps them, and the
+    short rows' later slices see no key at all and must weigh nothing."""
+    _, b, nh, nkv, q, hd, c, lens, causal, window = case
+    args = make(b, nh, nkv, q, hd, c, lens, torch.float32)
+    out = triton_block_attention(*args, causal, window or 0, num_splits=splits)
+    torch.testing.assert_close(out, block_attention_reference(*args, causal, window), atol=2e-5, rtol=1e-5)
+
+
+def test_split_context_in_bf16_within_the_rounding_bound():
+    """The slices keep their partial output, max and sum in fp32, so bf16 rounds where the unsplit kernel does."""
+    _, b, nh, nkv, q, hd, c, lens, causal, window = CASES[5]
+    args = make(b, nh, nkv, q, hd, c, lens, torch.bfloat16, seed=1)
+    out = triton_block_attention(*args, causal, window or 0, num_splits=3)
+    exact = block_attention_reference(*(a.float() if a.is_floating_point() else a for a in args), causal, window)
+    v_max = max(args[2].float().abs().max(), args[4].float().abs().max())
+    assert ((out.float() - exact).abs() <= 2.0 ** -8 * (exact.abs() + v_max) + 1e-3).all()
+
+
 def test_rows_past_their_length_ignore_the_cache_tail():
     """Garbage (NaN) beyond a row's ctx_len must never reach the output: the kernel stops at each row's length."""
     q, k, v, ck, cv, lens = make(2, 4, 2, 8, 64, 70, [10, 70], torch.float32)
