@@ -41,6 +41,15 @@ def _dot(a, b, F32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(m_i, l_i, acc, s, vv, F32_DOT: tl.constexpr):
+    """One tile of keys into the running max, sum and output (scores `s` in the log2 domain, hidden ones -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(vv.dtype), vv, F32_DOT)
+
+
+@triton.jit
 def _block_attention_kernel(
     Q, K, V, CK, CV, LENS, O, PM, PL, PACC,
     s_qb, s_qh, s_qt, s_qd,
@@ -92,15 +101,9 @@ def _block_attention_kernel(
         visible = j_ok[None, :]
         if WINDOWED:
             visible = visible & (pos[:, None] - j[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         vv = tl.load(CV + row * s_cvb + kvh * s_cvh + j[:, None] * s_cvt + d[None, :] * s_cvd,
                      mask=j_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(vv.dtype), vv, F32_DOT)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, tl.where(visible, s, float("-inf")), vv, F32_DOT)
 
     # The block's own keys (position ctx_len + s): all of them, or s <= t on causal layers; the last slice's.
     if split == num_splits - 1:
@@ -114,15 +117,9 @@ def _block_attention_kernel(
             visible = visible & (sk[None, :] <= t[:, None])
         if WINDOWED:
             visible = visible & (t[:, None] - sk[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         vv = tl.load(V + row * s_vb + kvh * s_vh + sk[:, None] * s_vt + d[None, :] * s_vd,
                      mask=sk_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(vv.dtype), vv, F32_DOT)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, tl.where(visible, s, float("-inf")), vv, F32_DOT)
 
     if SPLIT:  # this slice's unnormalised output, max and sum (log2 domain), merged by _merge_kernel
         at = row * s_pb + head * s_ph + t * s_pt + split * s_ps
