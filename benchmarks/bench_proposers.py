@@ -11,7 +11,10 @@ counts the guesses each proposer would have had accepted:
   next token while the product of those tokens' shares stays at or above MIN_SHARE (vLLM's suffix decoding keeps such
   an index of earlier outputs; unlike it, the guesses here are not capped at the matched suffix's length).
 It then walks each output a step at a time under rules for choosing a step's proposer, and under the oracle that takes
-whichever would accept most: what verifying all of them in one forward (a tree) could reach. The outputs come from a
+whichever would accept most: what verifying all of them in one forward (a tree) could reach. And it splits the draft's
+first guesses by how sure the target itself was of the token guessed (its top probability there, CONFIDENCE bins): a
+set whose answers the draft follows less well either holds more tokens the target was unsure of, or the draft
+guesses worse at equal confidence, which more training of the kind it had may mend. The outputs come from a
 real run with the runtime's own rule (lookup where it matches, else the draft), whose measured tau checks the replay
 of that rule (with the shipped prior and lookup: `--ngram-weight`, `--ngram-own` and `--lookup-guesses` change the
 replay only, so with them set the check no longer applies). The outputs are the target's whatever the draft (greedy
@@ -21,6 +24,7 @@ measurement that counts).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_proposers.py --math 40 --code 40 --chat 40
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_proposers.py --outputs /tmp/outputs.json --draft runs/my-draft/draft
+    .venv/bin/python benchmarks/bench_proposers.py --math 40 --code 40 --chat 40 --magpie-held-out 125   # and the held-out magpie questions
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 MIN_SHARE = 0.1  # the default of vLLM's suffix_decoding_min_token_prob (vllm/config/speculative.py)
 MAX_MATCH = 16  # longest context suffix looked up in the answers
 SURE = 0.9  # a rule takes the suffix index's guesses over the draft's when the first one's share is at least this
+CONFIDENCE = (0.5, 0.8, 0.95)  # edges of the bins of the target's top probability at the token a first guess guesses
 
 
 class SuffixIndex:
@@ -147,6 +152,26 @@ def draft_accepted(target, draft, prompt: list[int], output: list[int]) -> list[
     return acceptance_stats(guess == labels, valid, b)[0].tolist()
 
 
+@torch.no_grad()
+def target_confidence(target, prompt: list[int], output: list[int]) -> list[float]:
+    """[i]: the target's top probability at output[i + 1], the token the draft's first guess after output[:i+1] guesses."""
+    seq = prompt + output
+    logits, _ = target.forward(torch.tensor([seq]), 0, target.new_cache(1, len(seq)), capture=False)
+    return logits[0, len(prompt) : len(seq) - 1].float().softmax(-1).amax(-1).tolist()
+
+
+def by_confidence(runs: list[tuple[list[int], list[float]]]) -> list[dict]:
+    """The draft's first guesses (accepted counts d, the target's confidence c per position) in CONFIDENCE bins."""
+    edges = (0.0, *CONFIDENCE, 1.01)
+    pairs = [(di, ci) for d, c in runs for di, ci in zip(d, c)]
+    rows = []
+    for lo, hi in zip(edges, edges[1:]):
+        inside = [di for di, ci in pairs if lo <= ci < hi]
+        rows.append({"target_top_probability": f"{lo:.2f}-{min(hi, 1.0):.2f}", "share": round(len(inside) / max(len(pairs), 1), 3),
+                     "first_guess_accepted": round(sum(di >= 1 for di in inside) / len(inside), 3) if inside else None})
+    return rows
+
+
 def walk(n: int, accept) -> tuple[int, int]:
     """(tokens, steps) of decoding an output of n tokens when the step after output[:i+1] accepts accept(i) guesses."""
     i = tokens = steps = 0
@@ -161,6 +186,7 @@ def main() -> None:
     ap.add_argument("--math", type=int, default=40)
     ap.add_argument("--code", type=int, default=40)
     ap.add_argument("--chat", type=int, default=40)
+    ap.add_argument("--magpie-held-out", type=int, default=0, help="Packaged chat questions train-draft never trains on (125 of them).")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--draft", default=None, help="Draft directory to replay (default: the packaged draft).")
     ap.add_argument("--outputs", default=None, help="JSON file of the target's outputs: read if there, else written.")
@@ -201,7 +227,10 @@ def main() -> None:
     limit = draft.config.block_size - 1  # the draft's and the suffix index's guesses a step
     lookup_limit = MAX_GUESSES if a.lookup_guesses is None else a.lookup_guesses  # ... and lookup's
     t0 = time.perf_counter()
-    corpus = SuffixIndex([r["answer_ids"] for r in magpie_records()] + [r["answer_ids"] for r in answers_records()])
+    from trtllm_dflash.train.trainer import TrainArgs, held_out  # the magpie questions --magpie-held-out poses stay out
+
+    trained = [r for r in magpie_records() if not held_out(r["key"], TrainArgs.val_fraction)]
+    corpus = SuffixIndex([r["answer_ids"] for r in trained] + [r["answer_ids"] for r in answers_records()])
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
               "target": "smollm2-135m", "draft": str(a.draft or "packaged default"), "dtype": "fp32", "decoding": "greedy",
               "max_new_tokens": a.max_new_tokens, "block_size": draft.config.block_size,
@@ -209,10 +238,10 @@ def main() -> None:
               "min_share": MIN_SHARE, "first_prompt": a.first, "lookup_guesses": lookup_limit,
               "draft_ngram_prior": None if draft.ngram is None else {"weight": draft.ngram.weight, "own": draft.ngram.own},
               "sets": {}}
-    for name, prompts in prompt_sets(a.math, a.code, a.chat, first=a.first).items():
+    for name, prompts in prompt_sets(a.math, a.code, a.chat, a.magpie_held_out, first=a.first).items():
         if not prompts:
             continue
-        runs, measured = [], []
+        runs, measured, confidence = [], [], []
         for key, text in prompts:
             prompt = engine.encode(text)
             hit = cached.get(name, {}).get(key)
@@ -223,6 +252,7 @@ def main() -> None:
                 out, tau = r.token_ids, r.stats.acceptance_length
                 cached.setdefault(name, {})[key] = {"prompt": prompt, "output": out, "max_new_tokens": a.max_new_tokens}
             d = draft_accepted(engine.target, draft, prompt, out)
+            confidence.append((d, target_confidence(engine.target, prompt, out)))
             history, look, suffix = NgramIndex(prompt + out[:1]), [], []
             for i in range(len(out) - 1):
                 ctx, truth = history.tokens, out[i + 1:]
@@ -250,9 +280,13 @@ def main() -> None:
             per = [walk(n, lambda i: rule(d[i], lk[i], s[i])) for n, d, lk, s in runs]
             result["replay"][rule_name] = {"tau_mean": round(statistics.mean(t / max(st, 1) for t, st in per), 3),
                                            "tau_pooled": round(sum(t for t, _ in per) / max(sum(st for _, st in per), 1), 3)}
+        result["draft_first_guess_by_target_confidence"] = by_confidence(confidence)
         report["sets"][name] = result
         print(f"== {name}: measured {result['measured_tau_mean']}; "
               + "; ".join(f"{k} {v['tau_mean']:.2f}" for k, v in result["replay"].items()), flush=True)
+        print("   the draft's first guess by the target's top probability there: " + "; ".join(
+            f"{r['target_top_probability']}: {r['share']:.0%} of positions, {r['first_guess_accepted']} accepted"
+            for r in result["draft_first_guess_by_target_confidence"]), flush=True)
     if cache_path:
         cache_path.write_text(json.dumps(cached) + "\n")
     out = Path(a.out or Path(__file__).parent / "results" / f"proposers-smollm2-135m-{time.strftime('%Y%m%d-%H%M')}.json")
