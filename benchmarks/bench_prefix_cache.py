@@ -38,20 +38,17 @@ def questions(n: int) -> list[str]:
     return [r["question"] for r in magpie_records() if held_out(r["key"], TrainArgs.val_fraction)][:n]
 
 
-def converse(engine, scheduler, asks: list[str], max_new_tokens: int) -> list[dict]:
+def converse(conversation, asks: list[str], max_new_tokens: int) -> list[dict]:
+    """One conversation from its start (`trtllm_dflash.chat.Conversation`, as `trtdflash chat` runs it)."""
     from trtllm_dflash.generate import GenerationStats
 
-    messages, turns = [], []
+    conversation.reset()
+    turns = []
     for ask in asks:
-        messages.append({"role": "user", "content": ask})
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids, stats, tokens = engine.encode(text, chat=False), GenerationStats(), []
-        t0 = time.perf_counter()
-        for step, _ in engine.stream(ids, max_new_tokens=max_new_tokens, stats=stats, scheduler=scheduler):
-            tokens += step
-        turns.append({"prompt_tokens": len(ids), "cached_tokens": stats.cached_tokens, "ttft_s": round(stats.time_to_first_token, 4),
-                      "seconds": round(time.perf_counter() - t0, 4), "tokens": tokens})
-        messages.append({"role": "assistant", "content": engine.tokenizer.decode(tokens, skip_special_tokens=True)})
+        stats, t0 = GenerationStats(), time.perf_counter()
+        text = "".join(conversation.ask(ask, max_new_tokens=max_new_tokens, stats=stats))
+        turns.append({"prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.cached_tokens,
+                      "ttft_s": round(stats.time_to_first_token, 4), "seconds": round(time.perf_counter() - t0, 4), "text": text})
     return turns
 
 
@@ -94,25 +91,26 @@ def main(argv=None):
 
     from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.prefix_cache import DEFAULT_TOKENS
+    from trtllm_dflash.chat import Conversation
     from trtllm_dflash.runtime import DFlashEngine
 
     engine = DFlashEngine.load(args.target, dtype=args.dtype, progress=lambda m: print(m, file=sys.stderr))
     budgets = {"cache": DEFAULT_TOKENS, "no cache": 0}
-    schedulers = {name: engine.scheduler(1, engine.target.max_positions, prefix_cache_tokens=b) for name, b in budgets.items()}
+    loops = {name: Conversation(engine, prefix_cache_tokens=b) for name, b in budgets.items()}
     asks = questions(args.conversations * args.turns)
     runs = {name: [] for name in budgets}
     try:
-        for s in schedulers.values():  # one-off setup of each loop, not timed
-            converse(engine, s, ["Say hello."], 8)
+        for c in loops.values():  # one-off setup of each loop, not timed
+            converse(c, ["Say hello."], 8)
         for c in range(args.conversations):
             order = list(budgets) if c % 2 == 0 else list(budgets)[::-1]
             for name in order:
-                runs[name].append(converse(engine, schedulers[name], asks[c * args.turns : (c + 1) * args.turns], args.max_new_tokens))
+                runs[name].append(converse(loops[name], asks[c * args.turns : (c + 1) * args.turns], args.max_new_tokens))
                 print(f"conversation {c + 1} ({name}): TTFT " + ", ".join(f"{t['ttft_s'] * 1000:.0f}" for t in runs[name][-1]) + " ms",
                       file=sys.stderr)
     finally:
-        for s in schedulers.values():
-            s.stop()
+        for c in loops.values():
+            c.close()
     per_turn = []
     for t in range(args.turns):
         row = {"turn": t + 1, "prompt_tokens_median": statistics.median(r[t]["prompt_tokens"] for r in runs["cache"])}
@@ -121,12 +119,12 @@ def main(argv=None):
             row[f"{name}: cached_tokens_median"] = statistics.median(r[t]["cached_tokens"] for r in runs[name])
         row["ttft_ratio"] = round(row["no cache: ttft_ms_median"] / row["cache: ttft_ms_median"], 2)
         per_turn.append(row)
-    same = all(a["tokens"] == b["tokens"] for ca, cb in zip(runs["cache"], runs["no cache"]) for a, b in zip(ca, cb))
+    same = all(a["text"] == b["text"] for ca, cb in zip(runs["cache"], runs["no cache"]) for a, b in zip(ca, cb))
     total = {name: round(sum(t["seconds"] for r in runs[name] for t in r), 2) for name in budgets}
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
               "torch_threads": torch.get_num_threads(), "dtype": engine.dtype, "args": vars(args), "prefix_cache_tokens": DEFAULT_TOKENS,
               "per_turn": per_turn, "seconds_all_turns": total, "same_text": same,
-              "runs": {name: [[{k: v for k, v in t.items() if k != "tokens"} for t in r] for r in rs] for name, rs in runs.items()}}
+              "runs": {name: [[{k: v for k, v in t.items() if k != "text"} for t in r] for r in rs] for name, rs in runs.items()}}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     plot(report, Path(args.out).with_suffix(".png"))
     print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT cache':>11} {'TTFT none':>10} {'ratio':>6}")

@@ -150,6 +150,65 @@ def generate(target, draft, no_draft, prompt, prompt_option, chat, max_new_token
 
 
 @main.command()
+@click.option("--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory.")
+@click.option("--draft", default=None, help="DFlash draft directory (z-lab format). Default: the target's packaged draft.")
+@click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding (the baseline).")
+@click.option("--system", default=None, help="A system message the conversation starts with.")
+@click.option("--max-new-tokens", type=int, default=512, show_default=True, help="Longest answer a turn may get.")
+@sampling_options
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
+@speculation_option
+@lookup_option
+@int8_draft_option
+@user_errors
+def chat(target, draft, no_draft, system, max_new_tokens, temperature, top_p, top_k, seed, dtype, speculation, lookup, int8_draft):
+    """Chat turn by turn on the embedded PyTorch backend, each answer streamed with its speed and acceptance.
+
+    Reads one message a line from the terminal or from stdin; /reset starts a new conversation, /exit or Ctrl-D ends.
+    Each turn's prompt is the whole conversation, and the earlier turns come from the prefix cache."""
+    from .chat import Conversation
+    from .config import SamplingParams
+    from .generate import GenerationStats
+    from .runtime import DFlashEngine
+
+    if max_new_tokens < 1:
+        raise DFlashError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
+    sampling = SamplingParams(temperature, top_p, top_k, seed)
+    engine = DFlashEngine.load(target, None if no_draft else draft, no_draft=no_draft, dtype=dtype, speculation=speculation,
+                               lookup=lookup, int8_draft=int8_draft, progress=lambda m: click.echo(m, err=True))
+    interactive = sys.stdin.isatty()
+    if interactive:
+        click.echo(f"{target}, {engine.dtype}, " + ("no draft" if engine.draft is None else f"DFlash block {engine.block_size}")
+                   + ". One message a line; /reset starts over, /exit or Ctrl-D ends.", err=True)
+    with Conversation(engine, system) as conversation:
+        while True:
+            try:
+                line = input("> " if interactive else "").strip()
+            except (EOFError, KeyboardInterrupt):
+                break
+            if line in ("/exit", "/quit"):
+                break
+            if line == "/reset":
+                conversation.reset()
+                click.echo("(a new conversation)", err=True)
+                continue
+            if not line:
+                continue
+            stats, dropped = GenerationStats(), conversation.dropped
+            try:
+                for delta in conversation.ask(line, max_new_tokens=max_new_tokens, sampling=sampling, stats=stats):
+                    click.echo(delta, nl=False)
+            except KeyboardInterrupt:  # Ctrl-C stops this answer (it stays out of the conversation), not the chat
+                click.echo("\n(stopped; that turn is left out)", err=True)
+                continue
+            click.echo()
+            note = "" if conversation.dropped == dropped else f", the {conversation.dropped} oldest exchanges left out to fit the window"
+            click.echo(f"[{stats.num_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, acceptance length "
+                       f"{stats.acceptance_length:.2f}, first token {stats.time_to_first_token * 1000:.0f} ms, prompt "
+                       f"{stats.prompt_tokens} tokens of which {stats.cached_tokens} from the prefix cache{note}]", err=True)
+
+
+@main.command()
 @click.option("--target", default="smollm2-135m", show_default=True,
               help="Local Hugging Face directory, an embedded preset (smollm2-135m, ...) or a GPU preset (gpt-oss-120b, qwen3-8b, ...).")
 @click.option("--draft", default=None, help="DFlash draft directory (z-lab format). Default: the preset's draft.")

@@ -186,6 +186,7 @@ def comparison_table(result: QuickstartResult) -> str:
                      f"{r.speedup:>9.2f}x{f'{min(spread):.2f}-{max(spread):.2f}x':>14}{r.acceptance_length:>12.2f}  {same}")
     lines += ["", "tok/s: a kind's tokens over its seconds; per prompt: the slowest and fastest prompt's speed-up;",
               "acceptance: tokens committed per target forward (1.00: the draft never helped).",
-              "Next: `trtdflash generate \"...\"` decodes without a server; `trtdflash build --output out/` then",
-              "`trtdflash serve out/` serves your own build; deploying on GPUs with TensorRT-LLM and all measured figures: README.md."]
+              "Next: `trtdflash chat` talks turn by turn and `trtdflash generate \"...\"` answers once, without a server;",
+              "`trtdflash build --output out/` then `trtdflash serve out/` serves your own build; deploying on GPUs with",
+              "TensorRT-LLM and all measured figures: README.md."]
     return "\n".join(lines)
