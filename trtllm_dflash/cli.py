@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
+import importlib
 import json
 import os
 import sys
@@ -178,6 +180,8 @@ def chat(target, draft, no_draft, system, max_new_tokens, temperature, top_p, to
                                lookup=lookup, int8_draft=int8_draft, progress=lambda m: click.echo(m, err=True))
     interactive = sys.stdin.isatty()
     if interactive:
+        with contextlib.suppress(ImportError):  # line editing and history for input(), where Python has them
+            importlib.import_module("readline")
         click.echo(f"{target}, {engine.dtype}, " + ("no draft" if engine.draft is None else f"DFlash block {engine.block_size}")
                    + ". One message a line; /reset starts over, /exit or Ctrl-D ends.", err=True)
     with Conversation(engine, system) as conversation:
