@@ -60,3 +60,7 @@ def test_chat_command_reads_turns_from_stdin():
 def test_chat_command_bad_input_is_one_sentence():
     r = CliRunner().invoke(main, ["chat", "--max-new-tokens", "0"], input="Hi\n")
     assert r.exit_code == 2 and "--max-new-tokens must be at least 1" in r.output and "Traceback" not in r.output
+    # a turn that cannot fit is refused in one sentence and the chat goes on to the next; the exit code says so
+    r = CliRunner().invoke(main, ["chat", "--dtype", "fp32", "--max-new-tokens", "8180"], input="Hi\n/reset\n")
+    assert r.exit_code == 2 and r.output.count("does not fit") == 1 and "(a new conversation)" in r.output
+    assert "Traceback" not in r.output

@@ -184,6 +184,7 @@ def chat(target, draft, no_draft, system, max_new_tokens, temperature, top_p, to
             importlib.import_module("readline")
         click.echo(f"{target}, {engine.dtype}, " + ("no draft" if engine.draft is None else f"DFlash block {engine.block_size}")
                    + ". One message a line; /reset starts over, /exit or Ctrl-D ends.", err=True)
+    failed = 0  # turns refused (a message that cannot fit): said at once, the chat goes on, the exit code tells
     with Conversation(engine, system) as conversation:
         while True:
             try:
@@ -205,11 +206,17 @@ def chat(target, draft, no_draft, system, max_new_tokens, temperature, top_p, to
             except KeyboardInterrupt:  # Ctrl-C stops this answer (it stays out of the conversation), not the chat
                 click.echo("\n(stopped; that turn is left out)", err=True)
                 continue
+            except DFlashError as e:
+                click.echo(f"Error: {e}", err=True)
+                failed += 1
+                continue
             click.echo()
             note = "" if conversation.dropped == dropped else f", the {conversation.dropped} oldest exchanges left out to fit the window"
             click.echo(f"[{stats.num_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, acceptance length "
                        f"{stats.acceptance_length:.2f}, first token {stats.time_to_first_token * 1000:.0f} ms, prompt "
                        f"{stats.prompt_tokens} tokens of which {stats.cached_tokens} from the prefix cache{note}]", err=True)
+    if failed:
+        sys.exit(2)
 
 
 @main.command()
