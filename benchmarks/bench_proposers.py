@@ -125,16 +125,19 @@ def accepted(guesses: list[int], truth: list[int]) -> int:
 
 
 @torch.no_grad()
-def draft_accepted(target, draft, prompt: list[int], output: list[int]) -> list[int]:
-    """[i]: draft guesses accepted at the step that starts after output[:i+1] is committed (output[i] its first token)."""
+def draft_accepted(target, draft, prompt: list[int], output: list[int]) -> tuple[list[int], list[float]]:
+    """[i]: draft guesses accepted at the step that starts after output[:i+1] is committed (output[i] its first token),
+    and the target's top probability at output[i + 1], the token the first of them guesses; one target forward."""
     from trtllm_dflash.models.draft_ngram import RequestCounts
-    from trtllm_dflash.train.data import forward_features
     from trtllm_dflash.train.trainer import acceptance_stats, block_hidden, build_blocks
 
     seq, b = prompt + output, draft.config.block_size
+    with target.tapped(draft.config.target_layer_ids):  # train/data.py's forward_features, with every position's logits
+        target_logits, feats = target.forward(torch.tensor([seq]), 0, target.new_cache(1, len(seq)), capture=True)
+    confidence = target_logits[0, len(prompt) : len(seq) - 1].float().softmax(-1).amax(-1).tolist()
     # features rounded to bf16, as train-draft stores them (the fp32 runtime keeps them in fp32): the replay's draft-only
     # tau was within 0.01 of bench_acceptance's for the drafts compared (TRAINING.md)
-    feats = forward_features(target, seq, draft.config.target_layer_ids).to(target.dtype)
+    feats = feats[0].to(torch.bfloat16).to(target.dtype)
     anchors = torch.arange(len(prompt), len(seq) - 1)
     response = torch.zeros(len(seq), dtype=torch.long)
     response[len(prompt):] = 1
@@ -149,15 +152,7 @@ def draft_accepted(target, draft, prompt: list[int], output: list[int]) -> list[
             history.extend(seq[len(history.tokens) : a + 1])  # committed: the prompt, then the output up to the anchor
             rows.append([-1] + draft.ngram.greedy(logits[i, 1:], history, draft.vocab_token_ids))
         guess = torch.tensor(rows).flatten()
-    return acceptance_stats(guess == labels, valid, b)[0].tolist()
-
-
-@torch.no_grad()
-def target_confidence(target, prompt: list[int], output: list[int]) -> list[float]:
-    """[i]: the target's top probability at output[i + 1], the token the draft's first guess after output[:i+1] guesses."""
-    seq = prompt + output
-    logits, _ = target.forward(torch.tensor([seq]), 0, target.new_cache(1, len(seq)), capture=False)
-    return logits[0, len(prompt) : len(seq) - 1].float().softmax(-1).amax(-1).tolist()
+    return acceptance_stats(guess == labels, valid, b)[0].tolist(), confidence
 
 
 def by_confidence(runs: list[tuple[list[int], list[float]]]) -> list[dict]:
@@ -251,8 +246,8 @@ def main() -> None:
                 r = engine.generate(text, max_new_tokens=a.max_new_tokens)  # the runtime's rule: lookup, else the draft
                 out, tau = r.token_ids, r.stats.acceptance_length
                 cached.setdefault(name, {})[key] = {"prompt": prompt, "output": out, "max_new_tokens": a.max_new_tokens}
-            d = draft_accepted(engine.target, draft, prompt, out)
-            confidence.append((d, target_confidence(engine.target, prompt, out)))
+            d, c = draft_accepted(engine.target, draft, prompt, out)
+            confidence.append((d, c))
             history, look, suffix = NgramIndex(prompt + out[:1]), [], []
             for i in range(len(out) - 1):
                 ctx, truth = history.tokens, out[i + 1:]

@@ -32,7 +32,8 @@ class Conversation:
         self.messages, self.dropped = [], 0
 
     def prompt_ids(self, messages: list[dict], max_new_tokens: int) -> list[int]:
-        """The conversation as token ids, its oldest exchanges left out until the prompt and the answer fit the window."""
+        """The conversation as token ids, its oldest exchanges left out (of `messages` itself) until the prompt and the
+        answer fit the window."""
         head = [{"role": "system", "content": self.system}] if self.system else []
         room = self.engine.target.max_positions - max_new_tokens - self.engine.block_size
         while True:

@@ -176,7 +176,7 @@ def chat(target, draft, no_draft, system, max_new_tokens, temperature, top_p, to
     if max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
     sampling = SamplingParams(temperature, top_p, top_k, seed)
-    engine = DFlashEngine.load(target, None if no_draft else draft, no_draft=no_draft, dtype=dtype, speculation=speculation,
+    engine = DFlashEngine.load(target, draft, no_draft=no_draft, dtype=dtype, speculation=speculation,
                                lookup=lookup, int8_draft=int8_draft, progress=lambda m: click.echo(m, err=True))
     interactive = sys.stdin.isatty()
     if interactive:
