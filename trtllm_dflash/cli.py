@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from .backends.trtllm.schema import DEFAULT_RELEASE as DEFAULT_TRTLLM_RELEASE, RELEASES as TRTLLM_RELEASES
 from .config import DRAFT_LOSSES, DTYPE_CHOICES
 from .errors import DFlashError
 from .prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
@@ -245,10 +246,13 @@ def chat(target, draft, no_draft, system, max_new_tokens, temperature, top_p, to
 @click.option("--force", is_flag=True, help="Write a TensorRT-LLM plan even if its memory plan does not fit the GPUs.")
 @click.option("--draft-engine", is_flag=True, help="Also write the ONNX drafter (block attention as one TensorRT plugin node) and, "
               "on a GPU host with TensorRT, build its engine.")
+@click.option("--trtllm-version", default=None,
+              help=f"TensorRT-LLM release whose LLM-API fields and validators the options must meet ({', '.join(TRTLLM_RELEASES)}). "
+                   f"Default: {DEFAULT_TRTLLM_RELEASE}, the release DEPLOY.md's container carries.")
 @click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
 @user_errors
-def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, speculation, lookup, int8_draft, prefix_cache_tokens, force, draft_engine, output, dry_run):
+def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, speculation, lookup, int8_draft, prefix_cache_tokens, force, draft_engine, trtllm_version, output, dry_run):
     """Build a Triton model repository (plus checkpoints or GPU launch files, manifest.json) from a target and a DFlash draft."""
     from pathlib import Path
 
@@ -257,7 +261,7 @@ def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batc
     opts = BuildOptions(output=Path(output), target=target, draft=draft, no_draft=no_draft, backend=backend, gpu=gpu, recipe=recipe,
                         tp=tp, ep=ep, quant=quant, max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_size=block_size,
                         dtype=dtype, speculation=speculation, lookup=lookup, int8_draft=int8_draft, prefix_cache_tokens=prefix_cache_tokens,
-                        force=force, draft_engine=draft_engine)
+                        force=force, draft_engine=draft_engine, trtllm_version=trtllm_version)
     run_build(opts, progress=lambda m: click.echo(m, err=True), dry_run=dry_run)
 
 

@@ -67,6 +67,7 @@ class Completion:
     num_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    draft_counts_estimated: bool = False  # the server inferred the two counts above from its iteration count
     acceptance_length: float = 0.0
     cached_tokens: int = 0  # prompt tokens the server copied from its prefix cache
     finish_reason: str = ""
@@ -79,13 +80,15 @@ class Completion:
 
     def summary(self) -> str:
         return (f"[{self.num_tokens} tokens, {self.tokens_per_second:.1f} tok/s, time to first token {self.time_to_first_token * 1000:.0f} ms, "
-                f"acceptance length {self.acceptance_length:.2f} ({self.accepted_tokens}/{self.drafted_tokens} drafts accepted), "
+                f"acceptance length {self.acceptance_length:.2f} ({self.accepted_tokens}/{self.drafted_tokens} drafts accepted"
+                f"{', estimated' if self.draft_counts_estimated else ''}), "
                 f"finish {self.finish_reason or '?'}]")
 
     def to_dict(self) -> dict:
         return {
             "text": self.text, "num_tokens": self.num_tokens, "acceptance_length": round(self.acceptance_length, 4),
-            "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens, "cached_tokens": self.cached_tokens,
+            "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
+            "draft_counts_estimated": self.draft_counts_estimated, "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
             "time_to_first_token": round(self.time_to_first_token, 4), "wall_time": round(self.wall_time, 4),
             "tokens_per_second": round(self.tokens_per_second, 3), "responses": len(self.pieces),
@@ -144,6 +147,7 @@ class EnsembleStream:
             done.num_tokens = int(value("num_output_tokens"))
             done.drafted_tokens = int(value("total_draft_tokens"))
             done.accepted_tokens = int(value("total_accepted_draft_tokens"))
+            done.draft_counts_estimated = bool(value("draft_counts_estimated"))
             done.acceptance_length = float(value("acceptance_length"))
             done.cached_tokens = int(value("num_cached_input_tokens"))
             done.finish_reason = value("finish_reason").decode()

@@ -39,6 +39,7 @@ class GenerationStats:
     steps: int = 0  # target verify forwards after prefill
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    draft_counts_estimated: bool = False  # drafted/accepted inferred from iteration counts, not counted by the engine
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps whose draft j+1 was accepted
     lookup_steps: int = 0  # steps that verified lookup guesses instead of the draft's (lookup.py)
     lookup_accepted: int = 0  # ... and the guesses of theirs accepted

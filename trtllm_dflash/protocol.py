@@ -109,7 +109,7 @@ class Stat:
     value: Callable[["GenerationStats", "RequestTimes"], object]
 
 
-NUMPY = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32, "TYPE_STRING": np.object_}
+NUMPY = {"TYPE_BOOL": np.bool_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32, "TYPE_STRING": np.object_}
 
 STATS = (
     Stat("num_input_tokens", "TYPE_INT32", lambda s, t: s.prompt_tokens),
@@ -118,6 +118,8 @@ STATS = (
     Stat("total_accepted_draft_tokens", "TYPE_INT32", lambda s, t: s.accepted_tokens),
     Stat("acceptance_rate", "TYPE_FP32", lambda s, t: s.accepted_tokens / s.drafted_tokens if s.drafted_tokens else 0.0),
     Stat("acceptance_length", "TYPE_FP32", lambda s, t: s.acceptance_length),
+    # true where the engine gave no draft counts (TensorRT-LLM before PR #17082) and the three above are inferred
+    Stat("draft_counts_estimated", "TYPE_BOOL", lambda s, t: s.draft_counts_estimated),
     Stat("finish_reason", "TYPE_STRING", lambda s, t: s.finish_reason.encode()),
     Stat("num_cached_input_tokens", "TYPE_INT32", lambda s, t: s.cached_tokens),  # copied from the prefix cache
     Stat("batch_index", "TYPE_INT32", lambda s, t: 0),  # one prompt per request

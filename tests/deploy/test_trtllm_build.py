@@ -39,6 +39,7 @@ def test_the_one_line_gpt_oss_120b_command_writes_a_validated_deployment(tmp_pat
     assert model_yaml["speculative_config"]["decoding_type"] == "DFlash"
     assert model_yaml["speculative_config"]["speculative_model"] == "z-lab/gpt-oss-120b-DFlash"
     serve_yaml = yaml.safe_load((out / "trtllm-serve.yaml").read_text())
+    assert serve_yaml.pop("num_postprocess_workers") == 4 and "num_postprocess_workers" not in model_yaml
     assert serve_yaml == {k: v for k, v in model_yaml.items() if k != "model"}
 
     ensemble = (out / "triton_repo/ensemble/config.pbtxt").read_text()
@@ -48,6 +49,19 @@ def test_the_one_line_gpt_oss_120b_command_writes_a_validated_deployment(tmp_pat
     assert "need=8" in launch.read_text() and "trtllm-serve openai/gpt-oss-120b --config trtllm-serve.yaml" in launch.read_text()
     deploy = (out / "DEPLOY.md").read_text()
     assert "8 x B200" in deploy and "DFlash context arena" in deploy and "target KV cache" in deploy
+    assert "TensorRT-LLM 1.4.0rc1" in deploy and "TensorRT-LLM TensorRT-LLM" not in deploy
+    assert "nvcr.io/nvidia/tensorrt-llm/release:1.4.0rc1" in deploy and "pip install" not in deploy
+    carried = out / "python/trtllm_dflash"
+    assert (carried / "engine_model.py").is_file() and (carried / "backends/trtllm/releases/1.4.0rc1.json").is_file()
+    assert not (carried / "drafts").exists()
+
+
+def test_trtllm_version_selects_the_release(tmp_path):
+    result, out = _build(tmp_path, "--target", "qwen3-8b", "--gpu", "h100", "--trtllm-version", "main@0004396")
+    assert result.exit_code == 0, result.output
+    assert "TensorRT-LLM main@0004396" in (out / "DEPLOY.md").read_text()
+    result, out = _build(tmp_path / "b", "--target", "qwen3-8b", "--trtllm-version", "1.2.1")
+    assert result.exit_code == 2 and "--trtllm-version must be one of" in result.output and not out.exists()
 
 
 def test_dry_run_prints_the_memory_plan_and_writes_nothing(tmp_path):
@@ -71,7 +85,8 @@ def test_every_recipe_validates_and_plans(recipe_id, tmp_path):
     (["--target", "gpt-oss-121b"], "nor a GPU preset (gpt-oss-120b, gpt-oss-20b"),
     (["--target", "gpt-oss-120b", "--tp", "3"], "tp 3"),
     (["--target", "gpt-oss-120b", "--ep", "3"], "ep 3"),
-    (["--target", "qwen3-8b", "--gpu", "h100", "--quant", "nvfp4"], "NVFP4"),
+    (["--target", "qwen3-8b", "--gpu", "h100", "--quant", "nvfp4"], "NVFP4 needs Blackwell; use --quant fp8 on H100"),
+    (["--target", "gpt-oss-120b", "--gpu", "h200", "--quant", "nvfp4"], "NVFP4 needs Blackwell; use --quant mxfp4 on H200"),
     (["--target", "qwen3-4b", "--quant", "fp8"], "TensorRT-LLM does not quantize at load time; build from its weights with --target DIR"),
     (["--target", "gpt-oss-120b", "--gpu", "b200", "--recipe", "fastest"], "no 'fastest' profile"),
     (["--target", "gpt-oss-120b", "--gpu", "a100"], "no recipe for GPU 'a100'"),
@@ -137,3 +152,16 @@ def test_local_weights_are_quantized_into_the_deployment(target_dir, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert "quantize_target" in manifest["steps"] and "checkpoints/target/model.safetensors" in manifest["steps"]["quantize_target"]["outputs"]
     assert "NVFP4" in (out / "DEPLOY.md").read_text() or "nvfp4" in (out / "DEPLOY.md").read_text()
+
+
+def test_a_build_output_named_like_a_preset_does_not_shadow_it(tmp_path, monkeypatch):
+    """The README builds into `gpt-oss-120b/`; a second build of the preset from that folder's parent still
+    means the preset, while a folder holding a checkpoint's config.json is a local target."""
+    monkeypatch.chdir(tmp_path)
+    for recipe in ("throughput", "latency"):
+        result = CliRunner().invoke(main, ["build", "--target", "gpt-oss-120b", "--recipe", recipe, "--output", "gpt-oss-120b"])
+        assert result.exit_code == 0, result.output
+    assert "b200-latency" in (tmp_path / "gpt-oss-120b/launch.sh").read_text()
+    assert BuildOptions(output="x", target="gpt-oss-120b").resolved_backend == "trtllm"
+    (tmp_path / "gpt-oss-120b/config.json").write_text("{}")
+    assert BuildOptions(output="x", target="gpt-oss-120b").resolved_backend == "torch"

@@ -82,6 +82,7 @@ class BuildOptions:
     chat_template: bool = True
     force: bool = False  # write a TensorRT-LLM plan that does not fit the GPUs
     draft_engine: bool = False  # also the ONNX drafter (attention = TensorRT plugin node) and, with TensorRT, its engine
+    trtllm_version: str | None = None  # trtllm: the TensorRT-LLM release whose fields and validators the options meet
 
     @property
     def resolved_backend(self) -> str:
@@ -114,8 +115,13 @@ class BuildOptions:
             raise DFlashError("--draft and --no-draft contradict each other; pass one of them.")
         if self.draft_engine and self.no_draft:
             raise DFlashError("--draft-engine exports the draft, and --no-draft builds without one; pass one of them.")
+        if self.trtllm_version is not None:
+            from ..backends.trtllm.schema import release
+
+            release(self.trtllm_version)  # one sentence naming the releases there are
         if self.resolved_backend == "torch":
-            gpu_flags = [f for f, v in (("--gpu", self.gpu), ("--recipe", self.recipe), ("--ep", self.ep)) if v] + (
+            gpu_flags = [f for f, v in (("--gpu", self.gpu), ("--recipe", self.recipe), ("--ep", self.ep),
+                                        ("--trtllm-version", self.trtllm_version)) if v] + (
                 ["--tp"] if (self.tp or 1) > 1 else [])
             if gpu_flags:
                 raise DFlashError(f"The torch backend runs one model copy on one CPU device; {gpu_flags[0]} needs "

@@ -268,7 +268,8 @@ def _check_quant(r: Recipe) -> None:
         raise DFlashError(f"{r.id}: unknown quantization {r.quant!r}; known: {', '.join(QUANTS)}.")
     if r.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise DFlashError(f"{r.id}: unknown KV-cache dtype {r.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}.")
-    hopper_hint = "fp8" if g.fp8 else "none"
+    # what to suggest instead of a format this GPU lacks: the target's own MXFP4 experts where they run, else FP8
+    hopper_hint = "mxfp4" if m.shipped_quant == "mxfp4" and g.mxfp4_weight_only else "fp8" if g.fp8 else "none"
     if r.quant == "fp8" and not g.fp8:
         raise DFlashError(f"{r.id}: FP8 needs Ada, Hopper or Blackwell; {g.name} cannot run it, use --quant none.")
     if r.quant == "nvfp4" and not g.nvfp4:
@@ -282,7 +283,7 @@ def _check_quant(r: Recipe) -> None:
     if r.kv_cache_dtype == "fp8" and not g.fp8:
         raise DFlashError(f"{r.id}: an FP8 KV cache needs Ada, Hopper or Blackwell; use kv_cache_dtype auto on {g.name}.")
     if r.kv_cache_dtype == "nvfp4" and not g.nvfp4:
-        raise DFlashError(f"{r.id}: an NVFP4 KV cache needs Blackwell; use kv_cache_dtype {hopper_hint} on "
+        raise DFlashError(f"{r.id}: an NVFP4 KV cache needs Blackwell; use kv_cache_dtype {'fp8' if g.fp8 else 'auto'} on "
                           f"{g.name.upper()}.")
     if r.moe_backend is not None and not m.is_moe:
         raise DFlashError(f"{r.id}: moe_backend is set but {r.model} has no experts.")

@@ -11,6 +11,8 @@ against the schema of a named TensorRT-LLM revision, and writes
     trtllm-serve.yaml   the same options for `trtllm-serve` (OpenAI-compatible server)
     launch.sh           starts either on the GPU host after checking its GPUs
     DEPLOY.md           this build's GPUs, memory plan, commands and first checks
+    python/trtllm_dflash/  the code the Triton models import: NVIDIA's container has no such package, and PyPI
+                        has none either, so the deployment carries it (source only: no drafts, no data)
     checkpoints/, tokenizer/   only for local weights; a preset without them names the public ids, which the
                         GPU host fetches (nothing is downloaded here)
 """
@@ -20,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import yaml
 
+from ..backends.trtllm.schema import FIRST_DFLASH_RELEASE, release
 from ..errors import DFlashError
 from ..models.checkpoint import check_draft
 from ..repository import RepoParams
@@ -34,6 +38,9 @@ from .memory import MemoryPlan, plan_recipe
 from .recipes import Parallelism, Recipe, draft_facts_from_config, load_recipe, model_facts_from_hf_config, presets
 
 ENGINE_MODEL = "tensorrt_llm"
+CARRIED = "python"  # the folder beside triton_repo/ whose trtllm_dflash the Triton models put first on sys.path
+CARRIED_SUFFIXES = (".py", ".json", ".cpp", ".h")  # code, the LLM-API schema, the CPU kernels' sources
+CARRIED_SKIP = ("drafts", "data")  # weights and prompt sets: a deployment stages its own draft into checkpoints/
 MODEL_YAML = f"triton_repo/{ENGINE_MODEL}/1/model.yaml"
 SERVE_YAML = "trtllm-serve.yaml"
 # `trtdflash convert` format for a --quant of local dense weights: TensorRT-LLM's QuantAlgo has no plain MXFP4 for dense
@@ -45,7 +52,9 @@ LOCAL_LIMITS = {"max_batch_size": 64, "max_num_tokens": 8192}  # max_seq_len: th
 
 
 def is_gpu_preset(target: str) -> bool:
-    return not Path(target).expanduser().is_dir() and target in presets()
+    """A preset's name, unless it names a local checkpoint: a folder that merely shares the name (a build output,
+    as the README's `--output gpt-oss-120b/`) does not shadow the preset."""
+    return target in presets() and not (Path(target).expanduser() / "config.json").is_file()
 
 
 @dataclass
@@ -63,15 +72,22 @@ class Deployment:
     quantize: str | None = None  # local weights quantized by the build (a `trtdflash convert` format)
     draft_files: tuple[Path, ...] = ()  # a local draft for a preset target, staged into checkpoints/draft
 
+    trtllm_version: str | None = None  # the TensorRT-LLM release the options are validated against (None: the default)
+
+    @property
+    def release(self):
+        return release(self.trtllm_version)
+
     def options(self) -> dict:
         from ..backends.trtllm.options import llm_options
 
-        return llm_options(self.recipe, model=self.target_ref, draft=self.draft_ref, where=MODEL_YAML)
+        return llm_options(self.recipe, model=self.target_ref, draft=self.draft_ref, where=MODEL_YAML,
+                           trtllm_version=self.trtllm_version)
 
     def serve_options(self) -> dict:
         from ..backends.trtllm.options import serve_options
 
-        return serve_options(self.recipe, draft=self.serve_draft, where=SERVE_YAML)
+        return serve_options(self.recipe, draft=self.serve_draft, where=SERVE_YAML, trtllm_version=self.trtllm_version)
 
 
 def _check_weights(recipe: Recipe) -> None:
@@ -127,7 +143,8 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
         draft_files = (draft_dir / "config.json", *sorted(draft_dir.glob("*.safetensors"))) if draft_dir else ()
         hub_draft = recipe.draft_hf_id if recipe.draft_facts is not None and not draft_dir else None
         dep = Deployment(recipe, plan_recipe(recipe), recipe.weights, "../../../checkpoints/draft" if draft_dir else hub_draft,
-                         recipe.weights, "checkpoints/draft" if draft_dir else hub_draft, recipe.weights, local=False, draft_files=draft_files)
+                         recipe.weights, "checkpoints/draft" if draft_dir else hub_draft, recipe.weights, local=False, draft_files=draft_files,
+                         trtllm_version=opts.trtllm_version)
         progress(f"Recipe {recipe.id}: the target's weights are not local; the GPU host fetches {recipe.weights}"
                  + (f" and {hub_draft}" if hub_draft else "") + ".")
     else:
@@ -139,7 +156,8 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
         shipped = recipe.model_facts.shipped_quant
         quantize = None if recipe.quant in ("none", shipped) else CONVERT_FORMAT.get(recipe.quant, recipe.quant)
         dep = Deployment(recipe, plan_recipe(recipe), "../../../checkpoints/target", "../../../checkpoints/draft" if has_draft else None,
-                         "checkpoints/target", "checkpoints/draft" if has_draft else None, "../../tokenizer", local=True, quantize=quantize)
+                         "checkpoints/target", "checkpoints/draft" if has_draft else None, "../../tokenizer", local=True, quantize=quantize,
+                         trtllm_version=opts.trtllm_version)
     if not dep.memory.fits and not opts.force:
         m = dep.memory
         raise DFlashError(
@@ -166,33 +184,52 @@ def serve_yaml(dep: Deployment) -> str:
 
 
 def launch_sh(dep: Deployment) -> str:
-    r = dep.recipe
+    r, rel = dep.recipe, dep.release
     env = r.llm_args.get("env_overrides") or {}
     exports = "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items())
     return f"""#!/usr/bin/env bash
 # Start this DFlash deployment ({r.id}) on a GPU host with {r.num_gpus} x {r.gpu.upper()}. Written by trtdflash build.
 #   ./launch.sh           Triton Inference Server: gRPC :8001, HTTP :8000, metrics :8002 (model "ensemble")
 #   ./launch.sh openai    trtllm-serve: OpenAI-compatible API on :8000
-# Run inside NVIDIA's Triton TensorRT-LLM container (nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3) with
-# trtllm-dflash installed (`pip install --no-deps trtllm-dflash`); see DEPLOY.md.
+# Validated against {rel.label}: run it inside {rel.container}, with this folder and nothing else
+# (the Triton models import the copy of trtllm_dflash in {CARRIED}/). Ports: HTTP_PORT, GRPC_PORT, METRICS_PORT.
+# TRTDFLASH_LLM_ENGINE=embedded runs our CPU engine behind the LLM API instead of TensorRT-LLM (tests, no GPU).
 set -euo pipefail
 cd "$(dirname "$0")"
-need={r.num_gpus}
-have=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
-if [ "$have" -lt "$need" ]; then
-  echo "This deployment needs $need GPUs ({r.gpu.upper()}); nvidia-smi sees $have." >&2
-  exit 2
+http=${{HTTP_PORT:-8000}} grpc=${{GRPC_PORT:-8001}} metrics=${{METRICS_PORT:-8002}}
+if [ "${{TRTDFLASH_LLM_ENGINE:-}}" != embedded ]; then
+  need={r.num_gpus}
+  have=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+  if [ "$have" -lt "$need" ]; then
+    echo "This deployment needs $need GPUs ({r.gpu.upper()}); nvidia-smi sees $have." >&2
+    exit 2
+  fi
+  python3 - <<'CHECK' || exit 2
+import sys
+from importlib.metadata import PackageNotFoundError, version
+try:
+    found = version("tensorrt_llm")
+except PackageNotFoundError:
+    sys.exit("TensorRT-LLM is not installed here; run this deployment inside {rel.container}.")
+from packaging.version import Version
+if Version(found) < Version("{FIRST_DFLASH_RELEASE}"):
+    sys.exit(f"TensorRT-LLM {{found}} has no DFlash (it came in {FIRST_DFLASH_RELEASE}); run this inside {rel.container}.")
+if found != "{rel.name}":
+    print(f"Note: TensorRT-LLM {{found}} here; the options were validated against {rel.name}.", file=sys.stderr)
+CHECK
 fi
 {exports}case "${{1:-triton}}" in
-  triton) exec tritonserver --model-repository="$PWD/triton_repo" --http-port=8000 --grpc-port=8001 --metrics-port=8002 ;;
-  openai) exec trtllm-serve {shlex.quote(dep.serve_target)} --config {SERVE_YAML} --host 0.0.0.0 --port 8000 ;;
+  triton) command -v tritonserver > /dev/null || {{ echo "tritonserver is not on PATH; use ./launch.sh openai, or a container with Triton (DEPLOY.md)." >&2; exit 2; }}
+          exec tritonserver --model-repository="$PWD/triton_repo" --http-port="$http" --grpc-port="$grpc" \\
+            --metrics-port="$metrics" --disable-auto-complete-config ;;
+  openai) exec trtllm-serve {shlex.quote(dep.serve_target)} --config {SERVE_YAML} --host 0.0.0.0 --port "$http" ;;
   *) echo "usage: $0 [triton|openai]" >&2; exit 2 ;;
 esac
 """
 
 
-def deploy_md(dep: Deployment, release: str) -> str:
-    r, m = dep.recipe, dep.memory
+def deploy_md(dep: Deployment) -> str:
+    r, m, rel = dep.recipe, dep.memory, dep.release
     p = r.parallel
     weights = ("staged in `checkpoints/` (hard links or copies of the local weights)" if dep.local
                else f"not in this folder: the GPU host fetches `{r.weights}`" + (f" and `{dep.draft_ref}`" if dep.draft_ref else "")
@@ -201,7 +238,9 @@ def deploy_md(dep: Deployment, release: str) -> str:
              if r.draft_facts else "no draft (plain autoregressive decoding)")
     return f"""# Deploying `{r.id}`
 
-Generated by `trtdflash build`; the options were validated against TensorRT-LLM {release}.
+Generated by `trtdflash build`. The options were validated against {rel.label}'s LLM-API fields and validators
+(`--trtllm-version` chooses another release). The deployment carries the code its Triton models import
+(`{CARRIED}/trtllm_dflash/`): nothing is installed on the GPU host.
 
 - **Target**: `{r.weights}`, quantization `{r.quant}`, KV cache `{r.kv_cache_dtype}`; {draft}.
 - **GPUs**: {r.num_gpus} x {r.gpu.upper()}; tensor parallel {p.tp}, pipeline parallel {p.pp}, expert parallel {p.ep},
@@ -220,24 +259,53 @@ Generated by `trtdflash build`; the options were validated against TensorRT-LLM 
 ```bash
 docker run --rm -it --gpus all --net host --shm-size=2g --ulimit memlock=-1 \\
   -v "$PWD":/deploy -v ~/.cache/huggingface:/root/.cache/huggingface \\
-  nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 bash
-pip install --no-deps trtllm-dflash      # the Triton models import it (protocol, detokenizer)
-cd /deploy && ./launch.sh                # Triton: gRPC :8001, HTTP :8000 (model "ensemble")
-./launch.sh openai                       # or trtllm-serve, OpenAI-compatible on :8000
+  {rel.container} bash
+cd /deploy && ./launch.sh openai         # trtllm-serve, OpenAI-compatible on :8000
+./launch.sh                              # or Triton: gRPC :8001, HTTP :8000 (model "ensemble")
 ```
+
+`launch.sh` refuses a TensorRT-LLM older than {FIRST_DFLASH_RELEASE} (no DFlash) and says so when the container's
+release is not {rel.name}. The Triton path needs `tritonserver` beside TensorRT-LLM {FIRST_DFLASH_RELEASE} or later:
+NVIDIA's `tritonserver:<yy.mm>-trtllm-python-py3` images up to 26.07 carry TensorRT-LLM 1.2.1, which has no DFlash,
+so use an image that has both (unconfirmed: we know of no published tag).
 
 ## Check first
 
 1. `nvidia-smi` shows {r.num_gpus} GPUs with the memory above free.
 2. The server log shows `tensorrt_llm: starting tensorrt_llm.llmapi.llm.LLM` and the model `ensemble` READY.
 3. `trtdflash client --url HOST:8001 --prompt "Hello" --json` answers, with `acceptance_length` above 1.
-4. `examples/gpu_smoke.sh` (in the trtllm-dflash repository) compares greedy output against TensorRT-LLM without
-   speculation and prints PASS/FAIL, the acceptance length and tokens/s.
+4. `trtdflash gpu-check` (from a clone of trtllm-dflash, in the same container) builds the preset that fits this
+   host with and without the draft, serves both through both launch paths and prints one PASS/FAIL table.
 5. `trtdflash bench --url HOST:8001 --concurrency 1,4,16,64` loads it with closed-loop streaming clients: tokens/s,
    time to first token, inter-token latency and acceptance per level (`--url dflash=HOST:8001 --url plain=HOST:9001`
    beside a build made with `--no-draft`, or `--url vllm=http://HOST:8000` beside a peer's OpenAI API; `--output
    results.json` adds a plot).
 """
+
+
+def carried_files() -> list[Path]:
+    """This package's source files, relative to the package folder: what `python/trtllm_dflash/` holds."""
+    root = Path(__file__).resolve().parents[1]
+    return sorted(rel for rel in (p.relative_to(root) for p in root.rglob("*") if p.is_file())
+                  if rel.suffix in CARRIED_SUFFIXES and rel.parts[0] not in CARRIED_SKIP and "__pycache__" not in rel.parts)
+
+
+def carried_package_step(hashes: dict[str, str]):
+    """Copy trtllm_dflash's source into the deployment, so that `./launch.sh` starts in the stock container."""
+    from . import core
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [root / rel for rel in carried_files()]
+    hashes.update({str(p): core.sha256_file(p) for p in sources})
+    planned = [core.PlannedFile(f"{CARRIED}/trtllm_dflash/{p.relative_to(root)}", p.stat().st_size, p) for p in sources]
+
+    def run(tmp: Path, progress):
+        for f in planned:
+            (tmp / f.rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f.source, tmp / f.rel)  # a copy, not a link: the deployment outlives this install
+
+    return core.Step("package", f"carry trtllm_dflash's code into {CARRIED}/ (the Triton models import it)", planned,
+                     {f.rel: hashes[str(f.source)] for f in planned}, run)
 
 
 def steps(opts, dep: Deployment, sources, hashes: dict[str, str]) -> list:
@@ -252,16 +320,15 @@ def steps(opts, dep: Deployment, sources, hashes: dict[str, str]) -> list:
         hashes.update({str(p): core.sha256_file(p) for p in draft_files})
     if draft_files:
         out.append(core.stage_step("draft_checkpoint", "stage the DFlash draft (z-lab format)", "checkpoints/draft", draft_files, hashes))
-    from ..backends.trtllm.schema import RELEASE
-
     params = RepoParams(
         max_batch_size=dep.recipe.max_batch_size, max_seq_len=dep.recipe.max_seq_len, block_size=dep.recipe.max_draft_len + 1,
         dtype="auto", target_dir="", draft_dir="", tokenizer_dir=dep.tokenizer_ref, apply_chat_template=opts.chat_template,
         engine_model=ENGINE_MODEL,
     )
     out.append(core.template_step(params))
+    out.append(carried_package_step(hashes))
     out.append(core.text_step("engine_options", "write the LLM-API options: model.yaml (Triton) and trtllm-serve.yaml",
                               {MODEL_YAML: model_yaml(dep), SERVE_YAML: serve_yaml(dep)}))
     out.append(core.text_step("launch", "write launch.sh and DEPLOY.md for the GPU host",
-                              {"launch.sh": launch_sh(dep), "DEPLOY.md": deploy_md(dep, RELEASE)}, executable=("launch.sh",)))
+                              {"launch.sh": launch_sh(dep), "DEPLOY.md": deploy_md(dep)}, executable=("launch.sh",)))
     return out

@@ -9,6 +9,15 @@ It is also the first place that learns a client has left an ensemble stream (see
 trtllm_dflash/cancel.py) and tells the dflash model to stop.
 """
 
+import sys
+from pathlib import Path
+
+# A GPU deployment carries the trtllm_dflash its models import in python/ beside triton_repo/ (NVIDIA's container has
+# no such package); the python backend's stub runs its interpreter isolated, so PYTHONPATH cannot add it.
+_CARRIED = Path(__file__).resolve().parents[3] / "python"
+if _CARRIED.is_dir():
+    sys.path.insert(0, str(_CARRIED))
+
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash import cancel, protocol

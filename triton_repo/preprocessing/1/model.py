@@ -4,7 +4,14 @@ Bad requests (non-UTF-8 text, empty prompt, prompt or max_tokens beyond max_seq_
 response of their own; other requests in the same batch are unaffected.
 """
 
+import sys
 from pathlib import Path
+
+# A GPU deployment carries the trtllm_dflash its models import in python/ beside triton_repo/ (NVIDIA's container has
+# no such package); the python backend's stub runs its interpreter isolated, so PYTHONPATH cannot add it.
+_CARRIED = Path(__file__).resolve().parents[3] / "python"
+if _CARRIED.is_dir():
+    sys.path.insert(0, str(_CARRIED))
 
 import numpy as np
 import triton_python_backend_utils as pb_utils

@@ -8,12 +8,19 @@ embedded engine behind the same API surface (trtllm_dflash/backends/trtllm/embed
 
 import json
 import os
+import sys
 from pathlib import Path
+
+# A GPU deployment carries the trtllm_dflash its models import in python/ beside triton_repo/ (NVIDIA's container has
+# no such package); the python backend's stub runs its interpreter isolated, so PYTHONPATH cannot add it.
+_CARRIED = Path(__file__).resolve().parents[3] / "python"
+if _CARRIED.is_dir():
+    sys.path.insert(0, str(_CARRIED))
 
 import triton_python_backend_utils as pb_utils
 import yaml
 
-from trtllm_dflash.backends.trtllm.llm_steps import llm_steps
+from trtllm_dflash.backends.trtllm.llm_steps import clear_mpi_job_env, llm_steps
 from trtllm_dflash.engine_model import EngineModel
 from trtllm_dflash.resolve import local_or_id
 
@@ -39,6 +46,8 @@ class TritonPythonModel(EngineModel):
         spec = options.get("speculative_config") or {}
         if "speculative_model" in spec:
             spec["speculative_model"] = local_or_id(spec["speculative_model"], here)
+        if cleared := clear_mpi_job_env():  # before tensorrt_llm (and so mpi4py) is imported
+            pb_utils.Logger.log_info(f"tensorrt_llm: cleared the launcher's MPI job variables {', '.join(cleared)}")
         LLM, self.sampling_params = _llm_api()
         pb_utils.Logger.log_info(f"tensorrt_llm: starting {LLM.__module__}.LLM with {options}")
         self.llm = LLM(**options)

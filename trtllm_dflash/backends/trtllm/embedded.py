@@ -9,14 +9,16 @@ tensorrt_llm/sampling_params.py `SamplingParams`, tensorrt_llm/executor/result.p
 `CompletionOutput`, read at NVIDIA/TensorRT-LLM main, 2026):
   LLM(model=..., speculative_config={decoding_type: DFlash, max_draft_len, speculative_model}, **llm_args)
   llm.generate_async(prompt_token_ids, SamplingParams(...), streaming=True) -> a result that is iterated
-  (one item per engine iteration), with .outputs[0].token_ids / .token_ids_diff / .finish_reason, .finished,
-  .decoding_iter (iterations so far, the context phase included), .abort(); llm.shutdown().
+  (one item per engine iteration), with .outputs[0].token_ids / .token_ids_diff / .finish_reason /
+  .request_perf_metrics.speculative_decoding (with return_perf_metrics), .finished, .decoding_iter (iterations so
+  far, the context phase included), .abort(); llm.shutdown().
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from ...config import SamplingParams as OurSampling
 from ...generate import GenerationStats, speculative_stream
@@ -37,6 +39,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     detokenize: bool = True
+    return_perf_metrics: bool = False
 
     def ours(self) -> OurSampling:
         if self.top_k == 1 or self.temperature == 0:
@@ -49,6 +52,7 @@ class CompletionOutput:
     index: int = 0
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # 'stop' | 'length' | 'cancelled'
+    request_perf_metrics: SimpleNamespace | None = None  # with return_perf_metrics: .speculative_decoding's counts
     _last_token_ids_len: int = 0
 
     @property
@@ -61,10 +65,12 @@ class RequestOutput:
 
     def __init__(self, llm: "LLM", prompt_ids: list[int], params: SamplingParams, streaming: bool):
         self._llm, self._streaming, self._aborted = llm, streaming, False
+        self._perf_metrics = params.return_perf_metrics
         self.prompt_token_ids = list(prompt_ids)
         self.outputs = [CompletionOutput()]
         self.finished = False
         self.decoding_iter = 0
+        self.aborts = 0
         self._stats = GenerationStats()
         engine = llm.engine
         stops = frozenset(params.stop_token_ids or ()) | engine.eos_token_ids
@@ -74,7 +80,9 @@ class RequestOutput:
                                          prefix=engine.prefix)
 
     def abort(self) -> None:
+        """As upstream's, unguarded: each call sends another cancellation to the executor, so callers abort once."""
         self._aborted = True
+        self.aborts += 1
 
     def __iter__(self):
         return self
@@ -94,6 +102,10 @@ class RequestOutput:
             else:
                 out.token_ids.extend(ids)
                 self.decoding_iter = self._stats.steps + 1
+            if self._perf_metrics:  # the drafts each step verified, as TensorRT-LLM counts them since PR #17082
+                spec = SimpleNamespace(total_draft_tokens=self._stats.drafted_tokens,
+                                       total_accepted_draft_tokens=self._stats.accepted_tokens)
+                out.request_perf_metrics = SimpleNamespace(speculative_decoding=spec)
             if self._streaming:
                 break
         return self

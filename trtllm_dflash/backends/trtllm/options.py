@@ -2,8 +2,14 @@
 
 The recipe is valid by construction (layout, quantization and draft rules run when a Recipe is built or
 derived); here the recipe becomes LLM-API keys, the recipe's extra `llm_args` and the caller's `extra` are
-merged in, and the result is checked against the field lists of the TensorRT-LLM revision in schema.RELEASE.
-mask_token_id and target_layer_ids are left to TensorRT-LLM, which reads them from the draft's config.json.
+merged in, and the result is checked against the field lists and validators of one TensorRT-LLM release
+(schema.py). mask_token_id and target_layer_ids are left to TensorRT-LLM, which reads them from the draft's
+config.json.
+
+The two files differ in one key. `num_postprocess_workers` detokenizes in worker processes that need
+`postprocess_tokenizer_dir`, which only trtllm-serve sets (tensorrt_llm/commands/serve.py); through `LLM(**model.yaml)`
+the workers have no tokenizer, and what they carry back lacks `decoding_iter`. The Triton model detokenizes itself,
+so model.yaml never has it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from typing import Any, Mapping
 from ...build.recipes import Recipe
 from ...errors import DFlashError
 from .schema import validate_llm_args
+
+POSTPROCESS_WORKERS = "num_postprocess_workers"
 
 # keys the recipe owns: setting them through llm_args/extra would desynchronise the memory plan
 _OWNED = {
@@ -33,8 +41,9 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def llm_options(recipe: Recipe, *, model: str, draft: str | None, extra: Mapping[str, Any] | None = None,
-                where: str = "model.yaml") -> dict[str, Any]:
-    """LLM-API options for `recipe` with target `model` and DFlash draft `draft` (a hub id or a local path)."""
+                where: str = "model.yaml", trtllm_version: str | None = None, serve: bool = False) -> dict[str, Any]:
+    """LLM-API options for `recipe` with target `model` and DFlash draft `draft` (a hub id or a local path): for
+    `LLM(**options)` (Triton's model.yaml), or with `serve` for trtllm-serve's --config."""
     for source, update in (("the recipe's llm_args", recipe.llm_args), ("extra options", extra or {})):
         owned = sorted(set(update) & set(_OWNED))
         if owned:
@@ -64,8 +73,12 @@ def llm_options(recipe: Recipe, *, model: str, draft: str | None, extra: Mapping
     if draft is not None:
         options["speculative_config"] = {"decoding_type": "DFlash", "max_draft_len": recipe.max_draft_len,
                                          "speculative_model": draft}
-    options = _merge(_merge(options, recipe.llm_args), extra or {})
-    validate_llm_args(options, where)
+    recipe_args = {k: v for k, v in recipe.llm_args.items() if serve or k != POSTPROCESS_WORKERS}
+    options = _merge(_merge(options, recipe_args), extra or {})
+    validate_llm_args(options, where, trtllm_version)
+    if not serve and (options.get(POSTPROCESS_WORKERS) or 0) > 0 and not options.get("postprocess_tokenizer_dir"):
+        raise DFlashError(f"{where}: {POSTPROCESS_WORKERS} needs postprocess_tokenizer_dir through LLM(): TensorRT-LLM's "
+                          "postprocess workers would have no tokenizer and would not carry decoding_iter back.")
     spec = options.get("speculative_config") or {}
     if spec.get("attention_backend") == "TRTLLM" and recipe.gpu_spec.sm not in (100, 103):
         raise DFlashError(f"{where}: the DFlash TRTLLM drafter attention needs an SM100/SM103 Blackwell GPU; "
@@ -76,8 +89,9 @@ def llm_options(recipe: Recipe, *, model: str, draft: str | None, extra: Mapping
 
 
 def serve_options(recipe: Recipe, *, draft: str | None, extra: Mapping[str, Any] | None = None,
-                  where: str = "config.yaml") -> dict[str, Any]:
+                  where: str = "config.yaml", trtllm_version: str | None = None) -> dict[str, Any]:
     """The `trtllm-serve <model> --config` YAML: llm_options without `model` (trtllm-serve takes it as argument)."""
-    options = llm_options(recipe, model=recipe.hf_id, draft=draft, extra=extra, where=where)
+    options = llm_options(recipe, model=recipe.hf_id, draft=draft, extra=extra, where=where, trtllm_version=trtllm_version,
+                          serve=True)
     del options["model"]
     return options
