@@ -12,13 +12,14 @@ the engine both need this module imported first (the plan records the plugin by 
 
 Written against NVIDIA/TensorRT `python/packaging/bindings_wheel/tensorrt/plugin/` (`_top_level.py` register/impl/
 autotune, `_tensor.py` Tensor, `_autotune.py` AutoTuneCombination) and `samples/python/quickly_deployable_plugins/`
-(TensorRT 10.8-10.13). TensorRT cannot be installed on CPU-only machines, so this file runs only in the GPU check
-(examples/gpu_kernel_check.py) and in `trtdflash build --draft-engine` on a GPU host.
+(TensorRT 10.6-11.4). TensorRT's libraries cannot be installed on CPU-only machines; CI registers this file through
+the real `tensorrt.plugin` package of the `tensorrt-cu12-bindings` wheel, with its native module stood in for
+(tests/kernels/test_tensorrt_plugin.py). The kernel itself runs in the GPU check (examples/gpu_kernel_check.py).
 """
 
-from __future__ import annotations
-
-from typing import Tuple
+# No `from __future__ import annotations`: tensorrt.plugin validates the decorated functions' annotations as live
+# classes (issubclass, typing.get_origin), and string annotations fail there on every TensorRT from 10.6 to 11.4.
+from typing import List, Tuple
 
 import numpy as np
 import tensorrt as trt
@@ -65,7 +66,8 @@ def _shape(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, ctx_k: tr
 
 
 @trtp.autotune(PLUGIN_ID)
-def _formats(q, k, v, ctx_k, ctx_v, ctx_lens, outputs) -> list:
+def _formats(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, ctx_k: trtp.TensorDesc, ctx_v: trtp.TensorDesc,
+             ctx_lens: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc]) -> List[trtp.AutoTuneCombination]:
     """Five float inputs and the output share one float type; ctx_lens is int32 or int64 independently."""
     return [trtp.AutoTuneCombination(f"{FLOATS}, {FLOATS}, {FLOATS}, {FLOATS}, {FLOATS}, INT32*INT64, {FLOATS}")]
 

@@ -200,8 +200,9 @@ def tensorrt_available() -> bool:
 def build_engine(out: Path, dtype: str, max_batch: int, max_context: int, progress: Callable[[str], None]) -> Path:
     """Parse the ONNX drafter with TensorRT (the plugin registered first) and write the serialized engine.
 
-    Written against TensorRT 10's Python API (`trt.Builder`, `trt.OnnxParser`, optimization profiles,
-    `build_serialized_network`); runs only on a GPU host.
+    Written against TensorRT 10's and 11's Python API (`trt.Builder`, `trt.OnnxParser`, optimization profiles,
+    `build_serialized_network`); runs only on a GPU host. The network is strongly typed: TensorRT 11 removed weak
+    typing and its precision flags (`BuilderFlag.BF16` among them), so the ONNX graph's types are the engine's.
     """
     import tensorrt as trt
 
@@ -211,14 +212,12 @@ def build_engine(out: Path, dtype: str, max_batch: int, max_context: int, progre
     q, layers, nkv, hd, h = meta["block_size"], meta["num_hidden_layers"], meta["num_key_value_heads"], meta["head_dim"], meta["hidden_size"]
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(out / ONNX_FILE)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise DFlashError(f"TensorRT could not parse {out / ONNX_FILE}: {errors}")
     config = builder.create_builder_config()
-    if dtype == "bf16":
-        config.set_flag(trt.BuilderFlag.BF16)
     profile = builder.create_optimization_profile()
     opt_b, opt_c = max(1, max_batch // 2), max(1, max_context // 2)
     for name, dims in (("noise_embedding", lambda b, c: (b, q, h)), ("positions", lambda b, c: (b, q)),
