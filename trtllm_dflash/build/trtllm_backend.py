@@ -41,6 +41,9 @@ ENGINE_MODEL = "tensorrt_llm"
 CARRIED = "python"  # the folder beside triton_repo/ whose trtllm_dflash the Triton models put first on sys.path
 CARRIED_SUFFIXES = (".py", ".json", ".cpp", ".h")  # code, the LLM-API schema, the CPU kernels' sources
 CARRIED_SKIP = ("drafts", "data")  # weights and prompt sets: a deployment stages its own draft into checkpoints/
+# What the carried code imports besides the standard library; NVIDIA's TensorRT-LLM containers have each of them
+# (TensorRT-LLM's requirements.txt, transformers' dependencies). The CI test serves a deployment with these alone.
+CONTAINER_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pyyaml", "tqdm")
 MODEL_YAML = f"triton_repo/{ENGINE_MODEL}/1/model.yaml"
 SERVE_YAML = "trtllm-serve.yaml"
 # `trtdflash convert` format for a --quant of local dense weights: TensorRT-LLM's QuantAlgo has no plain MXFP4 for dense
