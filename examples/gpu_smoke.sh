@@ -5,8 +5,8 @@
 #
 #   examples/gpu_smoke.sh [PRESET] [GPU]          default: qwen3-8b h100 (any `trtdflash build --target` preset)
 #
-# Run inside nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 with trtllm-dflash installed
-# (pip install --no-deps -e .). Greedy bf16 outputs of a verify forward and a decode step can differ on a near-tie
+# Run inside a container with tritonserver and TensorRT-LLM >= 1.3.0rc27 (README, "Targets"), from a clone of
+# trtllm-dflash installed with `pip install --no-deps -e .` (the deployments themselves carry their code). Greedy bf16 outputs of a verify forward and a decode step can differ on a near-tie
 # of two logits; a FAIL names the first differing prompt so you can look at it.
 set -euo pipefail
 preset=${1:-qwen3-8b}

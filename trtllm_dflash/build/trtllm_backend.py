@@ -277,8 +277,8 @@ so use an image that has both (unconfirmed: we know of no published tag).
 1. `nvidia-smi` shows {r.num_gpus} GPUs with the memory above free.
 2. The server log shows `tensorrt_llm: starting tensorrt_llm.llmapi.llm.LLM` and the model `ensemble` READY.
 3. `trtdflash client --url HOST:8001 --prompt "Hello" --json` answers, with `acceptance_length` above 1.
-4. `trtdflash gpu-check` (from a clone of trtllm-dflash, in the same container) builds the preset that fits this
-   host with and without the draft, serves both through both launch paths and prints one PASS/FAIL table.
+4. `examples/gpu_smoke.sh` (in a clone of trtllm-dflash, in the same container) builds a preset with and without
+   the draft, serves both and compares greedy output: PASS/FAIL, the acceptance length and tokens/s.
 5. `trtdflash bench --url HOST:8001 --concurrency 1,4,16,64` loads it with closed-loop streaming clients: tokens/s,
    time to first token, inter-token latency and acceptance per level (`--url dflash=HOST:8001 --url plain=HOST:9001`
    beside a build made with `--no-draft`, or `--url vllm=http://HOST:8000` beside a peer's OpenAI API; `--output
