@@ -13,6 +13,7 @@ import sys
 import click
 
 from .backends.trtllm.schema import DEFAULT_RELEASE as DEFAULT_TRTLLM_RELEASE, RELEASES as TRTLLM_RELEASES
+from .build.recipes import OPT_INS
 from .config import DRAFT_LOSSES, DTYPE_CHOICES
 from .errors import DFlashError
 from .prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
@@ -249,10 +250,12 @@ def chat(target, draft, no_draft, system, max_new_tokens, temperature, top_p, to
 @click.option("--trtllm-version", default=None,
               help=f"TensorRT-LLM release whose LLM-API fields and validators the options must meet ({', '.join(TRTLLM_RELEASES)}). "
                    f"Default: {DEFAULT_TRTLLM_RELEASE}, the release DEPLOY.md's container carries.")
+@click.option("--opt-in", multiple=True, type=click.Choice(list(OPT_INS)),
+              help="Take a recipe's choice that no upstream DFlash test covers (default: the tested one instead); repeatable.")
 @click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
 @user_errors
-def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, speculation, lookup, int8_draft, prefix_cache_tokens, force, draft_engine, trtllm_version, output, dry_run):
+def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, speculation, lookup, int8_draft, prefix_cache_tokens, force, draft_engine, trtllm_version, opt_in, output, dry_run):
     """Build a Triton model repository (plus checkpoints or GPU launch files, manifest.json) from a target and a DFlash draft."""
     from pathlib import Path
 
@@ -261,7 +264,7 @@ def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batc
     opts = BuildOptions(output=Path(output), target=target, draft=draft, no_draft=no_draft, backend=backend, gpu=gpu, recipe=recipe,
                         tp=tp, ep=ep, quant=quant, max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_size=block_size,
                         dtype=dtype, speculation=speculation, lookup=lookup, int8_draft=int8_draft, prefix_cache_tokens=prefix_cache_tokens,
-                        force=force, draft_engine=draft_engine, trtllm_version=trtllm_version)
+                        force=force, draft_engine=draft_engine, trtllm_version=trtllm_version, opt_in=tuple(opt_in))
     run_build(opts, progress=lambda m: click.echo(m, err=True), dry_run=dry_run)
 
 

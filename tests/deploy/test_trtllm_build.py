@@ -165,3 +165,28 @@ def test_a_build_output_named_like_a_preset_does_not_shadow_it(tmp_path, monkeyp
     assert BuildOptions(output="x", target="gpt-oss-120b").resolved_backend == "trtllm"
     (tmp_path / "gpt-oss-120b/config.json").write_text("{}")
     assert BuildOptions(output="x", target="gpt-oss-120b").resolved_backend == "torch"
+
+
+def test_untested_dflash_combinations_take_the_tested_choice_unless_opted_in(tmp_path):
+    """Upstream shows no DFlash test with attention-DP, an FP8 KV cache on gpt-oss, KV block reuse or gpt-oss's TRITON
+    MoE on Hopper: the build takes the tested choice, says so in DEPLOY.md, and --opt-in takes the recipe's own."""
+    result, out = _build(tmp_path / "a", "--target", "gpt-oss-120b", "--gpu", "b200", "--recipe", "throughput")
+    assert result.exit_code == 0, result.output
+    o = yaml.safe_load((out / "triton_repo/tensorrt_llm/1/model.yaml").read_text())
+    assert o["enable_attention_dp"] is False and "attention_dp_config" not in o
+    assert o["kv_cache_config"]["dtype"] == "auto" and o["kv_cache_config"]["enable_block_reuse"] is False
+    assert "attention-DP off" in (out / "DEPLOY.md").read_text() and "--opt-in" in (out / "DEPLOY.md").read_text()
+    args = [a for name in ("attention-dp", "fp8-kv", "block-reuse") for a in ("--opt-in", name)]
+    result, out = _build(tmp_path / "b", "--target", "gpt-oss-120b", "--gpu", "b200", "--recipe", "throughput", *args)
+    assert result.exit_code == 0, result.output
+    o = yaml.safe_load((out / "triton_repo/tensorrt_llm/1/model.yaml").read_text())
+    assert o["enable_attention_dp"] is True and o["kv_cache_config"]["dtype"] == "fp8"
+    assert "enable_block_reuse" not in o["kv_cache_config"]
+    for extra, backend in (((), "CUTLASS"), (("--opt-in", "triton-moe"), "TRITON")):
+        result, out = _build(tmp_path / backend, "--target", "gpt-oss-120b", "--gpu", "h100", *extra)
+        assert result.exit_code == 0, result.output
+        assert yaml.safe_load((out / "triton_repo/tensorrt_llm/1/model.yaml").read_text())["moe_config"]["backend"] == backend
+    result, out = _build(tmp_path / "c", "--target", "qwen3-8b", "--gpu", "h100")  # FP8 checkpoint: FP8 KV is tested
+    assert yaml.safe_load((out / "triton_repo/tensorrt_llm/1/model.yaml").read_text())["kv_cache_config"]["dtype"] == "fp8"
+    result, _ = _build(tmp_path / "d", "--target", "qwen3-8b", "--opt-in", "everything")
+    assert result.exit_code == 2 and "Invalid value for '--opt-in'" in result.output

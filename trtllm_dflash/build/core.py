@@ -83,6 +83,7 @@ class BuildOptions:
     force: bool = False  # write a TensorRT-LLM plan that does not fit the GPUs
     draft_engine: bool = False  # also the ONNX drafter (attention = TensorRT plugin node) and, with TensorRT, its engine
     trtllm_version: str | None = None  # trtllm: the TensorRT-LLM release whose fields and validators the options meet
+    opt_in: tuple[str, ...] = ()  # trtllm: combinations upstream has not tested with DFlash, taken anyway (recipes.OPT_INS)
 
     @property
     def resolved_backend(self) -> str:

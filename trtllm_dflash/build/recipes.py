@@ -497,3 +497,42 @@ def load_recipe(model: str, gpu: str | None = None, profile: str | None = None) 
         llm_args=dict(dep.get("llm_args") or {}),
         checkpoint=dep.get("checkpoint"),
     )
+
+
+# Combinations upstream shows no DFlash test of (NVIDIA/TensorRT-LLM tests/integration/defs/accuracy/
+# test_llm_api_pytorch.py at 0a423022 and tests/unittest/_torch/speculative/hw_agnostic/test_dflash.py): no DFlash test
+# enables attention-DP; FP8 KV caches are tested only with FP8 and NVFP4 checkpoints, never gpt-oss; every DFlash
+# test but gpt-oss's turns KV block reuse off; gpt-oss's DFlash test runs the CUTLASS MoE backend, never TRITON on
+# Hopper. The DFlash code refuses none of them, so they are untested rather than wrong: a build takes the tested
+# choice unless the operator opts in, and says which it took.
+OPT_INS = {
+    "attention-dp": "attention data parallel (no upstream DFlash test enables it)",
+    "fp8-kv": "an FP8 KV cache on a target that is not an FP8 or NVFP4 checkpoint (upstream tests DFlash with it only there)",
+    "block-reuse": "KV block reuse (upstream's DFlash tests turn it off, gpt-oss's aside)",
+    "triton-moe": "the TRITON MoE backend (upstream's gpt-oss DFlash test runs CUTLASS)",
+}
+
+
+def conservative(r: Recipe, opt_in: tuple[str, ...] = ()) -> tuple[Recipe, list[str]]:
+    """`r` with each untested DFlash combination replaced by the tested choice unless opted in; returns the recipe
+    and one line per replacement. The same holds for a --no-draft build, so that it stays the DFlash build's twin."""
+    unknown = sorted(set(opt_in) - set(OPT_INS))
+    if unknown:
+        raise DFlashError(f"--opt-in takes {', '.join(OPT_INS)}; got {unknown[0]!r}.")
+    notes, args = [], dict(r.llm_args)
+    if r.parallel.attention_dp and "attention-dp" not in opt_in:
+        args.pop("attention_dp_config", None)
+        r = dataclasses.replace(r, parallel=dataclasses.replace(r.parallel, attention_dp=False), llm_args=args)
+        notes.append("attention-DP off")
+    if r.kv_cache_dtype == "fp8" and r.quant not in ("fp8", "nvfp4") and "fp8-kv" not in opt_in:
+        r = dataclasses.replace(r, kv_cache_dtype="auto")
+        notes.append("KV cache in the model's dtype, not FP8")
+    if r.moe_backend == "TRITON" and "triton-moe" not in opt_in:
+        r = dataclasses.replace(r, moe_backend="CUTLASS")
+        notes.append("MoE backend CUTLASS, not TRITON")
+    if "block-reuse" not in opt_in:
+        kv = dict(args.get("kv_cache_config") or {})
+        kv.setdefault("enable_block_reuse", False)
+        r = dataclasses.replace(r, llm_args={**r.llm_args, "kv_cache_config": kv})
+        notes.append("KV block reuse off")
+    return r, notes
