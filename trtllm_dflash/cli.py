@@ -268,6 +268,29 @@ def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batc
     run_build(opts, progress=lambda m: click.echo(m, err=True), dry_run=dry_run)
 
 
+@main.command("gpu-check")
+@click.option("--output", default="gpu-check", show_default=True, type=click.Path(path_type=str),
+              help="Folder for the deployments, their server logs and gpu-check.json.")
+@click.option("--engine", default="trtllm", show_default=True, type=click.Choice(["trtllm", "embedded"]),
+              help="trtllm: TensorRT-LLM on this host's GPU; embedded: our CPU engine behind the LLM API (no GPU).")
+@click.option("--target", default=None, help="A preset or a local checkpoint. Default: the preset that fits this host's GPU.")
+@click.option("--draft", default=None, help="DFlash draft directory or name. Default: the preset's.")
+@click.option("--gpu", default=None, help="The recipe's GPU. Default: this host's.")
+@click.option("--max-tokens", type=int, default=96, show_default=True, help="Tokens per checked answer.")
+@user_errors
+def gpu_check(output, engine, target, draft, gpu, max_tokens):
+    """Build, launch (Triton and trtllm-serve) and check DFlash deployments on this host: one PASS/FAIL table."""
+    from pathlib import Path
+
+    from .build.gpu_check import CheckOptions, run_check, table
+
+    rows = run_check(CheckOptions(Path(output), engine=engine, target=target, draft=draft, gpu=gpu, max_tokens=max_tokens),
+                     progress=lambda m: click.echo(m, err=True))
+    click.echo(table(rows))
+    click.echo(f"Saved {Path(output) / 'gpu-check.json'}.")
+    sys.exit(0 if all(r.passed for r in rows) else 1)
+
+
 @main.command()
 @click.argument("build_dir", type=click.Path(path_type=str))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told otherwise).")

@@ -513,26 +513,27 @@ OPT_INS = {
 }
 
 
-def conservative(r: Recipe, opt_in: tuple[str, ...] = ()) -> tuple[Recipe, list[str]]:
+def conservative(r: Recipe, opt_in: tuple[str, ...] = ()) -> tuple[Recipe, dict[str, str]]:
     """`r` with each untested DFlash combination replaced by the tested choice unless opted in; returns the recipe
-    and one line per replacement. The same holds for a --no-draft build, so that it stays the DFlash build's twin."""
+    and, per replacement, its opt-in name and what was taken instead. The same holds for a --no-draft build, so
+    that it stays the DFlash build's twin."""
     unknown = sorted(set(opt_in) - set(OPT_INS))
     if unknown:
         raise DFlashError(f"--opt-in takes {', '.join(OPT_INS)}; got {unknown[0]!r}.")
-    notes, args = [], dict(r.llm_args)
+    notes, args = {}, dict(r.llm_args)
     if r.parallel.attention_dp and "attention-dp" not in opt_in:
         args.pop("attention_dp_config", None)
         r = dataclasses.replace(r, parallel=dataclasses.replace(r.parallel, attention_dp=False), llm_args=args)
-        notes.append("attention-DP off")
+        notes["attention-dp"] = "attention-DP off"
     if r.kv_cache_dtype == "fp8" and r.quant not in ("fp8", "nvfp4") and "fp8-kv" not in opt_in:
         r = dataclasses.replace(r, kv_cache_dtype="auto")
-        notes.append("KV cache in the model's dtype, not FP8")
+        notes["fp8-kv"] = "KV cache in the model's dtype, not FP8"
     if r.moe_backend == "TRITON" and "triton-moe" not in opt_in:
         r = dataclasses.replace(r, moe_backend="CUTLASS")
-        notes.append("MoE backend CUTLASS, not TRITON")
+        notes["triton-moe"] = "MoE backend CUTLASS, not TRITON"
     if "block-reuse" not in opt_in:
         kv = dict(args.get("kv_cache_config") or {})
         kv.setdefault("enable_block_reuse", False)
         r = dataclasses.replace(r, llm_args={**r.llm_args, "kv_cache_config": kv})
-        notes.append("KV block reuse off")
+        notes["block-reuse"] = "KV block reuse off"
     return r, notes
