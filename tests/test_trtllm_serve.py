@@ -122,11 +122,12 @@ def test_a_stop_string_aborts_once_and_finish_reasons_pass_through(target_dir, b
     job = EngineRequest(prompt, MAX_TOKENS, Sampling(0.0), stop_strings=(stop,))
     list(llm_steps(llm, SamplingParams, job, stats, tokenizer, BLOCK - 1))
     assert stats.finish_reason == "stop" and results[-1].aborts == 1
-    steps = llm_steps(llm, SamplingParams, EngineRequest(prompt, MAX_TOKENS, Sampling(0.0)), GenerationStats(), tokenizer, BLOCK - 1)
+    stats = GenerationStats()
+    steps = llm_steps(llm, SamplingParams, EngineRequest(prompt, MAX_TOKENS, Sampling(0.0)), stats, tokenizer, BLOCK - 1)
     next(steps)
     results[-1].abort()  # the engine cancels (as TensorRT-LLM does on a client's cancellation)
     list(steps)
-    assert results[-1].outputs[0].finish_reason == "cancelled"
+    assert results[-1].outputs[0].finish_reason == "cancelled" and stats.finish_reason == "cancelled"
 
 
 def test_mpi_job_variables_are_cleared_and_configuration_kept():
