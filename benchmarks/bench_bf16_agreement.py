@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def bf16_ulp(x: float) -> float:
     """Spacing of bf16 values around x (8 significant bits)."""
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0**-133
 
 
 def gap_at(model, ids: list[int], a: int, b: int) -> dict:
@@ -42,8 +42,14 @@ def gap_at(model, ids: list[int], a: int, b: int) -> dict:
     top2 = logits.topk(2).indices.tolist()
     la, lb = logits[a].item(), logits[b].item()
     gap = abs(la - lb)
-    return {"logit_a": la, "logit_b": lb, "gap": gap, "gap_bf16_ulps": gap / bf16_ulp(max(abs(la), abs(lb))),
-            "top2_are_the_pair": set(top2) == {a, b}, "argmax": top2[0]}
+    return {
+        "logit_a": la,
+        "logit_b": lb,
+        "gap": gap,
+        "gap_bf16_ulps": gap / bf16_ulp(max(abs(la), abs(lb))),
+        "top2_are_the_pair": set(top2) == {a, b},
+        "argmax": top2[0],
+    }
 
 
 def main() -> None:
@@ -56,22 +62,30 @@ def main() -> None:
     a = ap.parse_args()
 
     import torch
-
     from bench_acceptance import prompt_sets
+
+    from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.resolve import resolve_target
     from trtllm_dflash.runtime import DFlashEngine
-    from trtllm_dflash.cpu import machine_info
 
     engine = DFlashEngine.load(a.target, a.draft, dtype="bf16", speculation="fixed", progress=lambda m: None)
     if engine.draft is None:
         raise SystemExit(f"Target {a.target} has no draft to compare; pass --draft.")
     fp32 = TargetModel.load(resolve_target(a.target, lambda m: None), torch.float32).model
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
-              "torch": torch.__version__, "target": a.target, "draft": str(a.draft or "packaged default"),
-              "block_size": engine.block_size, "max_new_tokens": a.max_new_tokens, "decoding": "greedy, bf16 target; fixed full blocks with prompt lookup",
-              "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "draft_weights": engine.draft_weights, "sets": {}}
+    report = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(),
+        "torch": torch.__version__,
+        "target": a.target,
+        "draft": str(a.draft or "packaged default"),
+        "block_size": engine.block_size,
+        "max_new_tokens": a.max_new_tokens,
+        "decoding": "greedy, bf16 target; fixed full blocks with prompt lookup",
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "draft_weights": engine.draft_weights,
+        "sets": {},
+    }
     all_rows = []
     for name, prompts in prompt_sets(a.prompts, a.prompts, a.prompts).items():
         rows = []
@@ -89,8 +103,15 @@ def main() -> None:
                     row["bf16_forward"] = gap_at(engine.target.model, ctx, dflash[p], ar[p])
                     row["fp32_forward"] = gap_at(fp32, ctx, dflash[p], ar[p])
             rows.append(row)
-            print(f"{name} {key}: " + ("identical" if row["identical"] else
-                  f"differs at {row['first_difference']}, fp32 gap {row.get('fp32_forward', {}).get('gap_bf16_ulps', float('nan')):.2f} bf16 ulps"), flush=True)
+            print(
+                f"{name} {key}: "
+                + (
+                    "identical"
+                    if row["identical"]
+                    else f"differs at {row['first_difference']}, fp32 gap {row.get('fp32_forward', {}).get('gap_bf16_ulps', float('nan')):.2f} bf16 ulps"
+                ),
+                flush=True,
+            )
         report["sets"][name] = summarize(rows)
         all_rows += rows
     report["all"] = summarize(all_rows)
@@ -105,16 +126,20 @@ def main() -> None:
 def summarize(rows: list[dict]) -> dict:
     diffs = [r for r in rows if "tokens_at_difference" in r]
     ulps = [r["fp32_forward"]["gap_bf16_ulps"] for r in diffs]
-    return {"prompts": len(rows), "identical": sum(r["identical"] for r in rows),
-            "identical_fraction": round(sum(r["identical"] for r in rows) / max(len(rows), 1), 3),
-            "first_difference_positions": sorted(r["first_difference"] for r in rows if "first_difference" in r),
-            "token_differences": len(diffs),
-            "fp32_gap_bf16_ulps": sorted(round(u, 3) for u in ulps),
-            "fp32_gap_within_1_ulp": sum(u <= 1 for u in ulps), "fp32_gap_within_4_ulps": sum(u <= 4 for u in ulps),
-            "bf16_forward_exact_ties": sum(r["bf16_forward"]["gap"] == 0 for r in diffs),
-            "pair_is_fp32_top2": sum(r["fp32_forward"]["top2_are_the_pair"] for r in diffs),
-            "median_fp32_gap_bf16_ulps": round(statistics.median(ulps), 3) if ulps else None,
-            "rows": rows}
+    return {
+        "prompts": len(rows),
+        "identical": sum(r["identical"] for r in rows),
+        "identical_fraction": round(sum(r["identical"] for r in rows) / max(len(rows), 1), 3),
+        "first_difference_positions": sorted(r["first_difference"] for r in rows if "first_difference" in r),
+        "token_differences": len(diffs),
+        "fp32_gap_bf16_ulps": sorted(round(u, 3) for u in ulps),
+        "fp32_gap_within_1_ulp": sum(u <= 1 for u in ulps),
+        "fp32_gap_within_4_ulps": sum(u <= 4 for u in ulps),
+        "bf16_forward_exact_ties": sum(r["bf16_forward"]["gap"] == 0 for r in diffs),
+        "pair_is_fp32_top2": sum(r["fp32_forward"]["top2_are_the_pair"] for r in diffs),
+        "median_fp32_gap_bf16_ulps": round(statistics.median(ulps), 3) if ulps else None,
+        "rows": rows,
+    }
 
 
 if __name__ == "__main__":

@@ -58,12 +58,20 @@ def kernel_at(rev: str, name: str):
         if shown.returncode and f in (bf16_gemm.BINDINGS, "kernels.h"):
             continue  # a revision before 2026-11-29's split: its kernel source holds its bindings and declarations
         if shown.returncode:
-            raise SystemExit(f"--against {rev}: git cannot show trtllm_dflash/models/{f} there ({shown.stderr.decode().strip()}).")
+            raise SystemExit(
+                f"--against {rev}: git cannot show trtllm_dflash/models/{f} there ({shown.stderr.decode().strip()})."
+            )
         (build / f).write_bytes(shown.stdout)
         sources += [str(build / f)] if f.endswith(".cpp") else []
     print(f"building our {name} kernel as of {rev} in {build}...", file=sys.stderr, flush=True)
-    return load(name=f"trtdflash_bf16_gemm_{name}_against", sources=sources, build_directory=str(build),
-                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    return load(
+        name=f"trtdflash_bf16_gemm_{name}_against",
+        sources=sources,
+        build_directory=str(build),
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
 
 
 def main(argv=None):
@@ -73,12 +81,17 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--isa", choices=["native", "avx2"], default="native")
     ap.add_argument("--against", metavar="REV", help="also time our kernel as of this git revision (e.g. HEAD~1)")
-    ap.add_argument("--out", default=None, help="default: benchmarks/results/bf16-kernel.json (native), bf16-kernel-avx2.json")
+    ap.add_argument(
+        "--out", default=None, help="default: benchmarks/results/bf16-kernel.json (native), bf16-kernel-avx2.json"
+    )
     args = ap.parse_args(argv)
     args.out = args.out or str(RESULTS / ("bf16-kernel.json" if args.isa == "native" else "bf16-kernel-avx2.json"))
     if args.isa == "avx2" and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":  # torch reads it when it loads: a child
-        raise SystemExit(subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])],
-                                        env=os.environ | AVX2).returncode)
+        raise SystemExit(
+            subprocess.run(
+                [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])], env=os.environ | AVX2
+            ).returncode
+        )
 
     import torch
     from transformers import AutoConfig
@@ -90,12 +103,18 @@ def main(argv=None):
 
     ours = bf16_gemm.kernel()
     if ours is None:
-        raise SystemExit("Our bf16 kernel does not run on this CPU (it needs AVX-512 BF16, or AVX2 alone); nothing to compare.")
+        raise SystemExit(
+            "Our bf16 kernel does not run on this CPU (it needs AVX-512 BF16, or AVX2 alone); nothing to compare."
+        )
     c = AutoConfig.from_pretrained(resolve_target(args.target, lambda m: None))
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd
-    shapes = [(qkv, c.hidden_size), (c.hidden_size, c.num_attention_heads * hd), (2 * c.intermediate_size, c.hidden_size),
-              (c.hidden_size, c.intermediate_size)] * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]  # fused, as the runtime's
+    shapes = [
+        (qkv, c.hidden_size),
+        (c.hidden_size, c.num_attention_heads * hd),
+        (2 * c.intermediate_size, c.hidden_size),
+        (c.hidden_size, c.intermediate_size),
+    ] * c.num_hidden_layers + [(c.vocab_size, c.hidden_size)]  # fused, as the runtime's
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for n, k in shapes]
 
@@ -111,7 +130,10 @@ def main(argv=None):
     if can_pack(torch.bfloat16):
         kernels["onednn"] = ([torch.ops.mkldnn._reorder_linear_weight(w) for w in weights], onednn)
     else:  # AVX2 alone: fp32's kernel (--dtype fp32, or auto where ours cannot be built), fed the same inputs in fp32
-        kernels["onednn_fp32"] = ([torch.ops.mkldnn._reorder_linear_weight(w.float()) for w in weights], lambda x, w: onednn(x.float(), w))
+        kernels["onednn_fp32"] = (
+            [torch.ops.mkldnn._reorder_linear_weight(w.float()) for w in weights],
+            lambda x, w: onednn(x.float(), w),
+        )
 
     def aten(x, w):
         torch._C._set_mkldnn_enabled(False)
@@ -120,11 +142,22 @@ def main(argv=None):
         finally:
             torch._C._set_mkldnn_enabled(True)
 
-    result = {"benchmark": "bench_bf16_kernel", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "isa": args.isa, "kernel": bf16_gemm.variant(),
-              "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "target": args.target, "linears": len(shapes),
-              "weight_mb": round(sum(n * k for n, k in shapes) * 2 / 2**20, 1), "reps": args.reps, "against": args.against,
-              "ms": {}, "median_ms": {}, "same_bits_as_against": {}}
+    result = {
+        "benchmark": "bench_bf16_kernel",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "isa": args.isa,
+        "kernel": bf16_gemm.variant(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "target": args.target,
+        "linears": len(shapes),
+        "weight_mb": round(sum(n * k for n, k in shapes) * 2 / 2**20, 1),
+        "reps": args.reps,
+        "against": args.against,
+        "ms": {},
+        "median_ms": {},
+        "same_bits_as_against": {},
+    }
     with torch.inference_mode():
         for m in args.rows:
             xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for k in {k for _, k in shapes}}
@@ -141,11 +174,18 @@ def main(argv=None):
             result["median_ms"][str(m)] = {name: round(statistics.median(t) * 1000, 2) for name, t in times.items()}
             if args.against:
                 (new_w, f_new), (old_w, f_old) = kernels["ours"], kernels[f"ours@{args.against}"]
-                result["same_bits_as_against"][str(m)] = all(torch.equal(f_new(xs[k], a), f_old(xs[k], b))
-                                                            for a, b, (_, k) in zip(new_w, old_w, shapes))
-            print(f"{m:4d} rows: " + ", ".join(f"{name} {ms} ms (median {result['median_ms'][str(m)][name]})"
-                                              for name, ms in result["ms"][str(m)].items())
-                  + (f", same bits: {result['same_bits_as_against'][str(m)]}" if args.against else ""), flush=True)
+                result["same_bits_as_against"][str(m)] = all(
+                    torch.equal(f_new(xs[k], a), f_old(xs[k], b)) for a, b, (_, k) in zip(new_w, old_w, shapes)
+                )
+            print(
+                f"{m:4d} rows: "
+                + ", ".join(
+                    f"{name} {ms} ms (median {result['median_ms'][str(m)][name]})"
+                    for name, ms in result["ms"][str(m)].items()
+                )
+                + (f", same bits: {result['same_bits_as_against'][str(m)]}" if args.against else ""),
+                flush=True,
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -59,14 +59,16 @@ print(json.dumps({"seconds": times, "tokens": tokens, "torch_threads": torch.get
 NEIGHBOURS = {
     "torch": "import torch\na = torch.randn(512, 512)\nwhile True:\n    a = torch.tanh(a @ a)\n",
     "spin": "import multiprocessing as mp, os\n"
-            "def spin():\n    while True:\n        pass\n"
-            "ps = [mp.Process(target=spin) for _ in os.sched_getaffinity(0)]\n[p.start() for p in ps]\n[p.join() for p in ps]\n",
+    "def spin():\n    while True:\n        pass\n"
+    "ps = [mp.Process(target=spin) for _ in os.sched_getaffinity(0)]\n[p.start() for p in ps]\n[p.join() for p in ps]\n",
 }
 
 
 def clean_env() -> dict[str, str]:
     """This environment without OpenMP settings: each process picks its own (or torch's defaults)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_", "GOMP_", "KMP_"))} | {"HF_HUB_OFFLINE": "1"}
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_", "GOMP_", "KMP_"))} | {
+        "HF_HUB_OFFLINE": "1"
+    }
 
 
 def policy_env(policy: str) -> dict[str, str]:
@@ -87,8 +89,13 @@ def policy_env(policy: str) -> dict[str, str]:
 
 
 def run_workload(policy: str, max_new_tokens: int, repeats: int, dtype: str) -> dict:
-    r = subprocess.run([sys.executable, "-c", WORKLOAD, policy, str(max_new_tokens), str(repeats), PROMPT, dtype],
-                       capture_output=True, text=True, env=clean_env() | policy_env(policy), timeout=3600)
+    r = subprocess.run(
+        [sys.executable, "-c", WORKLOAD, policy, str(max_new_tokens), str(repeats), PROMPT, dtype],
+        capture_output=True,
+        text=True,
+        env=clean_env() | policy_env(policy),
+        timeout=3600,
+    )
     if r.returncode != 0:
         raise SystemExit(f"workload ({policy}) failed:\n{r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -97,8 +104,13 @@ def run_workload(policy: str, max_new_tokens: int, repeats: int, dtype: str) -> 
 def measure(policy: str, neighbour: str | None, args) -> dict:
     proc = None
     if neighbour:
-        proc = subprocess.Popen([sys.executable, "-c", NEIGHBOURS[neighbour]], env=clean_env(), start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", NEIGHBOURS[neighbour]],
+            env=clean_env(),
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(args.settle)  # the neighbour is at full load before the workload starts
     try:
         out = run_workload(policy, args.max_new_tokens, args.repeats, args.dtype)
@@ -125,7 +137,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--neighbour", choices=sorted(NEIGHBOURS), default="torch")
-    ap.add_argument("--policies", default="default,ours,passive", help="Comma-separated: default, ours, passive, spin-N, threads-N (parts joined by +).")
+    ap.add_argument(
+        "--policies",
+        default="default,ours,passive",
+        help="Comma-separated: default, ours, passive, spin-N, threads-N (parts joined by +).",
+    )
     ap.add_argument("--dtype", default="auto", help="The workload's dtype (auto: the CLI's default on this CPU).")
     ap.add_argument("--settle", type=float, default=3.0, help="Seconds the neighbour runs before the workload starts.")
     ap.add_argument("--quick", action="store_true", help="8 tokens, one run, 1 s settle: checks the script end to end.")
@@ -136,20 +152,36 @@ def main() -> None:
 
     import torch
 
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": cpu_model(), "cpus": len(os.sched_getaffinity(0)),
-              "torch": torch.__version__, "neighbour": args.neighbour, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-              "repeats": args.repeats, "quick": args.quick, "load_average_at_start": os.getloadavg(), "policies": {}}
+    report = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpu": cpu_model(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "neighbour": args.neighbour,
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "quick": args.quick,
+        "load_average_at_start": os.getloadavg(),
+        "policies": {},
+    }
     if report["load_average_at_start"][0] > 0.5 * report["cpus"]:
-        print(f"warning: load average {report['load_average_at_start'][0]:.1f} on {report['cpus']} CPUs; 'alone' is not alone, "
-              "so the ratios are not meaningful", file=sys.stderr)
+        print(
+            f"warning: load average {report['load_average_at_start'][0]:.1f} on {report['cpus']} CPUs; 'alone' is not alone, "
+            "so the ratios are not meaningful",
+            file=sys.stderr,
+        )
     for policy in args.policies.split(","):
         alone = measure(policy, None, args)
         beside = measure(policy, args.neighbour, args)
         ratio = beside["median_seconds"] / alone["median_seconds"]
         report["policies"][policy] = {"alone": alone, "beside_neighbour": beside, "slowdown": round(ratio, 2)}
-        print(f"{policy:>8}: alone {alone['median_seconds']:.2f} s, beside a busy {args.neighbour} neighbour "
-              f"{beside['median_seconds']:.2f} s -> {ratio:.2f}x slower ({alone['torch_threads']} threads, "
-              f"wait policy {alone['omp_wait_policy'] or 'libgomp default'}, spin count {alone['gomp_spincount'] or 'default'})", flush=True)
+        print(
+            f"{policy:>8}: alone {alone['median_seconds']:.2f} s, beside a busy {args.neighbour} neighbour "
+            f"{beside['median_seconds']:.2f} s -> {ratio:.2f}x slower ({alone['torch_threads']} threads, "
+            f"wait policy {alone['omp_wait_policy'] or 'libgomp default'}, spin count {alone['gomp_spincount'] or 'default'})",
+            flush=True,
+        )
     out = Path(args.out) if args.out else RESULTS / f"contention-{time.strftime('%Y%m%d-%H%M')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

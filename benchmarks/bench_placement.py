@@ -37,15 +37,17 @@ def main(argv=None):
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--copies", type=int, default=6, help="places the weights are timed at: the loaded ones and copies")
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--steps", type=int, default=5, help="decode steps per copy and round (their median is the round's)")
+    ap.add_argument(
+        "--steps", type=int, default=5, help="decode steps per copy and round (their median is the round's)"
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "placement.json"))
     args = ap.parse_args(argv)
     if args.copies < 2 or args.rounds < 1 or args.steps < 1:
         raise SystemExit("--copies must be at least 2, --rounds and --steps at least 1.")
 
     import torch
-
     from bench_engines import cpu_ticks
+
     from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.models.packed import PackedLinear
     from trtllm_dflash.runtime import DFlashEngine
@@ -64,7 +66,7 @@ def main(argv=None):
     with torch.inference_mode():
         target.forward(ids[:, :128], 0, cache, capture=False, logits_to_keep=1)
         for r in range(args.rounds + 1):  # round 0 warms up
-            for c in list(range(len(places)))[r % len(places):] + list(range(len(places)))[: r % len(places)]:
+            for c in list(range(len(places)))[r % len(places) :] + list(range(len(places)))[: r % len(places)]:
                 for m, p in zip(linears, places[c]):
                     m.packed = p
                 target.rebind()  # the layers' calls hold their weights (a step's layer is one kernel call)
@@ -77,17 +79,37 @@ def main(argv=None):
                     times[c].append(statistics.median(steps))
     ticks = [b - a for a, b in zip(ticks, cpu_ticks())]
     medians = [statistics.median(t) * 1000 for t in times]
-    copies = [{"copy": c, "address": hex(places[c][0].data_ptr()), "ms": round(m, 3),
-               "q1_ms": round(statistics.quantiles(times[c], n=4)[0] * 1000, 3)} for c, m in enumerate(medians)]
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
-              "torch_threads": torch.get_num_threads(), "dtype": engine.dtype, "args": vars(args),
-              "weights_mb": round(megabytes, 1), "steal_share": round(ticks[7] / max(sum(ticks), 1), 4),
-              "slowest_over_fastest": round(max(medians) / min(medians), 3), "copies": copies}
+    copies = [
+        {
+            "copy": c,
+            "address": hex(places[c][0].data_ptr()),
+            "ms": round(m, 3),
+            "q1_ms": round(statistics.quantiles(times[c], n=4)[0] * 1000, 3),
+        }
+        for c, m in enumerate(medians)
+    ]
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": engine.dtype,
+        "args": vars(args),
+        "weights_mb": round(megabytes, 1),
+        "steal_share": round(ticks[7] / max(sum(ticks), 1), 4),
+        "slowest_over_fastest": round(max(medians) / min(medians), 3),
+        "copies": copies,
+    }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     for c in copies:
-        print(f"copy {c['copy']} at {c['address']}: {c['ms']:.2f} ms a decode step" + (" (as loaded)" if c["copy"] == 0 else ""))
-    print(f"{megabytes:.0f} MB of packed weights, {engine.dtype}; slowest copy / fastest: {report['slowest_over_fastest']:.3f}, "
-          f"steal {100 * report['steal_share']:.1f} %", file=sys.stderr)
+        print(
+            f"copy {c['copy']} at {c['address']}: {c['ms']:.2f} ms a decode step"
+            + (" (as loaded)" if c["copy"] == 0 else "")
+        )
+    print(
+        f"{megabytes:.0f} MB of packed weights, {engine.dtype}; slowest copy / fastest: {report['slowest_over_fastest']:.3f}, "
+        f"steal {100 * report['steal_share']:.1f} %",
+        file=sys.stderr,
+    )
     print(f"wrote {args.out}")
 
 

@@ -47,8 +47,15 @@ def converse(conversation, asks: list[str], max_new_tokens: int) -> list[dict]:
     for ask in asks:
         stats, t0 = GenerationStats(), time.perf_counter()
         text = "".join(conversation.ask(ask, max_new_tokens=max_new_tokens, stats=stats))
-        turns.append({"prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.cached_tokens,
-                      "ttft_s": round(stats.time_to_first_token, 4), "seconds": round(time.perf_counter() - t0, 4), "text": text})
+        turns.append(
+            {
+                "prompt_tokens": stats.prompt_tokens,
+                "cached_tokens": stats.cached_tokens,
+                "ttft_s": round(stats.time_to_first_token, 4),
+                "seconds": round(time.perf_counter() - t0, 4),
+                "text": text,
+            }
+        )
     return turns
 
 
@@ -62,13 +69,23 @@ def plot(report: dict, path: Path) -> None:
     rows = report["per_turn"]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for name, style in (("no cache", "o--"), ("cache", "o-")):
-        ax.plot([r["prompt_tokens_median"] for r in rows], [r[f"{name}: ttft_ms_median"] for r in rows], style, label=name)
+        ax.plot(
+            [r["prompt_tokens_median"] for r in rows], [r[f"{name}: ttft_ms_median"] for r in rows], style, label=name
+        )
     for r in rows:
-        ax.annotate(f"turn {r['turn']}", (r["prompt_tokens_median"], r["no cache: ttft_ms_median"]), fontsize=7,
-                    textcoords="offset points", xytext=(-10, 6))
+        ax.annotate(
+            f"turn {r['turn']}",
+            (r["prompt_tokens_median"], r["no cache: ttft_ms_median"]),
+            fontsize=7,
+            textcoords="offset points",
+            xytext=(-10, 6),
+        )
     m = report["machine"]
-    ax.set(xlabel="prompt tokens (the conversation so far)", ylabel="time to first token, ms (median)",
-           title=f"Prefix cache, {report['dtype']}, {m.get('cpu', '')[:40]}, {report['date'][:16]}")
+    ax.set(
+        xlabel="prompt tokens (the conversation so far)",
+        ylabel="time to first token, ms (median)",
+        title=f"Prefix cache, {report['dtype']}, {m.get('cpu', '')[:40]}, {report['date'][:16]}",
+    )
     ax.title.set_fontsize(9)
     ax.set_ylim(bottom=0)
     ax.legend()
@@ -89,9 +106,9 @@ def main(argv=None):
 
     import torch
 
+    from trtllm_dflash.chat import Conversation
     from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.prefix_cache import DEFAULT_TOKENS
-    from trtllm_dflash.chat import Conversation
     from trtllm_dflash.runtime import DFlashEngine
 
     engine = DFlashEngine.load(args.target, dtype=args.dtype, progress=lambda m: print(m, file=sys.stderr))
@@ -105,9 +122,15 @@ def main(argv=None):
         for c in range(args.conversations):
             order = list(budgets) if c % 2 == 0 else list(budgets)[::-1]
             for name in order:
-                runs[name].append(converse(loops[name], asks[c * args.turns : (c + 1) * args.turns], args.max_new_tokens))
-                print(f"conversation {c + 1} ({name}): TTFT " + ", ".join(f"{t['ttft_s'] * 1000:.0f}" for t in runs[name][-1]) + " ms",
-                      file=sys.stderr)
+                runs[name].append(
+                    converse(loops[name], asks[c * args.turns : (c + 1) * args.turns], args.max_new_tokens)
+                )
+                print(
+                    f"conversation {c + 1} ({name}): TTFT "
+                    + ", ".join(f"{t['ttft_s'] * 1000:.0f}" for t in runs[name][-1])
+                    + " ms",
+                    file=sys.stderr,
+                )
     finally:
         for c in loops.values():
             c.close()
@@ -121,17 +144,31 @@ def main(argv=None):
         per_turn.append(row)
     same = all(a["text"] == b["text"] for ca, cb in zip(runs["cache"], runs["no cache"]) for a, b in zip(ca, cb))
     total = {name: round(sum(t["seconds"] for r in runs[name] for t in r), 2) for name in budgets}
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
-              "torch_threads": torch.get_num_threads(), "dtype": engine.dtype, "args": vars(args), "prefix_cache_tokens": DEFAULT_TOKENS,
-              "per_turn": per_turn, "seconds_all_turns": total, "same_text": same,
-              "runs": {name: [[{k: v for k, v in t.items() if k != "text"} for t in r] for r in rs] for name, rs in runs.items()}}
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": engine.dtype,
+        "args": vars(args),
+        "prefix_cache_tokens": DEFAULT_TOKENS,
+        "per_turn": per_turn,
+        "seconds_all_turns": total,
+        "same_text": same,
+        "runs": {
+            name: [[{k: v for k, v in t.items() if k != "text"} for t in r] for r in rs] for name, rs in runs.items()
+        },
+    }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     plot(report, Path(args.out).with_suffix(".png"))
     print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT cache':>11} {'TTFT none':>10} {'ratio':>6}")
     for row in per_turn:
-        print(f"{row['turn']:>4} {row['prompt_tokens_median']:>7.0f} {row['cache: cached_tokens_median']:>7.0f} "
-              f"{row['cache: ttft_ms_median']:>9.1f}ms {row['no cache: ttft_ms_median']:>8.1f}ms {row['ttft_ratio']:>5.2f}x")
-    print(f"all turns: {total['cache']} s with the cache, {total['no cache']} s without; same text: {same}; wrote {args.out} and .png")
+        print(
+            f"{row['turn']:>4} {row['prompt_tokens_median']:>7.0f} {row['cache: cached_tokens_median']:>7.0f} "
+            f"{row['cache: ttft_ms_median']:>9.1f}ms {row['no cache: ttft_ms_median']:>8.1f}ms {row['ttft_ratio']:>5.2f}x"
+        )
+    print(
+        f"all turns: {total['cache']} s with the cache, {total['no cache']} s without; same text: {same}; wrote {args.out} and .png"
+    )
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def draft_accepted(target, draft, prompt: list[int], output: list[int]) -> tuple
     feats = feats[0].to(torch.bfloat16).to(target.dtype)
     anchors = torch.arange(len(prompt), len(seq) - 1)
     response = torch.zeros(len(seq), dtype=torch.long)
-    response[len(prompt):] = 1
+    response[len(prompt) :] = 1
     noise, pos, labels, valid = build_blocks(torch.tensor(seq), response, anchors, b, draft.config.mask_token_id)
     hidden = block_hidden(draft, target.embed_tokens, feats, noise, pos, anchors)
     if draft.ngram is None:
@@ -162,8 +162,13 @@ def by_confidence(runs: list[tuple[list[int], list[float]]]) -> list[dict]:
     rows = []
     for lo, hi in zip(edges, edges[1:]):
         inside = [di for di, ci in pairs if lo <= ci < hi]
-        rows.append({"target_top_probability": f"{lo:.2f}-{min(hi, 1.0):.2f}", "share": round(len(inside) / max(len(pairs), 1), 3),
-                     "first_guess_accepted": round(sum(di >= 1 for di in inside) / len(inside), 3) if inside else None})
+        rows.append(
+            {
+                "target_top_probability": f"{lo:.2f}-{min(hi, 1.0):.2f}",
+                "share": round(len(inside) / max(len(pairs), 1), 3),
+                "first_guess_accepted": round(sum(di >= 1 for di in inside) / len(inside), 3) if inside else None,
+            }
+        )
     return rows
 
 
@@ -181,23 +186,45 @@ def main() -> None:
     ap.add_argument("--math", type=int, default=40)
     ap.add_argument("--code", type=int, default=40)
     ap.add_argument("--chat", type=int, default=40)
-    ap.add_argument("--magpie-held-out", type=int, default=0, help="Packaged chat questions train-draft never trains on (125 of them).")
+    ap.add_argument(
+        "--magpie-held-out",
+        type=int,
+        default=0,
+        help="Packaged chat questions train-draft never trains on (125 of them).",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--draft", default=None, help="Draft directory to replay (default: the packaged draft).")
     ap.add_argument("--outputs", default=None, help="JSON file of the target's outputs: read if there, else written.")
-    ap.add_argument("--no-draft-ngram", dest="draft_ngram", action="store_false",
-                    help="Replay the draft's own argmax, without its n-gram prior (models/draft_ngram.py).")
-    ap.add_argument("--first", type=int, default=0,
-                    help="Skip that many prompts of each set: 40 replays prompts 40-79, which bench_acceptance.py's 40 leave "
-                         "for tuning (the n-gram prior's weights were chosen there).")
-    ap.add_argument("--ngram-weight", type=float, default=None, help="Replay the prior at this weight instead of its file's.")
-    ap.add_argument("--ngram-own", type=float, default=None, help="... and with this share for the request's own counts.")
-    ap.add_argument("--lookup-guesses", type=int, default=None,
-                    help="Replay prompt lookup with up to this many guesses a step (default: the runtime's, lookup.MAX_GUESSES).")
+    ap.add_argument(
+        "--no-draft-ngram",
+        dest="draft_ngram",
+        action="store_false",
+        help="Replay the draft's own argmax, without its n-gram prior (models/draft_ngram.py).",
+    )
+    ap.add_argument(
+        "--first",
+        type=int,
+        default=0,
+        help="Skip that many prompts of each set: 40 replays prompts 40-79, which bench_acceptance.py's 40 leave "
+        "for tuning (the n-gram prior's weights were chosen there).",
+    )
+    ap.add_argument(
+        "--ngram-weight", type=float, default=None, help="Replay the prior at this weight instead of its file's."
+    )
+    ap.add_argument(
+        "--ngram-own", type=float, default=None, help="... and with this share for the request's own counts."
+    )
+    ap.add_argument(
+        "--lookup-guesses",
+        type=int,
+        default=None,
+        help="Replay prompt lookup with up to this many guesses a step (default: the runtime's, lookup.MAX_GUESSES).",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
     from bench_acceptance import prompt_sets
+
     from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.data import answers_records, magpie_records
     from trtllm_dflash.lookup import MAX_GUESSES, NgramIndex
@@ -207,8 +234,9 @@ def main() -> None:
     from trtllm_dflash.resolve import resolve_draft
     from trtllm_dflash.runtime import DFlashEngine
 
-    engine = DFlashEngine.load("smollm2-135m", a.draft, dtype="fp32", speculation="fixed", draft_ngram=a.draft_ngram,
-                               progress=lambda m: None)
+    engine = DFlashEngine.load(
+        "smollm2-135m", a.draft, dtype="fp32", speculation="fixed", draft_ngram=a.draft_ngram, progress=lambda m: None
+    )
     draft_dir = resolve_draft(a.draft, "smollm2-135m")
     cache_path = Path(a.outputs) if a.outputs else None
     cached = json.loads(cache_path.read_text()) if cache_path and cache_path.is_file() else {}
@@ -226,13 +254,23 @@ def main() -> None:
 
     trained = [r for r in magpie_records() if not held_out(r["key"], TrainArgs.val_fraction)]
     corpus = SuffixIndex([r["answer_ids"] for r in trained] + [r["answer_ids"] for r in answers_records()])
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
-              "target": "smollm2-135m", "draft": str(a.draft or "packaged default"), "dtype": "fp32", "decoding": "greedy",
-              "max_new_tokens": a.max_new_tokens, "block_size": draft.config.block_size,
-              "corpus_tokens": int(len(corpus.t)), "corpus_seconds": round(time.perf_counter() - t0, 1),
-              "min_share": MIN_SHARE, "first_prompt": a.first, "lookup_guesses": lookup_limit,
-              "draft_ngram_prior": None if draft.ngram is None else {"weight": draft.ngram.weight, "own": draft.ngram.own},
-              "sets": {}}
+    report = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(),
+        "target": "smollm2-135m",
+        "draft": str(a.draft or "packaged default"),
+        "dtype": "fp32",
+        "decoding": "greedy",
+        "max_new_tokens": a.max_new_tokens,
+        "block_size": draft.config.block_size,
+        "corpus_tokens": int(len(corpus.t)),
+        "corpus_seconds": round(time.perf_counter() - t0, 1),
+        "min_share": MIN_SHARE,
+        "first_prompt": a.first,
+        "lookup_guesses": lookup_limit,
+        "draft_ngram_prior": None if draft.ngram is None else {"weight": draft.ngram.weight, "own": draft.ngram.own},
+        "sets": {},
+    }
     for name, prompts in prompt_sets(a.math, a.code, a.chat, a.magpie_held_out, first=a.first).items():
         if not prompts:
             continue
@@ -250,7 +288,7 @@ def main() -> None:
             confidence.append((d, c))
             history, look, suffix = NgramIndex(prompt + out[:1]), [], []
             for i in range(len(out) - 1):
-                ctx, truth = history.tokens, out[i + 1:]
+                ctx, truth = history.tokens, out[i + 1 :]
                 found = history.propose(lookup_limit)
                 look.append(accepted(found, truth) if found else None)
                 guesses, share = corpus.propose(ctx, limit)
@@ -258,33 +296,52 @@ def main() -> None:
                 history.extend([out[i + 1]])
             runs.append((len(out), d, look, suffix))
             measured.append(tau)
-            print(f"{name} {key}: " + ("output from " + str(cache_path) if tau is None else f"measured tau {tau:.2f}"), flush=True)
+            print(
+                f"{name} {key}: " + ("output from " + str(cache_path) if tau is None else f"measured tau {tau:.2f}"),
+                flush=True,
+            )
         rules = {
             "draft": lambda d, lk, s: d,
             "suffix index": lambda d, lk, s: s[0],
             "lookup, else draft (the runtime)": lambda d, lk, s: d if lk is None else lk,
-            f"lookup, else suffix index if its first share >= {SURE}, else draft":
-                lambda d, lk, s: lk if lk is not None else (s[0] if s[1] >= SURE else d),
+            f"lookup, else suffix index if its first share >= {SURE}, else draft": lambda d, lk, s: (
+                lk if lk is not None else (s[0] if s[1] >= SURE else d)
+            ),
             "longest of draft and lookup (one tree verify)": lambda d, lk, s: max(d, lk or 0),
             "longest of draft, lookup and suffix index (one tree verify)": lambda d, lk, s: max(d, lk or 0, s[0]),
         }
         taus = [t for t in measured if t is not None]  # a measured tau only where this run decoded
-        result = {"prompts": len(runs), "measured_tau_mean": round(statistics.mean(taus), 3) if len(taus) == len(runs) else None,
-                  "replay": {}}
+        result = {
+            "prompts": len(runs),
+            "measured_tau_mean": round(statistics.mean(taus), 3) if len(taus) == len(runs) else None,
+            "replay": {},
+        }
         for rule_name, rule in rules.items():
             per = [walk(n, lambda i: rule(d[i], lk[i], s[i])) for n, d, lk, s in runs]
-            result["replay"][rule_name] = {"tau_mean": round(statistics.mean(t / max(st, 1) for t, st in per), 3),
-                                           "tau_pooled": round(sum(t for t, _ in per) / max(sum(st for _, st in per), 1), 3)}
+            result["replay"][rule_name] = {
+                "tau_mean": round(statistics.mean(t / max(st, 1) for t, st in per), 3),
+                "tau_pooled": round(sum(t for t, _ in per) / max(sum(st for _, st in per), 1), 3),
+            }
         result["draft_first_guess_by_target_confidence"] = by_confidence(confidence)
         report["sets"][name] = result
-        print(f"== {name}: measured {result['measured_tau_mean']}; "
-              + "; ".join(f"{k} {v['tau_mean']:.2f}" for k, v in result["replay"].items()), flush=True)
-        print("   the draft's first guess by the target's top probability there: " + "; ".join(
-            f"{r['target_top_probability']}: {r['share']:.0%} of positions, {r['first_guess_accepted']} accepted"
-            for r in result["draft_first_guess_by_target_confidence"]), flush=True)
+        print(
+            f"== {name}: measured {result['measured_tau_mean']}; "
+            + "; ".join(f"{k} {v['tau_mean']:.2f}" for k, v in result["replay"].items()),
+            flush=True,
+        )
+        print(
+            "   the draft's first guess by the target's top probability there: "
+            + "; ".join(
+                f"{r['target_top_probability']}: {r['share']:.0%} of positions, {r['first_guess_accepted']} accepted"
+                for r in result["draft_first_guess_by_target_confidence"]
+            ),
+            flush=True,
+        )
     if cache_path:
         cache_path.write_text(json.dumps(cached) + "\n")
-    out = Path(a.out or Path(__file__).parent / "results" / f"proposers-smollm2-135m-{time.strftime('%Y%m%d-%H%M')}.json")
+    out = Path(
+        a.out or Path(__file__).parent / "results" / f"proposers-smollm2-135m-{time.strftime('%Y%m%d-%H%M')}.json"
+    )
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -73,8 +73,11 @@ def agreement(runs: list[list[int]], refs: list[list[int]]) -> dict:
         same += sum(a == b for a, b in zip(out, ref))
         total += max(len(out), len(ref))
     diverged = [k for k in first if k is not None]
-    return {"identical_token_fraction": round(same / max(total, 1), 4), "identical_outputs": first.count(None),
-            "first_divergence_median": statistics.median(diverged) if diverged else None}
+    return {
+        "identical_token_fraction": round(same / max(total, 1), 4),
+        "identical_outputs": first.count(None),
+        "first_divergence_median": statistics.median(diverged) if diverged else None,
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -94,7 +97,9 @@ def plot(report: dict, path: Path) -> None:
     ax.axhline(base * 0.95, color="grey", ls="--", lw=1, label="unquantized tau - 5 %")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], names, rotation=30, ha="right")
     ax.set_ylabel("acceptance length tau (greedy)")
-    ax.set_title(f"SmolLM2-135M + DFlash draft, block {report['block_size']}, {report['max_new_tokens']} new tokens, {report['date'][:10]}")
+    ax.set_title(
+        f"SmolLM2-135M + DFlash draft, block {report['block_size']}, {report['max_new_tokens']} new tokens, {report['date'][:10]}"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -110,32 +115,43 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "quant-smollm2-135m.json"))
     a = ap.parse_args()
 
-
     from bench_acceptance import prompt_sets
+
+    from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.data import gsm8k_records
     from trtllm_dflash.models.checkpoint import load_draft
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.resolve import resolve_draft, resolve_target
     from trtllm_dflash.runtime import DFlashEngine
-    from trtllm_dflash.cpu import machine_info
 
     load = os.getloadavg()
     cache = Path(a.cache)
     base_target, base_draft = resolve_target("smollm2-135m", lambda m: None), resolve_draft(None, "smollm2-135m")
     targets = {"none": base_target} | {f: convert("smollm2-135m", f, "target", cache, a.calib_samples) for f in FORMATS}
     drafts = {"none": base_draft} | {f: convert(str(base_draft), f, "draft", cache, a.calib_samples) for f in FORMATS}
-    combos = [("none", "none")] + [(f, "none") for f in FORMATS] + [("none", f) for f in FORMATS] + [(f, f) for f in FORMATS]
+    combos = (
+        [("none", "none")] + [(f, "none") for f in FORMATS] + [("none", f) for f in FORMATS] + [(f, f) for f in FORMATS]
+    )
 
     sets = prompt_sets(a.prompts, a.prompts) | {"chat": [(f"chat:{i}", q) for i, q in enumerate(CHAT[: a.prompts])]}
     held_out = gsm8k_records(holdout=True)
-    ppl_texts = [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in held_out[-a.ppl_texts:]]
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
-              "load_average_at_start": [round(x, 2) for x in load], "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-              "target": "smollm2-135m", "draft": "packaged default", "max_new_tokens": a.max_new_tokens,
-              "prompts_per_set": a.prompts, "calib_samples": a.calib_samples, "decoding": "greedy",
-              "numerics": "embedded runtime emulation of TensorRT-LLM (fp32 compute; MXFP4 with MXFP8 activations as on Blackwell, "
-                          "OVERRIDE_QUANT_ALGO=" + os.environ.get("OVERRIDE_QUANT_ALGO", "W4A8_MXFP4_MXFP8") + ")",
-              "perplexity_text": f"last {a.ppl_texts} held-out GSM8K train records (question + solution)", "runs": []}
+    ppl_texts = [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in held_out[-a.ppl_texts :]]
+    report = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(),
+        "load_average_at_start": [round(x, 2) for x in load],
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "target": "smollm2-135m",
+        "draft": "packaged default",
+        "max_new_tokens": a.max_new_tokens,
+        "prompts_per_set": a.prompts,
+        "calib_samples": a.calib_samples,
+        "decoding": "greedy",
+        "numerics": "embedded runtime emulation of TensorRT-LLM (fp32 compute; MXFP4 with MXFP8 activations as on Blackwell, "
+        "OVERRIDE_QUANT_ALGO=" + os.environ.get("OVERRIDE_QUANT_ALGO", "W4A8_MXFP4_MXFP8") + ")",
+        "perplexity_text": f"last {a.ppl_texts} held-out GSM8K train records (question + solution)",
+        "runs": [],
+    }
     loaded_targets, ppl, tokens = {}, {}, {}
     for tq, dq in combos:
         if tq not in loaded_targets:
@@ -160,9 +176,16 @@ def main() -> None:
             taus[name] = round(sd / max(ss, 1), 3)
             decoded, steps = decoded + sd, steps + ss
         tokens.setdefault(tq, outs)
-        row = {"name": f"target {tq} / draft {dq}", "target_quant": tq, "draft_quant": dq, "tau": taus,
-               "tau_all": round(decoded / max(steps, 1), 3), "target_perplexity": round(ppl[tq], 3),
-               "agreement_with_unquantized_target": agreement(outs, tokens["none"]), "seconds": round(time.perf_counter() - t0, 1)}
+        row = {
+            "name": f"target {tq} / draft {dq}",
+            "target_quant": tq,
+            "draft_quant": dq,
+            "tau": taus,
+            "tau_all": round(decoded / max(steps, 1), 3),
+            "target_perplexity": round(ppl[tq], 3),
+            "agreement_with_unquantized_target": agreement(outs, tokens["none"]),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
         report["runs"].append(row)
         print(json.dumps(row), flush=True)
     base = report["runs"][0]["tau_all"]

@@ -43,12 +43,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 
+from trtllm_dflash.cpu import machine_info
 from trtllm_dflash.data import gsm8k_records
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.generate import GenerationStats
 from trtllm_dflash.resolve import DRAFTS_DIR, resolve_target
 from trtllm_dflash.runtime import DTYPES, DFlashEngine
-from trtllm_dflash.cpu import machine_info
 
 INSTALL_HINT = "pip install --no-deps dflash==0.1.0"
 
@@ -59,9 +59,13 @@ def import_reference():
         from dflash import model as ref
     except ImportError as e:
         if e.name == "dflash":  # the package itself is missing (not something it imports)
-            raise DFlashError(f"z-lab's reference package is not installed; install it with `{INSTALL_HINT}` "
-                              "(--no-deps: its pinned tqdm/transformers conflict with this project's).") from None
-        raise DFlashError(f"dflash is installed but its model module does not import with this transformers ({e}).") from None
+            raise DFlashError(
+                f"z-lab's reference package is not installed; install it with `{INSTALL_HINT}` "
+                "(--no-deps: its pinned tqdm/transformers conflict with this project's)."
+            ) from None
+        raise DFlashError(
+            f"dflash is installed but its model module does not import with this transformers ({e})."
+        ) from None
     ref._cuda_time = time.perf_counter  # torch.cuda.synchronize() + perf_counter on CUDA; on the CPU just the clock
     return ref
 
@@ -73,7 +77,9 @@ def load_reference(ref, target_path: Path, draft_path: Path, dtype: torch.dtype)
     target = AutoModelForCausalLM.from_pretrained(target_path, attn_implementation="sdpa", dtype=dtype).to("cpu").eval()
     config = AutoConfig.from_pretrained(draft_path)
     draft_class = ref.DFlash2DraftModel if "DFlash2DraftModel" in (config.architectures or []) else ref.DFlashDraftModel
-    draft, info = draft_class.from_pretrained(draft_path, attn_implementation="sdpa", dtype=dtype, output_loading_info=True)
+    draft, info = draft_class.from_pretrained(
+        draft_path, attn_implementation="sdpa", dtype=dtype, output_loading_info=True
+    )
     draft = draft.to("cpu").eval()
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:  # a silently re-initialised draft would make the comparison meaningless
@@ -93,23 +99,46 @@ def run_ours(engine: DFlashEngine, ids: list[int], max_new_tokens: int) -> dict:
     steps = [new for new, _ in engine.stream(ids, max_new_tokens=max_new_tokens, stats=stats)]
     wall = time.perf_counter() - t0
     toks = [t for new in steps for t in new]
-    return {"tokens": toks, "wall_time": wall, "tokens_per_second": len(toks) / wall,
-            "internal_tokens_per_second": stats.tokens_per_second, "acceptance_length": stats.acceptance_length,
-            "steps": stats.steps, "tokens_per_step": [len(new) for new in steps[1:]],  # steps[0]: the prefill's token
-            "finish_reason": stats.finish_reason}
+    return {
+        "tokens": toks,
+        "wall_time": wall,
+        "tokens_per_second": len(toks) / wall,
+        "internal_tokens_per_second": stats.tokens_per_second,
+        "acceptance_length": stats.acceptance_length,
+        "steps": stats.steps,
+        "tokens_per_step": [len(new) for new in steps[1:]],  # steps[0]: the prefill's token
+        "finish_reason": stats.finish_reason,
+    }
 
 
-def run_reference(ref, target, draft, ids: list[int], max_new_tokens: int, block_size: int, stop_ids: list[int]) -> dict:
+def run_reference(
+    ref, target, draft, ids: list[int], max_new_tokens: int, block_size: int, stop_ids: list[int]
+) -> dict:
     input_ids = torch.tensor([ids], dtype=torch.long, device=target.device)
     t0 = time.perf_counter()
-    out = ref.dflash_generate(draft, target=target, input_ids=input_ids, max_new_tokens=max_new_tokens,
-                              stop_token_ids=stop_ids, temperature=0.0, top_p=1.0, top_k=0, block_size=block_size,
-                              return_stats=True)
+    out = ref.dflash_generate(
+        draft,
+        target=target,
+        input_ids=input_ids,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_ids,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        block_size=block_size,
+        return_stats=True,
+    )
     wall = time.perf_counter() - t0
-    toks = out.output_ids[0, out.num_input_tokens:].tolist()
+    toks = out.output_ids[0, out.num_input_tokens :].tolist()
     acc = out.acceptance_lengths
-    return {"tokens": toks, "wall_time": wall, "tokens_per_second": len(toks) / wall,
-            "acceptance_length": statistics.mean(acc) if acc else 0.0, "steps": len(acc), "tokens_per_step": list(acc)}
+    return {
+        "tokens": toks,
+        "wall_time": wall,
+        "tokens_per_second": len(toks) / wall,
+        "acceptance_length": statistics.mean(acc) if acc else 0.0,
+        "steps": len(acc),
+        "tokens_per_step": list(acc),
+    }
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -129,7 +158,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     date = datetime.datetime.now(datetime.timezone.utc)
-    out_path = Path(args.out) if args.out else Path(__file__).parent / "results" / f"reference-{args.target}-{date:%Y%m%d-%H%M}.json"
+    out_path = (
+        Path(args.out)
+        if args.out
+        else Path(__file__).parent / "results" / f"reference-{args.target}-{date:%Y%m%d-%H%M}.json"
+    )
     try:
         return run(args, date, out_path)
     except DFlashError as e:
@@ -144,7 +177,7 @@ def run(args, date: datetime.datetime, out_path: Path) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)  # as z-lab's benchmark; everything here is greedy
     held_out = gsm8k_records(holdout=True)
-    questions = [r["question"] for r in held_out[len(held_out) - args.prompts:]]
+    questions = [r["question"] for r in held_out[len(held_out) - args.prompts :]]
     target_path = resolve_target(args.target, lambda m: None)
     draft_path = DRAFTS_DIR / args.target
 
@@ -152,12 +185,22 @@ def run(args, date: datetime.datetime, out_path: Path) -> int:
     for dtype in args.dtypes:
         # like for like: none of what the reference lacks (lookup, the draft's vocabulary, its n-gram prior), so both
         # sides verify the same draft's guesses (equal tau); then the engine as `trtdflash generate` loads it
-        engine = DFlashEngine.load(args.target, dtype=dtype, block_size=args.block_size, speculation="fixed", lookup=False,
-                                   draft_vocab=False, draft_ngram=False, progress=lambda m: None)
+        engine = DFlashEngine.load(
+            args.target,
+            dtype=dtype,
+            block_size=args.block_size,
+            speculation="fixed",
+            lookup=False,
+            draft_vocab=False,
+            draft_ngram=False,
+            progress=lambda m: None,
+        )
         shipped = DFlashEngine.load(args.target, dtype=dtype, block_size=args.block_size, progress=lambda m: None)
         r_target, r_draft, r_tok = load_reference(ref, target_path, draft_path, DTYPES[dtype])
         if list(r_draft.target_layer_ids) != list(engine.draft.config.target_layer_ids):
-            raise DFlashError(f"The two drafts tap different target layers: {r_draft.target_layer_ids} vs {engine.draft.config.target_layer_ids}.")
+            raise DFlashError(
+                f"The two drafts tap different target layers: {r_draft.target_layer_ids} vs {engine.draft.config.target_layer_ids}."
+            )
         stop_ids = zlab_stop_token_ids(r_target, r_tok)
         encoded = [engine.encode(q) for q in questions]
         warm = min(64, args.max_new_tokens)  # z-lab warms up with min(64, max_new_tokens) tokens
@@ -172,58 +215,107 @@ def run(args, date: datetime.datetime, out_path: Path) -> int:
             theirs = run_reference(ref, r_target, r_draft, ids, args.max_new_tokens, args.block_size, stop_ids)
             diff = first_difference(ours["tokens"], theirs["tokens"])
             diff_shipped = first_difference(mine["tokens"], theirs["tokens"])
-            row = {"prompt": i, "prompt_tokens": len(ids), "tokens_agree": diff is None, "first_difference": diff,
-                   "shipped_tokens_agree": diff_shipped is None,
-                   "ours": {k: v for k, v in ours.items() if k != "tokens"} | {"num_tokens": len(ours["tokens"])},
-                   "ours_shipped": {k: v for k, v in mine.items() if k != "tokens"} | {"num_tokens": len(mine["tokens"])},
-                   "reference": {k: v for k, v in theirs.items() if k != "tokens"} | {"num_tokens": len(theirs["tokens"])},
-                   "ratio_ours_over_reference": ours["tokens_per_second"] / theirs["tokens_per_second"],
-                   "ratio_shipped_over_reference": mine["tokens_per_second"] / theirs["tokens_per_second"]}
+            row = {
+                "prompt": i,
+                "prompt_tokens": len(ids),
+                "tokens_agree": diff is None,
+                "first_difference": diff,
+                "shipped_tokens_agree": diff_shipped is None,
+                "ours": {k: v for k, v in ours.items() if k != "tokens"} | {"num_tokens": len(ours["tokens"])},
+                "ours_shipped": {k: v for k, v in mine.items() if k != "tokens"} | {"num_tokens": len(mine["tokens"])},
+                "reference": {k: v for k, v in theirs.items() if k != "tokens"} | {"num_tokens": len(theirs["tokens"])},
+                "ratio_ours_over_reference": ours["tokens_per_second"] / theirs["tokens_per_second"],
+                "ratio_shipped_over_reference": mine["tokens_per_second"] / theirs["tokens_per_second"],
+            }
             if diff is not None:
-                row["differing_tokens"] = {"ours": ours["tokens"][diff:diff + 4], "reference": theirs["tokens"][diff:diff + 4]}
+                row["differing_tokens"] = {
+                    "ours": ours["tokens"][diff : diff + 4],
+                    "reference": theirs["tokens"][diff : diff + 4],
+                }
             per_prompt.append(row)
-            print(f"{dtype:5s} prompt {i}: ours {ours['tokens_per_second']:6.1f} tok/s tau {ours['acceptance_length']:.2f} | "
-                  f"as shipped {mine['tokens_per_second']:6.1f} tok/s tau {mine['acceptance_length']:.2f} | "
-                  f"reference {theirs['tokens_per_second']:6.1f} tok/s tau {theirs['acceptance_length']:.2f} | "
-                  f"tokens agree: {diff is None}" + ("" if diff is None else f" (first difference at {diff})"), flush=True)
+            print(
+                f"{dtype:5s} prompt {i}: ours {ours['tokens_per_second']:6.1f} tok/s tau {ours['acceptance_length']:.2f} | "
+                f"as shipped {mine['tokens_per_second']:6.1f} tok/s tau {mine['acceptance_length']:.2f} | "
+                f"reference {theirs['tokens_per_second']:6.1f} tok/s tau {theirs['acceptance_length']:.2f} | "
+                f"tokens agree: {diff is None}" + ("" if diff is None else f" (first difference at {diff})"),
+                flush=True,
+            )
 
-        med = {side: {"tokens_per_second": statistics.median(p[side]["tokens_per_second"] for p in per_prompt),
-                      "acceptance_length": statistics.median(p[side]["acceptance_length"] for p in per_prompt)}
-               for side in ("ours", "ours_shipped", "reference")}
-        runs.append({"dtype": dtype, "threads": torch.get_num_threads(), "stop_token_ids": {"ours": sorted(engine.eos_token_ids), "reference": stop_ids},
-                     "median": med, "ratio_ours_over_reference": med["ours"]["tokens_per_second"] / med["reference"]["tokens_per_second"],
-                     "ratio_shipped_over_reference": med["ours_shipped"]["tokens_per_second"] / med["reference"]["tokens_per_second"],
-                     "median_per_prompt_ratio": statistics.median(p["ratio_ours_over_reference"] for p in per_prompt),
-                     # z-lab's summary figure: the mean over requests of each request's mean acceptance length
-                     "reference_mean_acceptance_length_zlab": statistics.mean(p["reference"]["acceptance_length"] for p in per_prompt),
-                     "all_tokens_agree": all(p["tokens_agree"] for p in per_prompt), "per_prompt": per_prompt})
+        med = {
+            side: {
+                "tokens_per_second": statistics.median(p[side]["tokens_per_second"] for p in per_prompt),
+                "acceptance_length": statistics.median(p[side]["acceptance_length"] for p in per_prompt),
+            }
+            for side in ("ours", "ours_shipped", "reference")
+        }
+        runs.append(
+            {
+                "dtype": dtype,
+                "threads": torch.get_num_threads(),
+                "stop_token_ids": {"ours": sorted(engine.eos_token_ids), "reference": stop_ids},
+                "median": med,
+                "ratio_ours_over_reference": med["ours"]["tokens_per_second"] / med["reference"]["tokens_per_second"],
+                "ratio_shipped_over_reference": med["ours_shipped"]["tokens_per_second"]
+                / med["reference"]["tokens_per_second"],
+                "median_per_prompt_ratio": statistics.median(p["ratio_ours_over_reference"] for p in per_prompt),
+                # z-lab's summary figure: the mean over requests of each request's mean acceptance length
+                "reference_mean_acceptance_length_zlab": statistics.mean(
+                    p["reference"]["acceptance_length"] for p in per_prompt
+                ),
+                "all_tokens_agree": all(p["tokens_agree"] for p in per_prompt),
+                "per_prompt": per_prompt,
+            }
+        )
         del engine, shipped, r_target, r_draft
 
-    report = {"benchmark": "bench_reference", "date": date.isoformat(timespec="seconds"),
-              "machine": machine_info(), "reference": {"package": "dflash", "version": importlib.metadata.version("dflash"),
-                                                                                    "function": "dflash.model.dflash_generate"},
-              "target": args.target, "draft": str(draft_path.name), "block_size": args.block_size, "prompts": len(questions),
-              "ours": "fixed blocks; no lookup, draft vocabulary or n-gram prior (the reference's guesses)",
-              "ours_shipped": "as trtdflash generate loads it: adaptive blocks, lookup, draft vocabulary, n-gram prior",
-              "prompt_source": "gsm8k held-out (last N), chat template", "max_new_tokens": args.max_new_tokens, "greedy": True,
-              "timing": "generated tokens / wall time of the whole call, prefill included, loading and warm-up excluded",
-              "runs": runs}
+    report = {
+        "benchmark": "bench_reference",
+        "date": date.isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "reference": {
+            "package": "dflash",
+            "version": importlib.metadata.version("dflash"),
+            "function": "dflash.model.dflash_generate",
+        },
+        "target": args.target,
+        "draft": str(draft_path.name),
+        "block_size": args.block_size,
+        "prompts": len(questions),
+        "ours": "fixed blocks; no lookup, draft vocabulary or n-gram prior (the reference's guesses)",
+        "ours_shipped": "as trtdflash generate loads it: adaptive blocks, lookup, draft vocabulary, n-gram prior",
+        "prompt_source": "gsm8k held-out (last N), chat template",
+        "max_new_tokens": args.max_new_tokens,
+        "greedy": True,
+        "timing": "generated tokens / wall time of the whole call, prefill included, loading and warm-up excluded",
+        "runs": runs,
+    }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2) + "\n")
 
-    print("\n| dtype | reference tok/s (tau) | ours, the same guesses: tok/s (tau), over the reference | ours as shipped: tok/s (tau), "
-          "over the reference | greedy tokens agree (same guesses) |")
+    print(
+        "\n| dtype | reference tok/s (tau) | ours, the same guesses: tok/s (tau), over the reference | ours as shipped: tok/s (tau), "
+        "over the reference | greedy tokens agree (same guesses) |"
+    )
     print("|---|---|---|---|---|")
     for r in runs:
         m = r["median"]
         diffs = [p["first_difference"] for p in r["per_prompt"] if not p["tokens_agree"]]
-        agree = f"{len(r['per_prompt']) - len(diffs)}/{len(r['per_prompt'])}" + (f" (first differences at {diffs})" if diffs else "")
-        cell = lambda side, ratio: f"{m[side]['tokens_per_second']:.1f} ({m[side]['acceptance_length']:.2f}), {ratio:.2f}x"  # noqa: E731
-        print(f"| {r['dtype']} | {m['reference']['tokens_per_second']:.1f} ({m['reference']['acceptance_length']:.2f}) | "
-              f"{cell('ours', r['ratio_ours_over_reference'])} | {cell('ours_shipped', r['ratio_shipped_over_reference'])} | {agree} |")
+        agree = f"{len(r['per_prompt']) - len(diffs)}/{len(r['per_prompt'])}" + (
+            f" (first differences at {diffs})" if diffs else ""
+        )
+
+        def cell(side, ratio):
+            return f"{m[side]['tokens_per_second']:.1f} ({m[side]['acceptance_length']:.2f}), {ratio:.2f}x"
+
+        print(
+            f"| {r['dtype']} | {m['reference']['tokens_per_second']:.1f} ({m['reference']['acceptance_length']:.2f}) | "
+            f"{cell('ours', r['ratio_ours_over_reference'])} | {cell('ours_shipped', r['ratio_shipped_over_reference'])} | {agree} |"
+        )
     mi = report["machine"]
-    print(f"\nmedians over {len(questions)} prompts, {args.max_new_tokens} new tokens, block {args.block_size}, {runs[0]['threads'] if runs else args.threads} "
-          f"threads; {mi['cpu']}, torch {mi['torch']}; {report['date']}; written to {out_path}")
+    print(
+        f"\nmedians over {len(questions)} prompts, {args.max_new_tokens} new tokens, block {args.block_size}, {runs[0]['threads'] if runs else args.threads} "
+        f"threads; {mi['cpu']}, torch {mi['torch']}; {report['date']}; written to {out_path}"
+    )
     return 0
 
 

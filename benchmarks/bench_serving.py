@@ -35,39 +35,75 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--requests", type=int, default=0, help="requests per level (default: max(8, 4 x concurrency))")
-    ap.add_argument("--rounds", type=int, default=3, help="runs of every level per build; figures are the median round's")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="runs of every level per build; figures are the median round's"
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--math-prompts", type=int, default=16)
     ap.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"])
-    ap.add_argument("--prefix-cache-tokens", type=int, default=0,
-                    help="the builds' prefix cache (default off: the prompts repeat across levels and rounds, and a server "
-                         "would copy their chunks from the second time on, which traffic of distinct prompts does not get; "
-                         "the chat template's head is copied either way)")
-    ap.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/serving-<target>.json, plot beside it)")
+    ap.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=0,
+        help="the builds' prefix cache (default off: the prompts repeat across levels and rounds, and a server "
+        "would copy their chunks from the second time on, which traffic of distinct prompts does not get; "
+        "the chat template's head is copied either way)",
+    )
+    ap.add_argument(
+        "--out", default=None, help="results JSON (default: benchmarks/results/serving-<target>.json, plot beside it)"
+    )
     args = ap.parse_args(argv)
     if args.requests and args.requests <= max(args.concurrency):
-        ap.error("--requests must exceed the highest --concurrency: the steady window starts once every client streams and ends when the queue runs dry")
+        ap.error(
+            "--requests must exceed the highest --concurrency: the steady window starts once every client streams and ends when the queue runs dry"
+        )
 
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"serving-{args.target}.json"
     prompt_list = default_prompts(args.math_prompts)
-    result = {"benchmark": "bench_serving", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "target": args.target, "max_tokens": args.max_tokens, "speculation": args.speculation, "prefix_cache_tokens": args.prefix_cache_tokens,
-              "max_batch_size": max(args.concurrency), "rounds": args.rounds, "prompts": len(prompt_list), "levels": {}, "ratios": {}}
+    result = {
+        "benchmark": "bench_serving",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "target": args.target,
+        "max_tokens": args.max_tokens,
+        "speculation": args.speculation,
+        "prefix_cache_tokens": args.prefix_cache_tokens,
+        "max_batch_size": max(args.concurrency),
+        "rounds": args.rounds,
+        "prompts": len(prompt_list),
+        "levels": {},
+        "ratios": {},
+    }
     builds = (("dflash", False), ("no-draft", True))
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
             servers = {}
             try:
                 for name, no_draft in builds:  # both served at once, so each level runs them back to back
-                    build = run_build(BuildOptions(output=Path(tmp) / f"{dtype}-{name}", target=args.target, no_draft=no_draft, dtype=dtype,
-                                                   max_batch_size=max(args.concurrency), max_seq_len=1024, speculation=args.speculation,
-                                                   prefix_cache_tokens=args.prefix_cache_tokens),
-                                      progress=lambda m: None)
+                    build = run_build(
+                        BuildOptions(
+                            output=Path(tmp) / f"{dtype}-{name}",
+                            target=args.target,
+                            no_draft=no_draft,
+                            dtype=dtype,
+                            max_batch_size=max(args.concurrency),
+                            max_seq_len=1024,
+                            speculation=args.speculation,
+                            prefix_cache_tokens=args.prefix_cache_tokens,
+                        ),
+                        progress=lambda m: None,
+                    )
                     servers[name] = TritonServer(ServerConfig(build, grpc_port=0, http_port=0, metrics_port=0)).start()
                     run_load(servers[name].grpc_url, [Job(p, 16) for p in prompt_list[:2]], 2)  # warm-up
-                levels = compare({name: servers[name].grpc_url for name, _ in builds}, prompt_list, args.concurrency,
-                                 max_tokens=args.max_tokens, requests=args.requests, rounds=args.rounds,
-                                 progress=lambda m: print(f"{dtype} {m}", flush=True))
+                levels = compare(
+                    {name: servers[name].grpc_url for name, _ in builds},
+                    prompt_list,
+                    args.concurrency,
+                    max_tokens=args.max_tokens,
+                    requests=args.requests,
+                    rounds=args.rounds,
+                    progress=lambda m: print(f"{dtype} {m}", flush=True),
+                )
             finally:
                 for server in servers.values():
                     server.stop()
@@ -75,15 +111,25 @@ def main(argv=None):
                 result["levels"][f"{dtype} {name}"] = levels[name]
             d, a = result["levels"][f"{dtype} dflash"], result["levels"][f"{dtype} no-draft"]
             result["ratios"][dtype] = {
-                "dflash_vs_no_draft": {str(x["concurrency"]): round(x["steady_tokens_per_s"] / y["steady_tokens_per_s"], 3) for x, y in zip(d, a)},
-                "dflash_vs_no_draft_whole_run": {str(x["concurrency"]): round(x["total_tokens_per_s"] / y["total_tokens_per_s"], 3) for x, y in zip(d, a)},
+                "dflash_vs_no_draft": {
+                    str(x["concurrency"]): round(x["steady_tokens_per_s"] / y["steady_tokens_per_s"], 3)
+                    for x, y in zip(d, a)
+                },
+                "dflash_vs_no_draft_whole_run": {
+                    str(x["concurrency"]): round(x["total_tokens_per_s"] / y["total_tokens_per_s"], 3)
+                    for x, y in zip(d, a)
+                },
                 "dflash_top_vs_c1": round(  # steady tokens/s at the highest concurrency over concurrency 1
-                d[-1]["steady_tokens_per_s"] / d[0]["steady_tokens_per_s"], 3),
+                    d[-1]["steady_tokens_per_s"] / d[0]["steady_tokens_per_s"], 3
+                ),
             }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    plot_pareto(result["levels"], f"{result['target']} via Triton, concurrency annotated\n{result['machine']['cpu']}, {result['date'][:10]}",
-                out.with_suffix(".png"))
+    plot_pareto(
+        result["levels"],
+        f"{result['target']} via Triton, concurrency annotated\n{result['machine']['cpu']}, {result['date'][:10]}",
+        out.with_suffix(".png"),
+    )
     print(json.dumps(result["ratios"], indent=2))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

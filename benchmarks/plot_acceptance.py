@@ -16,7 +16,12 @@ import json
 import statistics
 from pathlib import Path
 
-NAMES = {"math": "GSM8K held out", "code": "HumanEval", "chat": "MT-Bench first turns", "magpie-held-out": "magpie held out"}
+NAMES = {
+    "math": "GSM8K held out",
+    "code": "HumanEval",
+    "chat": "MT-Bench first turns",
+    "magpie-held-out": "magpie held out",
+}
 
 
 def read_sets(paths: list[Path]) -> list[tuple[str, dict]]:
@@ -26,7 +31,7 @@ def read_sets(paths: list[Path]) -> list[tuple[str, dict]]:
         try:
             run = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise SystemExit(f"{path} could not be read as JSON ({type(e).__name__}).")
+            raise SystemExit(f"{path} could not be read as JSON ({type(e).__name__}).") from None
         if not isinstance(run, dict) or "sets" not in run:
             raise SystemExit(f"{path} is not a bench_acceptance.py result (no 'sets').")
         out += [(f"{NAMES.get(name, name)} ({s['prompts']})", s) for name, s in run["sets"].items()]
@@ -36,7 +41,9 @@ def read_sets(paths: list[Path]) -> list[tuple[str, dict]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="bench_acceptance.py results (JSON)")
-    ap.add_argument("--draft-slots", type=int, default=7, help="slots the draft guesses (block size - 1); later ones are lookup's")
+    ap.add_argument(
+        "--draft-slots", type=int, default=7, help="slots the draft guesses (block size - 1); later ones are lookup's"
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "acceptance.png")
     a = ap.parse_args()
     sets = read_sets(a.runs)
@@ -64,7 +71,9 @@ def main() -> None:
     ax_slot.legend(fontsize=8)
     ax_slot.grid(alpha=0.3)
     ax_tau.set_xticks(range(len(sets)), [name.replace(" (", "\n(") for name, _ in sets], fontsize=8)
-    ax_tau.set(title="tau of each prompt (solid line: mean, dotted: median)", ylabel="tokens per verify step", yscale="log")
+    ax_tau.set(
+        title="tau of each prompt (solid line: mean, dotted: median)", ylabel="tokens per verify step", yscale="log"
+    )
     ax_tau.set_yticks([1, 2, 3, 5, 10, 20], ["1", "2", "3", "5", "10", "20"])
     ax_tau.grid(alpha=0.3)
     fig.tight_layout()

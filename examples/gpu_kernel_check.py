@@ -36,8 +36,14 @@ def inputs(nh, nkv, hd, q, lens, dtype, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     b, cap = len(lens), max(max(lens), 1)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.float32).to(dtype)  # noqa: E731
-    return (rnd(b, q, nh, hd).transpose(1, 2), rnd(b, nkv, q, hd), rnd(b, nkv, q, hd), rnd(b, nkv, cap, hd), rnd(b, nkv, cap, hd),
-            torch.tensor(lens, device="cuda", dtype=torch.int32))
+    return (
+        rnd(b, q, nh, hd).transpose(1, 2),
+        rnd(b, nkv, q, hd),
+        rnd(b, nkv, q, hd),
+        rnd(b, nkv, cap, hd),
+        rnd(b, nkv, cap, hd),
+        torch.tensor(lens, device="cuda", dtype=torch.int32),
+    )
 
 
 def within_tolerance(out, args, causal, window) -> tuple[bool, float]:
@@ -48,7 +54,7 @@ def within_tolerance(out, args, causal, window) -> tuple[bool, float]:
     if out.dtype == torch.float32:
         return bool((err <= 1e-4).all()), float(err.max())
     v_max = max(args[2].float().abs().max(), args[4].float().abs().max())
-    return bool((err <= 2.0 ** -8 * (exact.abs() + v_max) + 1e-3).all()), float(err.max())
+    return bool((err <= 2.0**-8 * (exact.abs() + v_max) + 1e-3).all()), float(err.max())
 
 
 def time_ms(fn, reps=50) -> float:
@@ -76,16 +82,23 @@ def check_kernel(quick: bool) -> bool:
                 args = inputs(nh, nkv, hd, q, lens, dtype)
                 good, err = within_tolerance(block_attention(*args, causal, window), args, causal, window)
                 ok &= good
-                print(f"{'PASS' if good else 'FAIL'} kernel {name} {str(dtype)[6:]} b={b} max_ctx={max(lens)}: max err {err:.2e}")
+                print(
+                    f"{'PASS' if good else 'FAIL'} kernel {name} {str(dtype)[6:]} b={b} max_ctx={max(lens)}: max err {err:.2e}"
+                )
     print("\nspeed (bf16, median ms): kernel vs composed masks + SDPA")
     for name, nh, nkv, hd, q, causal, window in DRAFTS:
         for b, ctx in ((1, 2048), (8, 4096), (32, 8192)):
             args = inputs(nh, nkv, hd, q, [ctx] * b, torch.bfloat16)
             fused = time_ms(lambda: block_attention(*args, causal, window))
             composed = time_ms(lambda: block_attention_reference(*args, causal, window))
-            print(f"  {name:22s} b={b:3d} ctx={ctx:5d}: kernel {fused:7.3f} ms, composed {composed:7.3f} ms, x{composed / fused:.2f}")
-    print("\nsplit KV (bf16, median ms): the slices the launcher chooses against one program per KV head and query tile")
-    from trtllm_dflash.plugins.block_attention import block_attention as kernel, context_splits, launch_config
+            print(
+                f"  {name:22s} b={b:3d} ctx={ctx:5d}: kernel {fused:7.3f} ms, composed {composed:7.3f} ms, x{composed / fused:.2f}"
+            )
+    print(
+        "\nsplit KV (bf16, median ms): the slices the launcher chooses against one program per KV head and query tile"
+    )
+    from trtllm_dflash.plugins.block_attention import block_attention as kernel
+    from trtllm_dflash.plugins.block_attention import context_splits, launch_config
 
     for name, nh, nkv, hd, q, causal, window in DRAFTS:
         for b, ctx in ((1, 2048), (1, 16384), (4, 16384)):
@@ -95,8 +108,10 @@ def check_kernel(quick: bool) -> bool:
             ok &= good
             split = time_ms(lambda: kernel(*args, causal, window or 0))
             one = time_ms(lambda: kernel(*args, causal, window or 0, num_splits=1))
-            print(f"  {'PASS' if good else 'FAIL'} {name:22s} b={b} ctx={ctx:5d}: {n:2d} slices {split:7.3f} ms, one {one:7.3f} ms, "
-                  f"x{one / split:.2f} (max err {err:.2e})")
+            print(
+                f"  {'PASS' if good else 'FAIL'} {name:22s} b={b} ctx={ctx:5d}: {n:2d} slices {split:7.3f} ms, one {one:7.3f} ms, "
+                f"x{one / split:.2f} (max err {err:.2e})"
+            )
     return ok
 
 
@@ -104,7 +119,6 @@ def check_tensorrt_plugin() -> bool:
     """One plugin layer in a TensorRT engine (TensorRT 10 API), run on torch buffers, against the reference."""
     import tensorrt as trt
     import tensorrt.plugin as trtp
-
     from trtllm_dflash.plugins import tensorrt_plugin  # noqa: F401  registers trtdflash::block_attention
 
     ok = True
@@ -115,9 +129,13 @@ def check_tensorrt_plugin() -> bool:
         builder = trt.Builder(logger)
         network = builder.create_network(0)
         names = ("q", "k", "v", "ctx_k", "ctx_v", "ctx_lens")
-        tensors = [network.add_input(n, trt.DataType.INT32 if n == "ctx_lens" else trt.DataType.FLOAT, tuple(a.shape))
-                   for n, a in zip(names, args)]
-        layer = network.add_plugin(trtp.op.trtdflash.block_attention(*tensors, causal=int(causal), window=int(window or 0)))
+        tensors = [
+            network.add_input(n, trt.DataType.INT32 if n == "ctx_lens" else trt.DataType.FLOAT, tuple(a.shape))
+            for n, a in zip(names, args)
+        ]
+        layer = network.add_plugin(
+            trtp.op.trtdflash.block_attention(*tensors, causal=int(causal), window=int(window or 0))
+        )
         layer.get_output(0).name = "out"
         network.mark_output(layer.get_output(0))
         plan = builder.build_serialized_network(network, builder.create_builder_config())
@@ -141,7 +159,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="skip the largest batch")
     quick = parser.parse_args().quick
     if not torch.cuda.is_available():
-        print("FAIL no CUDA device: this check runs on an NVIDIA GPU host (the CPU tests cover the kernel under the interpreter).")
+        print(
+            "FAIL no CUDA device: this check runs on an NVIDIA GPU host (the CPU tests cover the kernel under the interpreter)."
+        )
         return 1
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
     ok = check_kernel(quick)

@@ -54,8 +54,11 @@ def main():
             break
     client.stop_stream()
     if last is not None:
-        print(f"\n[{last.as_numpy('num_output_tokens')[0][0]} tokens, acceptance length {last.as_numpy('acceptance_length')[0][0]:.2f}, "
-              f"{last.as_numpy('total_accepted_draft_tokens')[0][0]}/{last.as_numpy('total_draft_tokens')[0][0]} drafts accepted]", file=sys.stderr)
+        print(
+            f"\n[{last.as_numpy('num_output_tokens')[0][0]} tokens, acceptance length {last.as_numpy('acceptance_length')[0][0]:.2f}, "
+            f"{last.as_numpy('total_accepted_draft_tokens')[0][0]}/{last.as_numpy('total_draft_tokens')[0][0]} drafts accepted]",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

@@ -51,18 +51,65 @@ def _online_softmax_step(m_i, l_i, acc, s, vv, F32_DOT: tl.constexpr):
 
 @triton.jit
 def _block_attention_kernel(
-    Q, K, V, CK, CV, LENS, O, PM, PL, PACC,
-    s_qb, s_qh, s_qt, s_qd,
-    s_kb, s_kh, s_kt, s_kd,
-    s_vb, s_vh, s_vt, s_vd,
-    s_ckb, s_ckh, s_ckt, s_ckd,
-    s_cvb, s_cvh, s_cvt, s_cvd,
-    s_ob, s_oh, s_ot, s_od,
-    s_pb, s_ph, s_pt, s_ps,  # PM, PL: [b, nh, Q, splits] fp32 (SPLIT only)
-    s_ab, s_ah, s_at, s_as, s_ad,  # PACC: [b, nh, Q, splits, hd] fp32 (SPLIT only)
-    ctx_cap, q_len, head_dim, window, qk_scale, num_splits, split_len,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, F32_DOT: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    V,
+    CK,
+    CV,
+    LENS,
+    O,
+    PM,
+    PL,
+    PACC,
+    s_qb,
+    s_qh,
+    s_qt,
+    s_qd,
+    s_kb,
+    s_kh,
+    s_kt,
+    s_kd,
+    s_vb,
+    s_vh,
+    s_vt,
+    s_vd,
+    s_ckb,
+    s_ckh,
+    s_ckt,
+    s_ckd,
+    s_cvb,
+    s_cvh,
+    s_cvt,
+    s_cvd,
+    s_ob,
+    s_oh,
+    s_ot,
+    s_od,
+    s_pb,
+    s_ph,
+    s_pt,
+    s_ps,  # PM, PL: [b, nh, Q, splits] fp32 (SPLIT only)
+    s_ab,
+    s_ah,
+    s_at,
+    s_as,
+    s_ad,  # PACC: [b, nh, Q, splits, hd] fp32 (SPLIT only)
+    ctx_cap,
+    q_len,
+    head_dim,
+    window,
+    qk_scale,
+    num_splits,
+    split_len,
+    GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -75,8 +122,11 @@ def _block_attention_kernel(
     d_ok = d < head_dim
     head = kvh * GROUP + g
 
-    q = tl.load(Q + row * s_qb + head[:, None] * s_qh + t[:, None] * s_qt + d[None, :] * s_qd,
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + row * s_qb + head[:, None] * s_qh + t[:, None] * s_qt + d[None, :] * s_qd,
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     ctx_len = tl.load(LENS + row).to(tl.int32)
     pos = ctx_len + t  # absolute position of each query
     # A finite floor (not -inf) keeps exp2(m_old - m_new) defined for rows whose keys so far were all masked.
@@ -95,47 +145,86 @@ def _block_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < hi
-        kt = tl.load(CK + row * s_ckb + kvh * s_ckh + j[None, :] * s_ckt + d[:, None] * s_ckd,
-                     mask=j_ok[None, :] & d_ok[:, None], other=0.0)
+        kt = tl.load(
+            CK + row * s_ckb + kvh * s_ckh + j[None, :] * s_ckt + d[:, None] * s_ckd,
+            mask=j_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
         s = _dot(q, kt, F32_DOT) * qk_scale
         visible = j_ok[None, :]
         if WINDOWED:
             visible = visible & (pos[:, None] - j[None, :] < window)
-        vv = tl.load(CV + row * s_cvb + kvh * s_cvh + j[:, None] * s_cvt + d[None, :] * s_cvd,
-                     mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+        vv = tl.load(
+            CV + row * s_cvb + kvh * s_cvh + j[:, None] * s_cvt + d[None, :] * s_cvd,
+            mask=j_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, tl.where(visible, s, float("-inf")), vv, F32_DOT)
 
     # The block's own keys (position ctx_len + s): all of them, or s <= t on causal layers; the last slice's.
     if split == num_splits - 1:
         sk = tl.arange(0, BLOCK_Q)
         sk_ok = sk < q_len
-        kt = tl.load(K + row * s_kb + kvh * s_kh + sk[None, :] * s_kt + d[:, None] * s_kd,
-                     mask=sk_ok[None, :] & d_ok[:, None], other=0.0)
+        kt = tl.load(
+            K + row * s_kb + kvh * s_kh + sk[None, :] * s_kt + d[:, None] * s_kd,
+            mask=sk_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
         s = _dot(q, kt, F32_DOT) * qk_scale
         visible = sk_ok[None, :]
         if CAUSAL:
             visible = visible & (sk[None, :] <= t[:, None])
         if WINDOWED:
             visible = visible & (t[:, None] - sk[None, :] < window)
-        vv = tl.load(V + row * s_vb + kvh * s_vh + sk[:, None] * s_vt + d[None, :] * s_vd,
-                     mask=sk_ok[:, None] & d_ok[None, :], other=0.0)
+        vv = tl.load(
+            V + row * s_vb + kvh * s_vh + sk[:, None] * s_vt + d[None, :] * s_vd,
+            mask=sk_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, tl.where(visible, s, float("-inf")), vv, F32_DOT)
 
     if SPLIT:  # this slice's unnormalised output, max and sum (log2 domain), merged by _merge_kernel
         at = row * s_pb + head * s_ph + t * s_pt + split * s_ps
         tl.store(PM + at, m_i, mask=m_ok)
         tl.store(PL + at, l_i, mask=m_ok)
-        tl.store(PACC + row * s_ab + head[:, None] * s_ah + t[:, None] * s_at + split * s_as + d[None, :] * s_ad, acc,
-                 mask=m_ok[:, None] & d_ok[None, :])
+        tl.store(
+            PACC + row * s_ab + head[:, None] * s_ah + t[:, None] * s_at + split * s_as + d[None, :] * s_ad,
+            acc,
+            mask=m_ok[:, None] & d_ok[None, :],
+        )
     else:
         out = acc / l_i[:, None]  # every query sees at least its own key, so l_i > 0 on real rows
-        tl.store(O + row * s_ob + head[:, None] * s_oh + t[:, None] * s_ot + d[None, :] * s_od,
-                 out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+        tl.store(
+            O + row * s_ob + head[:, None] * s_oh + t[:, None] * s_ot + d[None, :] * s_od,
+            out.to(O.dtype.element_ty),
+            mask=m_ok[:, None] & d_ok[None, :],
+        )
 
 
 @triton.jit
-def _merge_kernel(PM, PL, PACC, O, s_pb, s_ph, s_pt, s_ps, s_ab, s_ah, s_at, s_as, s_ad, s_ob, s_oh, s_ot, s_od,
-                  num_splits, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_kernel(
+    PM,
+    PL,
+    PACC,
+    O,
+    s_pb,
+    s_ph,
+    s_pt,
+    s_ps,
+    s_ab,
+    s_ah,
+    s_at,
+    s_as,
+    s_ad,
+    s_ob,
+    s_oh,
+    s_ot,
+    s_od,
+    num_splits,
+    head_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One (row, head, query): each slice's output rescaled by 2^(its max - the common max), over the rescaled sums.
     A slice that saw no key (max at the -1e30 floor, sum 0) weighs 0; the last slice always saw the query's own key."""
     row, head, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -147,8 +236,11 @@ def _merge_kernel(PM, PL, PACC, O, s_pb, s_ph, s_pt, s_ps, s_ab, s_ah, s_at, s_a
     m_s = tl.load(PM + at, mask=sp_ok, other=-1.0e30)
     w = tl.exp2(m_s - tl.max(m_s, 0))
     l_sum = tl.sum(tl.load(PL + at, mask=sp_ok, other=0.0) * w, 0)
-    acc = tl.load(PACC + row * s_ab + head * s_ah + t * s_at + sp[:, None] * s_as + d[None, :] * s_ad,
-                  mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = tl.load(
+        PACC + row * s_ab + head * s_ah + t * s_at + sp[:, None] * s_as + d[None, :] * s_ad,
+        mask=sp_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     out = tl.sum(acc * w[:, None], 0) / l_sum
     tl.store(O + row * s_ob + head * s_oh + t * s_ot + d * s_od, out.to(O.dtype.element_ty), mask=d_ok)
 
@@ -175,8 +267,9 @@ def context_splits(q: torch.Tensor, k: torch.Tensor, ctx_k: torch.Tensor, window
     return max(1, min(triton.cdiv(ctx_k.shape[2], 256), triton.cdiv(2 * sms, programs), 64))
 
 
-def block_attention_into(out: torch.Tensor, q, k, v, ctx_k, ctx_v, ctx_lens, causal: bool, window: int,
-                         num_splits: int | None = None) -> torch.Tensor:
+def block_attention_into(
+    out: torch.Tensor, q, k, v, ctx_k, ctx_v, ctx_lens, causal: bool, window: int, num_splits: int | None = None
+) -> torch.Tensor:
     """Launch the kernel writing `out` [b, nh, Q, hd] (any strides); window <= 0 means no window; `num_splits`
     slices of the context (None: `context_splits`), merged by a second kernel when more than one.
 
@@ -200,19 +293,68 @@ def block_attention_into(out: torch.Tensor, q, k, v, ctx_k, ctx_v, ctx_lens, cau
     a_strides = pacc.stride() if splits > 1 else (0, 0, 0, 0, 0)
     grid = (b, nkv, triton.cdiv((nh // nkv) * q_len, cfg["BLOCK_M"]) * splits)
     _block_attention_kernel[grid](
-        q, k, v, ctx_k, ctx_v, ctx_lens, out, pm, pl, pacc,
-        *q.stride(), *k.stride(), *v.stride(), *ctx_k.stride(), *ctx_v.stride(), *out.stride(), *p_strides, *a_strides,
-        cap, q_len, hd, max(int(window), 0), LOG2E / math.sqrt(hd), splits, split_len,
-        GROUP=nh // nkv, CAUSAL=bool(causal), WINDOWED=int(window) > 0, F32_DOT=q.dtype == torch.float32 or q.device.type == "cpu",
-        SPLIT=splits > 1, **cfg,
+        q,
+        k,
+        v,
+        ctx_k,
+        ctx_v,
+        ctx_lens,
+        out,
+        pm,
+        pl,
+        pacc,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *ctx_k.stride(),
+        *ctx_v.stride(),
+        *out.stride(),
+        *p_strides,
+        *a_strides,
+        cap,
+        q_len,
+        hd,
+        max(int(window), 0),
+        LOG2E / math.sqrt(hd),
+        splits,
+        split_len,
+        GROUP=nh // nkv,
+        CAUSAL=bool(causal),
+        WINDOWED=int(window) > 0,
+        F32_DOT=q.dtype == torch.float32 or q.device.type == "cpu",
+        SPLIT=splits > 1,
+        **cfg,
     )
     if splits > 1:
-        _merge_kernel[(b, nh, q_len)](pm, pl, pacc, out, *p_strides, *a_strides, *out.stride(), splits, hd,
-                                      BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=cfg["BLOCK_D"])
+        _merge_kernel[(b, nh, q_len)](
+            pm,
+            pl,
+            pacc,
+            out,
+            *p_strides,
+            *a_strides,
+            *out.stride(),
+            splits,
+            hd,
+            BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=cfg["BLOCK_D"],
+        )
     return out
 
 
-def block_attention(q, k, v, ctx_k, ctx_v, ctx_lens, causal: bool = False, window: int = 0, num_splits: int | None = None) -> torch.Tensor:
+def block_attention(
+    q, k, v, ctx_k, ctx_v, ctx_lens, causal: bool = False, window: int = 0, num_splits: int | None = None
+) -> torch.Tensor:
     """The kernel on fresh output memory: [b, nh, Q, hd] contiguous, q's dtype and device."""
-    return block_attention_into(torch.empty(q.shape, dtype=q.dtype, device=q.device), q, k, v, ctx_k, ctx_v, ctx_lens,
-                                causal, window, num_splits)
+    return block_attention_into(
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        q,
+        k,
+        v,
+        ctx_k,
+        ctx_v,
+        ctx_lens,
+        causal,
+        window,
+        num_splits,
+    )

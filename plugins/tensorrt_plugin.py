@@ -49,8 +49,12 @@ class _Buffer:
         typestr, _ = _TORCH_VIEW[t.dtype]
         itemsize = np.dtype(typestr).itemsize
         self.__cuda_array_interface__ = {
-            "shape": tuple(t.shape), "typestr": typestr, "data": (t.data_ptr, False),
-            "strides": tuple(s * itemsize for s in t.strides), "version": 3, "stream": None,  # ordered by the stream below
+            "shape": tuple(t.shape),
+            "typestr": typestr,
+            "data": (t.data_ptr, False),
+            "strides": tuple(s * itemsize for s in t.strides),
+            "version": 3,
+            "stream": None,  # ordered by the stream below
         }
 
 
@@ -59,21 +63,48 @@ def _view(t: trtp.Tensor) -> torch.Tensor:
 
 
 @trtp.register(PLUGIN_ID)
-def _shape(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, ctx_k: trtp.TensorDesc, ctx_v: trtp.TensorDesc,
-           ctx_lens: trtp.TensorDesc, causal: int, window: int) -> trtp.TensorDesc:
+def _shape(
+    q: trtp.TensorDesc,
+    k: trtp.TensorDesc,
+    v: trtp.TensorDesc,
+    ctx_k: trtp.TensorDesc,
+    ctx_v: trtp.TensorDesc,
+    ctx_lens: trtp.TensorDesc,
+    causal: int,
+    window: int,
+) -> trtp.TensorDesc:
     """Output [b, nh, Q, hd]: q's shape and dtype."""
     return q.like()
 
 
 @trtp.autotune(PLUGIN_ID)
-def _formats(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, ctx_k: trtp.TensorDesc, ctx_v: trtp.TensorDesc,
-             ctx_lens: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc]) -> List[trtp.AutoTuneCombination]:
+def _formats(
+    q: trtp.TensorDesc,
+    k: trtp.TensorDesc,
+    v: trtp.TensorDesc,
+    ctx_k: trtp.TensorDesc,
+    ctx_v: trtp.TensorDesc,
+    ctx_lens: trtp.TensorDesc,
+    outputs: Tuple[trtp.TensorDesc],
+) -> List[trtp.AutoTuneCombination]:
     """Five float inputs and the output share one float type; ctx_lens is int32 or int64 independently."""
     return [trtp.AutoTuneCombination(f"{FLOATS}, {FLOATS}, {FLOATS}, {FLOATS}, {FLOATS}, INT32*INT64, {FLOATS}")]
 
 
 @trtp.impl(PLUGIN_ID)
-def _enqueue(q: trtp.Tensor, k: trtp.Tensor, v: trtp.Tensor, ctx_k: trtp.Tensor, ctx_v: trtp.Tensor, ctx_lens: trtp.Tensor,
-             causal: int, window: int, outputs: Tuple[trtp.Tensor], stream: int) -> None:
+def _enqueue(
+    q: trtp.Tensor,
+    k: trtp.Tensor,
+    v: trtp.Tensor,
+    ctx_k: trtp.Tensor,
+    ctx_v: trtp.Tensor,
+    ctx_lens: trtp.Tensor,
+    causal: int,
+    window: int,
+    outputs: Tuple[trtp.Tensor],
+    stream: int,
+) -> None:
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        block_attention_into(_view(outputs[0]), *(_view(t) for t in (q, k, v, ctx_k, ctx_v, ctx_lens)), bool(causal), int(window))
+        block_attention_into(
+            _view(outputs[0]), *(_view(t) for t in (q, k, v, ctx_k, ctx_v, ctx_lens)), bool(causal), int(window)
+        )

@@ -31,8 +31,13 @@ def target(target_dir):
 
 
 def make_random_draft(target: TargetModel, path, num_layers=2, block_size=16, seed=0, **overrides):
-    cfg = DraftConfig.for_target(target.text_config, vocab_rows=target.vocab_rows, num_layers=num_layers,
-                                 block_size=block_size, mask_token_id=SMOL_MASK_ID)
+    cfg = DraftConfig.for_target(
+        target.text_config,
+        vocab_rows=target.vocab_rows,
+        num_layers=num_layers,
+        block_size=block_size,
+        mask_token_id=SMOL_MASK_ID,
+    )
     for k, v in overrides.items():
         setattr(cfg, k, v)
     model = DFlashDraftModel(cfg)
@@ -65,8 +70,19 @@ def quantized(request):
         out = root / f"{role}-{quant}-kv-{kv_cache_quant}{'-offload' if offload else ''}-{key}"
         if not (out / "hf_quant_config.json").is_file():
             model = "smollm2-135m" if role == "target" else str(DRAFTS_DIR / "smollm2-135m")
-            convert_checkpoint(ConvertOptions(model=model, quant=quant, output=out, role=role, kv_cache_quant=kv_cache_quant,
-                                              calib_data="chat", calib_samples=2, offload=offload), progress=lambda m: None)
+            convert_checkpoint(
+                ConvertOptions(
+                    model=model,
+                    quant=quant,
+                    output=out,
+                    role=role,
+                    kv_cache_quant=kv_cache_quant,
+                    calib_data="chat",
+                    calib_samples=2,
+                    offload=offload,
+                ),
+                progress=lambda m: None,
+            )
         return out
 
     return get

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from trtllm_dflash.data import answers_card, answers_records
+from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime import DFlashEngine
 from trtllm_dflash.train.answers import corpus_prompts, generate_answers, pack, prompt_hash
-from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.train.data import greedy_batch, interleave, known_answers, load_prompts, prepare_data
 from trtllm_dflash.train.magpie import target_fingerprint
 
@@ -25,7 +25,11 @@ def test_a_sources_order_does_not_depend_on_the_mix():
     assert alone == mixed and load_prompts(("gsm8k",), seed=1)[:20] != alone
     assert corpus_prompts(["gsm8k:3", "instruct:2"]) == load_prompts(("gsm8k",))[:3] + load_prompts(("instruct",))[:2]
     assert load_prompts(("gsm8k:3", "instruct")) == interleave([alone[:3], load_prompts(("instruct",))])
-    for bad, says in (("gsm8k:0", "positive integer"), ("gsm8k:x", "positive integer"), ("gsm9k", "Unknown --data source")):
+    for bad, says in (
+        ("gsm8k:0", "positive integer"),
+        ("gsm8k:x", "positive integer"),
+        ("gsm9k", "Unknown --data source"),
+    ):
         with pytest.raises(DFlashError, match=says):
             load_prompts((bad,))
     with pytest.raises(DFlashError, match="twice"):
@@ -39,14 +43,21 @@ def test_shards_share_the_work_resume_and_pack_to_the_same_bytes(target, tmp_pat
     for i in (0, 1):
         generate_answers(target, prompts, run / f"answers-{i}.jsonl", max_new_tokens=6, batch_size=2, shard=(i, 2))
     rows = [json.loads(x) for i in (0, 1) for x in (run / f"answers-{i}.jsonl").read_text().splitlines()]
-    assert sorted(r["key"] for r in rows) == sorted(k for k, _ in prompts)  # batches 0 and 2 to shard 0, batch 1 to shard 1
+    assert sorted(r["key"] for r in rows) == sorted(
+        k for k, _ in prompts
+    )  # batches 0 and 2 to shard 0, batch 1 to shard 1
     assert [r["key"] for r in rows[:3]] == [prompts[0][0], prompts[1][0], prompts[4][0]]
     eos = DFlashEngine(target, None, 1).eos_token_ids
     for r in rows:
         assert 1 <= len(r["answer_ids"]) <= 6 and r["finished"] == (r["answer_ids"][-1] in eos)
         assert r["prompt_hash"] == prompt_hash(dict(prompts)[r["key"]])
     before = (run / "answers-0.jsonl").read_bytes()
-    assert generate_answers(target, prompts, run / "answers-0.jsonl", max_new_tokens=6, batch_size=2, shard=(0, 2))["answer_tokens"] == 0
+    assert (
+        generate_answers(target, prompts, run / "answers-0.jsonl", max_new_tokens=6, batch_size=2, shard=(0, 2))[
+            "answer_tokens"
+        ]
+        == 0
+    )
     assert (run / "answers-0.jsonl").read_bytes() == before  # a rerun answers nothing again
     card = pack(run, tmp_path / "packed", target, {"max_new_tokens": 6})
     raw = (tmp_path / "packed" / "answers.jsonl.gz").read_bytes()
@@ -67,7 +78,9 @@ def test_packaged_answers_are_the_targets_and_count_only_for_their_prompt(target
     assert len(prompts) == 8
     known = known_answers(target, ("gsm8k",), prompts)
     assert set(known) == {k for k, _ in prompts}
-    assert known_answers(target, ("gsm8k",), [(k, p + " ") for k, p in prompts]) == {}  # another prompt under the same key
+    assert (
+        known_answers(target, ("gsm8k",), [(k, p + " ") for k, p in prompts]) == {}
+    )  # another prompt under the same key
     assert known_answers(target, ("instruct",), prompts) == {}  # a source not asked for
     cut = [k for k, _ in prompts if not by_key[k]["finished"]]
     longer = known_answers(target, ("gsm8k",), prompts, max_new_tokens=card["max_new_tokens"] + 1)
@@ -81,8 +94,16 @@ def test_packaged_answers_are_the_targets_and_count_only_for_their_prompt(target
 
 
 def test_the_data_phase_forwards_packaged_answers_instead_of_generating(target, tmp_path):
-    meta = prepare_data(target, ("gsm8k",), tmp_path, layer_ids=[1, 14, 27], num_samples=4, minutes=None,
-                        max_new_tokens=32, batch_size=4)
+    meta = prepare_data(
+        target,
+        ("gsm8k",),
+        tmp_path,
+        layer_ids=[1, 14, 27],
+        num_samples=4,
+        minutes=None,
+        max_new_tokens=32,
+        batch_size=4,
+    )
     assert meta["packed_answers"]["prompts"] == 4 and meta["records"] == {"gsm8k": 4}
     by_key = {r["key"]: r for r in answers_records()}
     recs = [json.loads(x) for x in (tmp_path / "data.jsonl").read_text().splitlines()]
@@ -92,13 +113,23 @@ def test_the_data_phase_forwards_packaged_answers_instead_of_generating(target, 
     assert rows == sum(len(rec["input_ids"]) for rec in recs)
 
 
-@pytest.mark.parametrize("args, says", [(["--shard", "2/2"], "--shard 2/2: give i/n"), (["--data", "gsm9k:10"], "Unknown --data source"),
-                                        (["--until", "25:00"], "--until 25:00: give a UTC time")])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--shard", "2/2"], "--shard 2/2: give i/n"),
+        (["--data", "gsm9k:10"], "Unknown --data source"),
+        (["--until", "25:00"], "--until 25:00: give a UTC time"),
+    ],
+)
 def test_the_command_refuses_bad_input_in_one_sentence(tmp_path, args, says):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "trtllm_dflash.train.answers", "--output", str(tmp_path / "run"), *args],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "trtllm_dflash.train.answers", "--output", str(tmp_path / "run"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and r.stderr.startswith(f"Error: {says}") and "Traceback" not in r.stderr
     assert not (tmp_path / "run").exists()  # nothing written

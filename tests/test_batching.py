@@ -19,7 +19,11 @@ from trtllm_dflash.runtime import DFlashEngine, shared_prefix
 from trtllm_dflash.threads import WIDE_TOKENS
 
 PROMPTS = [  # (prompt, chat, max_new_tokens): different lengths and budgets
-    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?", True, 40),
+    (
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
+        True,
+        40,
+    ),
     ("Write a Python function that returns the n-th Fibonacci number.", True, 24),
     ("What should I pack for a weekend trip to the mountains?", True, 56),
     ("The capital of France is", False, 12),
@@ -41,9 +45,14 @@ def references(engine):
     refs = []
     for prompt, chat, max_new in PROMPTS:
         ids = engine.encode(prompt, chat)
-        out = engine.target.model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                                           eos_token_id=sorted(engine.eos_token_ids), pad_token_id=engine.tokenizer.pad_token_id)
-        refs.append((ids, out[0, len(ids):].tolist()))
+        out = engine.target.model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=sorted(engine.eos_token_ids),
+            pad_token_id=engine.tokenizer.pad_token_id,
+        )
+        refs.append((ids, out[0, len(ids) :].tolist()))
     return refs
 
 
@@ -63,6 +72,7 @@ def test_a_burst_of_contention_during_calibration_inflates_no_size(engine, monke
         if 4 <= len(sizes) < 4 + 6:  # six consecutive forwards, each 0.3 s slower
             time.sleep(0.3)
         return forward(ids, *args, **kwargs)
+
     monkeypatch.setattr(target, "forward", beside_a_neighbour)
     policy = BlockPolicy(engine.block_size, adaptive=True)
     Batch(target, engine.draft, engine.block_size, slots=1, policy=policy).calibrate(1)
@@ -82,6 +92,7 @@ def test_calibration_drafts_as_steps_do(engine, monkeypatch, short):
     def recording(x, *args):
         drafted.append(tuple(x.shape[:2]))
         return draft_block(x, *args)
+
     monkeypatch.setattr(draft, "draft_block", recording)
     policy = BlockPolicy(engine.block_size, adaptive=True, short=short)
     Batch(engine.target, draft, engine.block_size, slots=2, policy=policy).calibrate(2)
@@ -103,12 +114,15 @@ def test_rows_join_leave_stop_and_cancel_without_changing_output(engine, referen
     def recording(ids, start, *args, **kwargs):  # the prompt chunks as they go into the target
         prefilled.append((start, ids.shape[1]))
         return forward(ids, start, *args, **kwargs)
+
     stop_at = references[4][1][5]  # request 4 stops at the first occurrence of its 6th token
     reqs = [request(engine, ids, PROMPTS[i][2], (stop_at,) if i == 4 else ()) for i, (ids, _) in enumerate(references)]
     joins = {0: [0, 1], 1: [2], 3: [3]}  # step -> requests admitted before it; the rest wait for a free slot
     waiting, out, step, cancelled_at, sizes = [4, 5], {i: [] for i in range(len(reqs))}, 0, None, []
     while step < 400:
-        for i in joins.get(step, []) + ([waiting.pop(0)] if waiting and step > 3 and len(batch.rows) < batch.slots else []):
+        for i in joins.get(step, []) + (
+            [waiting.pop(0)] if waiting and step > 3 and len(batch.rows) < batch.slots else []
+        ):
             engine.target.forward = recording
             try:
                 while not (first := batch.add(reqs[i])):  # prefill (chunked) until the first token
@@ -133,7 +147,11 @@ def test_rows_join_leave_stop_and_cancel_without_changing_output(engine, referen
         step += 1
     assert max(sizes) == 4 and not batch.rows
     chat = sum(c for _, c, _ in PROMPTS)
-    assert len(prefix) > 10 and prefilled.count((0, len(prefix))) == 1 and sum(s == len(prefix) for s, _ in prefilled) == chat
+    assert (
+        len(prefix) > 10
+        and prefilled.count((0, len(prefix))) == 1
+        and sum(s == len(prefix) for s, _ in prefilled) == chat
+    )
     assert sum(s == 0 for s, _ in prefilled) == len(PROMPTS) - chat + 1, "the other chat prompts start past the head"
     for i, (_, ref) in enumerate(references):
         if i == 1:
@@ -160,7 +178,9 @@ class CyclingPolicy(BlockPolicy):
     def choose(self, rows, lookup=None):
         """Every other step a row with lookup guesses verifies them, so drafted, looked-up and plain rows share forwards."""
         self.step += 1
-        ks = [min(self.PATTERN[(self.step + 3 * i) % len(self.PATTERN)], max(r.remaining, 1)) for i, r in enumerate(rows)]
+        ks = [
+            min(self.PATTERN[(self.step + 3 * i) % len(self.PATTERN)], max(r.remaining, 1)) for i, r in enumerate(rows)
+        ]
         looked = [bool(lookup and lookup[i]) and k > 1 and (self.step + i) % 2 == 0 for i, k in enumerate(ks)]
         ks = [min(k, 1 + lookup[i]) if lk else k for i, (k, lk) in enumerate(zip(ks, looked))]
         self.mixed_steps += len(set(ks)) > 1
@@ -181,8 +201,11 @@ class OneLongRowPolicy(CyclingPolicy):
         return ks, [False] * len(rows)
 
 
-@pytest.mark.parametrize("ragged,policy_cls", [(True, CyclingPolicy), (True, OneLongRowPolicy), (False, CyclingPolicy)],
-                         ids=["flat-token-axis", "flat-one-long-row", "padded"])
+@pytest.mark.parametrize(
+    "ragged,policy_cls",
+    [(True, CyclingPolicy), (True, OneLongRowPolicy), (False, CyclingPolicy)],
+    ids=["flat-token-axis", "flat-one-long-row", "padded"],
+)
 def test_rows_with_different_block_lengths_in_one_forward_keep_their_output(engine, references, ragged, policy_cls):
     """Four requests at once, each row its own block length every step, on the flat token axis (rows padded to the
     longest inside attention, or one long row attended on its own) and on the padded layout a target without our
@@ -256,9 +279,16 @@ def test_long_prompt_prefills_in_chunks_between_steps(engine, references):
     """A 700-token prompt joins a running request one 64-token chunk at a time, the running row stepping between
     chunks; both lossless."""
     ids, ref = references[0]
-    long_ids = (engine.encode("Repeat after me. " + "The quick brown fox jumps over the lazy dog. " * 70, chat=False))[:700]
-    long_ref = engine.target.model.generate(torch.tensor([long_ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                                            pad_token_id=engine.tokenizer.pad_token_id)[0, len(long_ids):].tolist()
+    long_ids = (engine.encode("Repeat after me. " + "The quick brown fox jumps over the lazy dog. " * 70, chat=False))[
+        :700
+    ]
+    long_ref = engine.target.model.generate(
+        torch.tensor([long_ids]),
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=engine.tokenizer.pad_token_id,
+    )[0, len(long_ids) :].tolist()
     batch = Batch(engine.target, engine.draft, engine.block_size, slots=2, policy=engine.policy)
     short, long = request(engine, ids, PROMPTS[0][2]), Request(long_ids, 16)
     out, chunks, steps_between = {short: batch.add(short), long: []}, 0, 0
@@ -285,9 +315,16 @@ def test_the_engine_loop_prefills_a_long_prompt_a_budget_at_a_time_between_steps
     computed tokens between two steps (canonical 64-token chunks, several per iteration); both outputs lossless."""
     from trtllm_dflash.scheduler import PREFILL_TOKENS
 
-    long_ids = engine.encode("Repeat after me. " + "The quick brown fox jumps over the lazy dog. " * 110, chat=False)[:1100]
-    long_ref = engine.target.model.generate(torch.tensor([long_ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                            pad_token_id=engine.tokenizer.pad_token_id)[0, len(long_ids):].tolist()
+    long_ids = engine.encode("Repeat after me. " + "The quick brown fox jumps over the lazy dog. " * 110, chat=False)[
+        :1100
+    ]
+    long_ref = engine.target.model.generate(
+        torch.tensor([long_ids]),
+        max_new_tokens=12,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=engine.tokenizer.pad_token_id,
+    )[0, len(long_ids) :].tolist()
     long, prefilled = Request(long_ids, 12), []
     scheduler = engine.scheduler(2, 1200, on_step=lambda m: prefilled.append(long.prefilled), prefix_cache_tokens=0)
     try:
@@ -295,13 +332,17 @@ def test_the_engine_loop_prefills_a_long_prompt_a_budget_at_a_time_between_steps
         short = scheduler.submit(request(engine, ids, PROMPTS[0][2]))
         first = next(short.tokens())[0]  # running before the long prompt arrives
         handle = scheduler.submit(long)
-        out = {"short": first + [t for tokens, _ in short.tokens() for t in tokens],
-               "long": [t for tokens, _ in handle.tokens() for t in tokens]}
+        out = {
+            "short": first + [t for tokens, _ in short.tokens() for t in tokens],
+            "long": [t for tokens, _ in handle.tokens() for t in tokens],
+        }
     finally:
         scheduler.stop()
     assert out == {"short": ref, "long": long_ref}
     partial = sorted({p for p in prefilled if 0 < p < len(long_ids)})
-    assert 2 <= len(partial) <= -(-len(long_ids) // (PREFILL_TOKENS - BLOCK)), "over a few iterations, steps between them"
+    assert 2 <= len(partial) <= -(-len(long_ids) // (PREFILL_TOKENS - BLOCK)), (
+        "over a few iterations, steps between them"
+    )
     assert all(b - a <= PREFILL_TOKENS for a, b in zip([0] + partial, partial + [len(long_ids)]))
 
 
@@ -309,11 +350,22 @@ def test_running_row_leaving_between_a_long_prompts_chunks(engine, references):
     """A 1,100-token prompt goes in chunk by chunk while two requests run; one of them leaves after the first chunk.
     The prompt must not take the leaver's slot among the running rows (it used to, and the next step failed every
     row); all three outputs stay their batch-1 outputs."""
-    long_ids = engine.encode("Repeat after me. " + "The quick brown fox jumps over the lazy dog. " * 110, chat=False)[:1100]
-    long_ref = engine.target.model.generate(torch.tensor([long_ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                            pad_token_id=engine.tokenizer.pad_token_id)[0, len(long_ids):].tolist()
+    long_ids = engine.encode("Repeat after me. " + "The quick brown fox jumps over the lazy dog. " * 110, chat=False)[
+        :1100
+    ]
+    long_ref = engine.target.model.generate(
+        torch.tensor([long_ids]),
+        max_new_tokens=12,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=engine.tokenizer.pad_token_id,
+    )[0, len(long_ids) :].tolist()
     batch = Batch(engine.target, engine.draft, engine.block_size, slots=3, policy=BlockPolicy(engine.block_size))
-    leaver, stayer, long = request(engine, references[1][0], 24), request(engine, references[0][0], 40), Request(long_ids, 12)
+    leaver, stayer, long = (
+        request(engine, references[1][0], 24),
+        request(engine, references[0][0], 40),
+        Request(long_ids, 12),
+    )
     out = {leaver: batch.add(leaver), stayer: batch.add(stayer), long: []}
     assert batch.add(long) == []  # the first chunk
     for r, tokens in batch.step().items():
@@ -390,8 +442,15 @@ def test_bf16_dflash_writes_what_bf16_plain_decoding_writes_alone_and_batched(ta
     policy = CyclingPolicy(engine.block_size)
     # as in a server's model process: prompts of WIDE_TOKENS tokens or more prefilled on two threads, steps on one;
     # our kernels split their work by blocks of outputs, so the threads change no sum
-    batch = Batch(bf16, draft, engine.block_size, slots=len(PROMPTS), policy=policy, threads=(1, 2),
-                  prefix=shared_prefix(engine.tokenizer, bf16.max_positions))  # and the template's head prefilled once
+    batch = Batch(
+        bf16,
+        draft,
+        engine.block_size,
+        slots=len(PROMPTS),
+        policy=policy,
+        threads=(1, 2),
+        prefix=shared_prefix(engine.tokenizer, bf16.max_positions),
+    )  # and the template's head prefilled once
     reqs = [request(engine, i, n) for i, (_, _, n) in zip(ids, PROMPTS)]
     out, threads = [], torch.get_num_threads()
     try:

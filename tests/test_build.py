@@ -8,12 +8,12 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from trtllm_dflash.build import core as build_module
 from trtllm_dflash.build import BuildOptions, run_build
+from trtllm_dflash.build import core as build_module
 from trtllm_dflash.cli import main
 from trtllm_dflash.policy import OPTIMISTIC, BlockPolicy
-from trtllm_dflash.runtime import DFlashEngine
 from trtllm_dflash.resolve import sha256_file
+from trtllm_dflash.runtime import DFlashEngine
 
 
 def _opts(out, draft, **kw):
@@ -22,10 +22,20 @@ def _opts(out, draft, **kw):
 
 def test_dry_run_prints_the_plan_and_writes_nothing(random_draft_dir, tmp_path):
     out = tmp_path / "build"
-    r = CliRunner().invoke(main, ["build", "--draft", str(random_draft_dir), "--output", str(out), "--dry-run", "--max-seq-len", "512"])
+    r = CliRunner().invoke(
+        main, ["build", "--draft", str(random_draft_dir), "--output", str(out), "--dry-run", "--max-seq-len", "512"]
+    )
     assert r.exit_code == 0, r.output
-    for expected in ("Steps:", "target_checkpoint", "draft_checkpoint", "tokenizer", "triton_repo", "manifest",
-                     "checkpoints/target/model.safetensors", "Estimated memory per device"):
+    for expected in (
+        "Steps:",
+        "target_checkpoint",
+        "draft_checkpoint",
+        "tokenizer",
+        "triton_repo",
+        "manifest",
+        "checkpoints/target/model.safetensors",
+        "Estimated memory per device",
+    ):
         assert expected in r.output
     assert list(tmp_path.iterdir()) == []
 
@@ -82,8 +92,22 @@ def _model_params(out):
 def test_engine_options_reach_the_served_model(random_draft_dir, tmp_path):
     """What `build` is told about the engine lands in the dflash model's parameters, and model.py reads each one."""
     out = tmp_path / "build"
-    r = CliRunner().invoke(main, ["build", "--draft", str(random_draft_dir), "--output", str(out), "--max-seq-len", "512",
-                                  "--no-int8-draft", "--no-lookup", "--speculation", "fixed"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "--draft",
+            str(random_draft_dir),
+            "--output",
+            str(out),
+            "--max-seq-len",
+            "512",
+            "--no-int8-draft",
+            "--no-lookup",
+            "--speculation",
+            "fixed",
+        ],
+    )
     assert r.exit_code == 0, r.output
     params = _model_params(out)
     assert params["int8_draft"] == "false" and params["lookup"] == "false" and params["speculation"] == "fixed"
@@ -127,22 +151,25 @@ def _no_tokenizer_target(target_dir, dst):
     return dst
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--backend", "onnx"], "--backend must be one of torch, trtllm"),
-    (["--backend", "torch", "--tp", "2"], "--tp needs --backend trtllm"),
-    (["--backend", "torch", "--quant", "mxfp4"], "for MXFP4 use --backend trtllm"),
-    (["--tp", "2"], "tp 2"),  # selects the TensorRT-LLM backend, where SmolLM2's 9 heads do not split in 2
-    (["--quant", "int3"], "--quant must be one of"),
-    (["--max-seq-len", "100000"], "exceeds the target's context window 8192"),
-    (["--block-size", "99"], "exceeds the draft's trained block size 16"),
-    (["--max-batch-size", "0"], "--max-batch-size must be at least 1"),
-    (["--dtype", "fp8"], "--dtype must be one of auto, fp32, bf16"),
-    (["--no-draft"], "contradict"),
-    ("BAD_MASK", "mask_token_id 999999 is not a row"),
-    ("FC_WIDTH", "fc.weight has shape"),
-    ("NO_TOKENIZER", "has no tokenizer"),
-    ("MISSING_DRAFT", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--backend", "onnx"], "--backend must be one of torch, trtllm"),
+        (["--backend", "torch", "--tp", "2"], "--tp needs --backend trtllm"),
+        (["--backend", "torch", "--quant", "mxfp4"], "for MXFP4 use --backend trtllm"),
+        (["--tp", "2"], "tp 2"),  # selects the TensorRT-LLM backend, where SmolLM2's 9 heads do not split in 2
+        (["--quant", "int3"], "--quant must be one of"),
+        (["--max-seq-len", "100000"], "exceeds the target's context window 8192"),
+        (["--block-size", "99"], "exceeds the draft's trained block size 16"),
+        (["--max-batch-size", "0"], "--max-batch-size must be at least 1"),
+        (["--dtype", "fp8"], "--dtype must be one of auto, fp32, bf16"),
+        (["--no-draft"], "contradict"),
+        ("BAD_MASK", "mask_token_id 999999 is not a row"),
+        ("FC_WIDTH", "fc.weight has shape"),
+        ("NO_TOKENIZER", "has no tokenizer"),
+        ("MISSING_DRAFT", "does not exist"),
+    ],
+)
 def test_bad_build_input_is_one_sentence_and_writes_nothing(random_draft_dir, target_dir, tmp_path, args, message):
     out = tmp_path / "build"
     draft, target = str(random_draft_dir), "smollm2-135m"
@@ -184,7 +211,9 @@ def test_serve_refuses_a_port_in_use(random_draft_dir, tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        r = CliRunner().invoke(main, ["serve", str(out), "--grpc-port", str(port), "--http-port", "0", "--metrics-port", "0"])
+        r = CliRunner().invoke(
+            main, ["serve", str(out), "--grpc-port", str(port), "--http-port", "0", "--metrics-port", "0"]
+        )
     assert r.exit_code == 2 and f"Cannot use 127.0.0.1:{port}" in r.output and "--grpc-port" in r.output
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.build.core import read_build
@@ -43,12 +44,20 @@ run_build(BuildOptions(output=Path(out), draft=draft, max_seq_len=512, max_batch
 
 def child(out, draft, sig=0, at="[2/", batch=4, gate=""):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(out), str(draft), str(int(sig)), at, str(batch), str(gate)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(out), str(draft), str(int(sig)), at, str(batch), str(gate)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def build(out, draft, batch=4, progress=None):
-    return run_build(BuildOptions(output=out, draft=str(draft), max_seq_len=512, max_batch_size=batch), progress=progress or (lambda m: None))
+    return run_build(
+        BuildOptions(output=out, draft=str(draft), max_seq_len=512, max_batch_size=batch),
+        progress=progress or (lambda m: None),
+    )
 
 
 def siblings(tmp_path):
@@ -90,13 +99,19 @@ def test_a_second_build_of_the_same_output_is_refused_while_the_first_runs(rando
     first = child(out, random_draft_dir, at="[2/", gate=gate)
     deadline = time.monotonic() + 300
     while not gate.with_name("gate.started").exists():
-        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.poll() is not None else "timeout"
+        assert first.poll() is None and time.monotonic() < deadline, (
+            first.stderr.read() if first.poll() is not None else "timeout"
+        )
         time.sleep(0.05)
     with pytest.raises(DFlashError) as e:
         build(out, random_draft_dir, batch=5)
-    assert str(e.value) == (f"Another build (process {first.pid}) is writing {out} right now; wait for it to finish or pick "
-                            "another output directory.")
-    r = CliRunner().invoke(main, ["build", "--draft", str(random_draft_dir), "--output", str(out), "--max-seq-len", "512"])
+    assert str(e.value) == (
+        f"Another build (process {first.pid}) is writing {out} right now; wait for it to finish or pick "
+        "another output directory."
+    )
+    r = CliRunner().invoke(
+        main, ["build", "--draft", str(random_draft_dir), "--output", str(out), "--max-seq-len", "512"]
+    )
     assert r.exit_code == 2 and "Another build" in r.output and "Traceback" not in r.output
     gate.touch()
     _, err = first.communicate(timeout=300)
@@ -120,8 +135,20 @@ def test_a_full_disk_is_one_sentence_and_leaves_the_previous_build(random_draft_
         return real_write(self, data, *args, **kwargs)
 
     monkeypatch.setattr(Path, "write_text", full_disk)
-    r = CliRunner().invoke(main, ["build", "--draft", str(random_draft_dir), "--output", str(out), "--max-seq-len", "512",
-                                  "--max-batch-size", "3"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "--draft",
+            str(random_draft_dir),
+            "--output",
+            str(out),
+            "--max-seq-len",
+            "512",
+            "--max-batch-size",
+            "3",
+        ],
+    )
     assert r.exit_code == 2, r.output
     last = r.output.strip().splitlines()[-1]
     assert last.startswith("Error: the disk is full (No space left on device writing ") and "manifest.json" in last
@@ -144,12 +171,19 @@ def test_a_swap_interrupted_between_its_renames_is_put_back(random_draft_dir, tm
     assert siblings(tmp_path) == ["build"]
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda m: m["steps"]["tokenizer"]["outputs"].update({"../../../etc/passwd": {"size": 1, "sha256": "x"}}), "leaves that directory"),
-    (lambda m: m["serve"].update(model_repository="/etc"), "leaves that directory"),
-    (lambda m: m.update(steps=[]), "is damaged or was edited (steps are malformed)"),
-    (lambda m: m.update(format=99), "is damaged or was edited (format 99, expected 1)"),
-], ids=["output-escapes", "repository-absolute", "steps-malformed", "format"])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda m: m["steps"]["tokenizer"]["outputs"].update({"../../../etc/passwd": {"size": 1, "sha256": "x"}}),
+            "leaves that directory",
+        ),
+        (lambda m: m["serve"].update(model_repository="/etc"), "leaves that directory"),
+        (lambda m: m.update(steps=[]), "is damaged or was edited (steps are malformed)"),
+        (lambda m: m.update(format=99), "is damaged or was edited (format 99, expected 1)"),
+    ],
+    ids=["output-escapes", "repository-absolute", "steps-malformed", "format"],
+)
 def test_a_manifest_is_input_too(random_draft_dir, tmp_path, edit, message):
     out = tmp_path / "build"
     build(out, random_draft_dir)
@@ -162,17 +196,28 @@ def test_a_manifest_is_input_too(random_draft_dir, tmp_path, edit, message):
     assert not (tmp_path / "etc").exists()
 
 
-MANIFEST = {"format": 1, "options": {"target": "smollm2-135m"}, "resolved": {"max_seq_len": 512},
-            "serve": {"model_repository": "triton_repo", "model": "ensemble"},
-            "steps": {"tokenizer": {"key": "k", "outputs": {"tokenizer/tokenizer.json": {"size": 1, "sha256": "x"}}}}}
-JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=12), c, max_size=3), max_leaves=8)
+MANIFEST = {
+    "format": 1,
+    "options": {"target": "smollm2-135m"},
+    "resolved": {"max_seq_len": 512},
+    "serve": {"model_repository": "triton_repo", "model": "ensemble"},
+    "steps": {"tokenizer": {"key": "k", "outputs": {"tokenizer/tokenizer.json": {"size": 1, "sha256": "x"}}}},
+}
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=12), c, max_size=3),
+    max_leaves=8,
+)
 
 
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(top=st.dictionaries(st.sampled_from(sorted(MANIFEST)), JSON_VALUES, max_size=2),
-       serve=st.dictionaries(st.sampled_from(["model_repository", "model"]), JSON_VALUES, max_size=2),
-       output=st.one_of(st.text(max_size=30), st.sampled_from(["../x", "/etc/passwd", "a/../../b", "", "ok/f", "a\0b", "."])))
+@given(
+    top=st.dictionaries(st.sampled_from(sorted(MANIFEST)), JSON_VALUES, max_size=2),
+    serve=st.dictionaries(st.sampled_from(["model_repository", "model"]), JSON_VALUES, max_size=2),
+    output=st.one_of(
+        st.text(max_size=30), st.sampled_from(["../x", "/etc/passwd", "a/../../b", "", "ok/f", "a\0b", "."])
+    ),
+)
 def test_fuzz_manifests_are_read_or_refused_in_one_sentence(tmp_path_factory, top, serve, output):
     out = tmp_path_factory.getbasetemp() / "fuzzbuild"
     out.mkdir(exist_ok=True)

@@ -18,16 +18,24 @@ def engine():
 def test_each_turn_is_the_targets_answer_to_the_whole_conversation(engine):
     """Greedy turns equal `generate` on the conversation rendered by the chat template (no scheduler, no cache), and a
     later turn copies the earlier prompt's chunks from the prefix cache instead of prefilling them."""
-    asks = ["Name three fruits and say one thing about each.", "Which of them is the sweetest?", "Thanks! Now name a vegetable."]
+    asks = [
+        "Name three fruits and say one thing about each.",
+        "Which of them is the sweetest?",
+        "Thanks! Now name a vegetable.",
+    ]
     with Conversation(engine) as conversation:
         answers, stats = [], []
         for ask in asks:
             stats.append(GenerationStats())
             answers.append("".join(conversation.ask(ask, max_new_tokens=64, stats=stats[-1])))
         messages = conversation.messages
-    assert [m["role"] for m in messages] == ["user", "assistant"] * 3 and [m["content"] for m in messages[1::2]] == answers
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 3 and [
+        m["content"] for m in messages[1::2]
+    ] == answers
     for turn in range(3):
-        text = engine.tokenizer.apply_chat_template(messages[: 2 * turn + 1], add_generation_prompt=True, tokenize=False)
+        text = engine.tokenizer.apply_chat_template(
+            messages[: 2 * turn + 1], add_generation_prompt=True, tokenize=False
+        )
         alone = engine.generate(text, chat=False, max_new_tokens=64)
         assert alone.text == answers[turn] and alone.stats.prompt_tokens == stats[turn].prompt_tokens
     assert stats[1].prompt_tokens > stats[0].prompt_tokens + stats[0].num_tokens  # the first exchange is in the prompt
@@ -50,8 +58,11 @@ def test_the_oldest_exchanges_give_way_when_the_window_is_full(engine):
 
 
 def test_chat_command_reads_turns_from_stdin():
-    r = CliRunner().invoke(main, ["chat", "--dtype", "fp32", "--max-new-tokens", "24"],
-                           input="What is the capital of France?\nAnd of Italy?\n/reset\n\nSay hi.\n")
+    r = CliRunner().invoke(
+        main,
+        ["chat", "--dtype", "fp32", "--max-new-tokens", "24"],
+        input="What is the capital of France?\nAnd of Italy?\n/reset\n\nSay hi.\n",
+    )
     assert r.exit_code == 0, r.output
     assert "Paris" in r.output and "Rome" in r.output and "(a new conversation)" in r.output
     assert r.output.count("acceptance length") == 3 and "Traceback" not in r.output

@@ -21,7 +21,9 @@ def write_third_party(tmp_path, fixture):
     model = DFlashDraftModel(DraftConfig.from_dict(raw))
     model.init_weights(generator=torch.Generator().manual_seed(3))
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors"
+    )
     return raw
 
 
@@ -33,7 +35,11 @@ def test_released_qwen3_8b_b16_config_loads(tmp_path):
     assert c.rope_theta == 1e6 and c.num_hidden_layers == 5 and c.num_key_value_heads == 2
     assert draft.fc.weight.shape == (64, 5 * 64)
     assert not any(c.layer_is_causal(i) or c.layer_window(i) for i in range(5))
-    assert sorted(load_file(tmp_path / "model.safetensors"))[:3] == ["fc.weight", "hidden_norm.weight", "layers.0.input_layernorm.weight"]
+    assert sorted(load_file(tmp_path / "model.safetensors"))[:3] == [
+        "fc.weight",
+        "hidden_norm.weight",
+        "layers.0.input_layernorm.weight",
+    ]
 
 
 def test_newer_layout_block_size_in_dflash_config_and_swa(tmp_path):
@@ -54,7 +60,16 @@ def test_round_trip_keeps_weights_and_config(tmp_path, fixture):
     for (name, a), (_, b) in zip(draft.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
     written = json.loads((tmp_path / "out" / "config.json").read_text())
-    for key in ("architectures", "model_type", "auto_map", "dflash_config", "layer_types", "num_target_layers", "head_dim", "vocab_size"):
+    for key in (
+        "architectures",
+        "model_type",
+        "auto_map",
+        "dflash_config",
+        "layer_types",
+        "num_target_layers",
+        "head_dim",
+        "vocab_size",
+    ):
         assert written[key] == raw[key], key
     assert ("block_size" in written) == ("block_size" in raw)
     assert written["rope_theta"] == raw["rope_theta"]
@@ -83,7 +98,9 @@ def test_written_checkpoint_is_what_engines_expect(tmp_path, target):
     """TensorRT-LLM/vLLM/SGLang read: DFlashDraftModel + qwen3 config, bare names, no embedding or head."""
     from transformers import AutoConfig
 
-    cfg = DraftConfig.for_target(target.text_config, vocab_rows=target.vocab_rows, num_layers=2, block_size=8, mask_token_id=16)
+    cfg = DraftConfig.for_target(
+        target.text_config, vocab_rows=target.vocab_rows, num_layers=2, block_size=8, mask_token_id=16
+    )
     save_draft(DFlashDraftModel(cfg), tmp_path / "d")
     hf = AutoConfig.from_pretrained(tmp_path / "d")
     assert hf.model_type == "qwen3" and hf.architectures == ["DFlashDraftModel"]

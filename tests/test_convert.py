@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import make_random_draft
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -13,8 +14,6 @@ from trtllm_dflash.convert import ConvertOptions, convert_checkpoint
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import check_draft, read_draft_config
 from trtllm_dflash.resolve import DRAFTS_DIR
-
-from conftest import make_random_draft
 
 DRAFT = DRAFTS_DIR / "smollm2-135m"
 QUIET = lambda m: None  # noqa: E731
@@ -76,8 +75,11 @@ def modelopt_dequant(kind: str, t: dict) -> torch.Tensor:
     shape = (w.shape[0], w.shape[1] * 2)
     if kind == "nvfp4":
         return NVFP4QTensor(shape, torch.float32, w).dequantize(
-            torch.float32, scale=t["weight_scale"], double_scale=t["weight_scale_2"], block_sizes={-1: 16})
-    return MXFP4QTensor(shape, torch.float32, w).dequantize(torch.float32, scale=t["weight_scale"], block_sizes={-1: 32})
+            torch.float32, scale=t["weight_scale"], double_scale=t["weight_scale_2"], block_sizes={-1: 16}
+        )
+    return MXFP4QTensor(shape, torch.float32, w).dequantize(
+        torch.float32, scale=t["weight_scale"], block_sizes={-1: 32}
+    )
 
 
 def decode(kind: str, t: dict) -> torch.Tensor:
@@ -110,9 +112,9 @@ def layer_tensors(files, prefix: str) -> dict:
     out = {}
     for f in files:
         with safe_open(f, framework="pt") as st:
-            for k in st.keys():
+            for k in st:
                 if k.startswith(prefix + "."):
-                    out[k[len(prefix) + 1:]] = st.get_tensor(k)
+                    out[k[len(prefix) + 1 :]] = st.get_tensor(k)
     return out
 
 
@@ -128,7 +130,15 @@ def assert_bit_exact_and_bounded(kind: str, t: dict, source: torch.Tensor | None
 # ---------------------------------------------------------------------------------------------------------------
 # Real conversions (module-scoped: each runs once)
 WEIGHT_KIND = {"fp8": "fp8", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "w4a8_mxfp4_fp8": "mxfp4"}
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +146,11 @@ def converted(quantized):
     """{name: output dir}: the SmolLM2 target in FP8 with an FP8 KV cache and in NVFP4, each whole and offloaded
     (layer by layer), the packaged draft in each FP4 format."""
     return {
-        **{f"target-{q}{tag}": quantized(q, kv_cache_quant=kv, offload=offload)
-           for q, kv in (("fp8", "fp8"), ("nvfp4", "none")) for tag, offload in (("", False), ("-offload", True))},
+        **{
+            f"target-{q}{tag}": quantized(q, kv_cache_quant=kv, offload=offload)
+            for q, kv in (("fp8", "fp8"), ("nvfp4", "none"))
+            for tag, offload in (("", False), ("-offload", True))
+        },
         **{f"draft-{q}": quantized(q, role="draft") for q in ("nvfp4", "mxfp4", "w4a8_mxfp4_fp8")},
     }
 
@@ -150,7 +163,11 @@ def test_target_fp8_decodes_bit_exact_and_within_bound(converted, target_dir):
         for lin in LINEARS:
             prefix = f"model.layers.{layer}.{lin}"
             t = layer_tensors(files, prefix)
-            assert t["weight"].dtype == torch.float8_e4m3fn and t["weight_scale"].shape == () and t["input_scale"].shape == ()
+            assert (
+                t["weight"].dtype == torch.float8_e4m3fn
+                and t["weight_scale"].shape == ()
+                and t["input_scale"].shape == ()
+            )
             assert_bit_exact_and_bounded("fp8", t, src[f"{prefix}.weight"])
     kv = layer_tensors(files, "model.layers.3.self_attn")
     assert kv["k_proj.k_scale"].dtype == torch.float32 and kv["v_proj.v_scale"].shape == ()
@@ -193,10 +210,19 @@ def test_draft_keeps_zlab_layout_and_loads(converted):
 # Values TensorRT-LLM's QuantAlgo accepts (tensorrt_llm/quantization/mode.py) and the keys
 # tensorrt_llm/quantization/modelopt_config.py::_read_legacy reads; "mxfp4" is ModelOpt's own lower-case name.
 EXPECTED = {
-    "target-fp8": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head", "model.embed_tokens"]},
+    "target-fp8": {
+        "quant_algo": "FP8",
+        "kv_cache_quant_algo": "FP8",
+        "exclude_modules": ["lm_head", "model.embed_tokens"],
+    },
     "draft-nvfp4": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": ["fc"]},
     "draft-mxfp4": {"quant_algo": "mxfp4", "kv_cache_quant_algo": None, "exclude_modules": ["fc"]},
-    "draft-w4a8_mxfp4_fp8": {"quant_algo": "W4A8_MXFP4_FP8", "kv_cache_quant_algo": None, "group_size": 32, "exclude_modules": ["fc"]},
+    "draft-w4a8_mxfp4_fp8": {
+        "quant_algo": "W4A8_MXFP4_FP8",
+        "kv_cache_quant_algo": None,
+        "group_size": 32,
+        "exclude_modules": ["fc"],
+    },
 }
 
 
@@ -227,7 +253,7 @@ def checkpoint_tensors(out) -> dict:
     tensors = {}
     for f in sorted(out.glob("*.safetensors")):
         with safe_open(f, framework="pt") as st:
-            tensors.update({k: st.get_tensor(k) for k in st.keys()})
+            tensors.update({k: st.get_tensor(k) for k in st})
     return tensors
 
 
@@ -264,8 +290,13 @@ def crafted_cases():
     tiny_block = normal.clone()
     tiny_block[:, :32] *= 1e-5  # blocks whose E4M3 scale is subnormal (amax_b / (6 * scale_2) < 2^-6)
     at_max = torch.tensor([[6.0, -6.0, 4.0, 0.5] * 16] * 4)  # exactly the E2M1 grid: decoded without error
-    return {"zeros": torch.zeros(4, 64), "normal": normal, "subnormal_scales": tiny_block, "at_max": at_max,
-            "tiny": torch.full((2, 64), 1e-30)}
+    return {
+        "zeros": torch.zeros(4, 64),
+        "normal": normal,
+        "subnormal_scales": tiny_block,
+        "at_max": at_max,
+        "tiny": torch.full((2, 64), 1e-30),
+    }
 
 
 @pytest.mark.parametrize("case", sorted(crafted_cases()))
@@ -275,7 +306,9 @@ def test_crafted_tensors_bit_exact(tmp_path, kind, case):
 
     x = crafted_cases()[case]
     if case == "zeros" and kind != "mxfp4":
-        pytest.skip("ModelOpt's per-tensor scale of an all-zero weight is 0 (0/0 on quantize); such weights need excluding")
+        pytest.skip(
+            "ModelOpt's per-tensor scale of an all-zero weight is 0 (0/0 on quantize); such weights need excluding"
+        )
     if kind == "fp8":
         q, s = FP8QTensor.quantize(x)
         t = write_and_read(tmp_path, {"weight": q._quantized_data, "weight_scale": s.float()})
@@ -322,7 +355,9 @@ def test_nan_in_source_is_refused(tmp_path):
     save_file(state, bad / "model.safetensors")
     out = tmp_path / "out"
     with pytest.raises(DFlashError, match=r"layers\.1\.mlp\.up_proj\.weight .*NaN/Inf"):
-        convert_checkpoint(ConvertOptions(model=str(bad), quant="nvfp4", output=out, target="smollm2-135m"), progress=QUIET)
+        convert_checkpoint(
+            ConvertOptions(model=str(bad), quant="nvfp4", output=out, target="smollm2-135m"), progress=QUIET
+        )
     assert_nothing_written(out)
 
 
@@ -334,22 +369,30 @@ def test_misshaped_tensor_is_refused(tmp_path):
     save_file(state, bad / "model.safetensors")
     out = tmp_path / "out"
     with pytest.raises(DFlashError, match="o_proj.weight has shape"):
-        convert_checkpoint(ConvertOptions(model=str(bad), quant="fp8", output=out, target="smollm2-135m"), progress=QUIET)
+        convert_checkpoint(
+            ConvertOptions(model=str(bad), quant="fp8", output=out, target="smollm2-135m"), progress=QUIET
+        )
     assert_nothing_written(out)
 
 
 def test_exclude_matching_nothing_is_refused(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(DFlashError, match="--exclude 'layers.9.*' matches no Linear"):
-        convert_checkpoint(ConvertOptions(model=str(DRAFT), quant="fp8", exclude=("layers.9.*",), output=out), progress=QUIET)
+        convert_checkpoint(
+            ConvertOptions(model=str(DRAFT), quant="fp8", exclude=("layers.9.*",), output=out), progress=QUIET
+        )
     assert_nothing_written(out)
 
 
 def test_format_the_architecture_cannot_take_is_refused(tmp_path, target):
     src = make_random_draft(target, tmp_path / "odd", num_layers=1, intermediate_size=1000)  # 1000 % 32 != 0
     out = tmp_path / "out"
-    with pytest.raises(DFlashError, match=r"mxfp4 quantizes blocks of 32 input features, but layers\.0\.mlp\.down_proj has 1000"):
-        convert_checkpoint(ConvertOptions(model=str(src), quant="mxfp4", output=out, target="smollm2-135m"), progress=QUIET)
+    with pytest.raises(
+        DFlashError, match=r"mxfp4 quantizes blocks of 32 input features, but layers\.0\.mlp\.down_proj has 1000"
+    ):
+        convert_checkpoint(
+            ConvertOptions(model=str(src), quant="mxfp4", output=out, target="smollm2-135m"), progress=QUIET
+        )
     assert_nothing_written(out)
 
 
@@ -364,14 +407,17 @@ def test_output_holding_another_model_is_refused(tmp_path, target_dir):
     assert not list(tmp_path.glob(".out.tmp*"))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"quant": "int3"}, "Unknown --quant 'int3'"),
-    ({"quant": "fp8", "role": "target"}, "is a DFlash draft, but --role is target"),
-    ({"quant": "fp8", "kv_cache_quant": "fp8"}, "--kv-cache-quant is for targets"),
-    ({"quant": "fp8", "calib_samples": 0}, "--calib-samples must be at least 1"),
-    ({"quant": "fp8", "offload": True}, "--offload is for targets"),
-    ({"quant": "fp8", "calib_data": "/nonexistent.jsonl"}, "neither gsm8k, code, chat nor an existing file"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"quant": "int3"}, "Unknown --quant 'int3'"),
+        ({"quant": "fp8", "role": "target"}, "is a DFlash draft, but --role is target"),
+        ({"quant": "fp8", "kv_cache_quant": "fp8"}, "--kv-cache-quant is for targets"),
+        ({"quant": "fp8", "calib_samples": 0}, "--calib-samples must be at least 1"),
+        ({"quant": "fp8", "offload": True}, "--offload is for targets"),
+        ({"quant": "fp8", "calib_data": "/nonexistent.jsonl"}, "neither gsm8k, code, chat nor an existing file"),
+    ],
+)
 def test_bad_options_are_refused(tmp_path, kwargs, message):
     with pytest.raises(DFlashError, match=message.replace("(", r"\(").replace("*", r"\*")):
         ConvertOptions(model=str(DRAFT), output=tmp_path / "out", **kwargs)

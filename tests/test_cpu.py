@@ -9,7 +9,18 @@ import sys
 from trtllm_dflash.build import BuildOptions, make_plan
 from trtllm_dflash.cpu import BF16_HARDWARE_FLAGS, cpu_flags, cpu_model, fastest_dtype
 
-GENERATE = [sys.executable, "-m", "trtllm_dflash.cli", "generate", "--no-draft", "--prompt", "hi", "--max-new-tokens", "2", "--json"]
+GENERATE = [
+    sys.executable,
+    "-m",
+    "trtllm_dflash.cli",
+    "generate",
+    "--no-draft",
+    "--prompt",
+    "hi",
+    "--max-new-tokens",
+    "2",
+    "--json",
+]
 
 
 def _generate_dtype(env_extra: dict) -> str:
@@ -23,7 +34,9 @@ def test_auto_is_bf16_exactly_where_the_cpu_has_bf16_arithmetic_or_avx2_alone():
     import torch
 
     assert cpu_model() != "unknown"
-    avx2_alone = torch.backends.cpu.get_cpu_capability() == "AVX2" and {"avx2", "fma"} <= cpu_flags()  # our kernel's AVX2 variant
+    avx2_alone = (
+        torch.backends.cpu.get_cpu_capability() == "AVX2" and {"avx2", "fma"} <= cpu_flags()
+    )  # our kernel's AVX2 variant
     expected = "bf16" if cpu_flags() & set(BF16_HARDWARE_FLAGS) or avx2_alone else "fp32"
     assert fastest_dtype() == expected
     assert _generate_dtype({}) == expected
@@ -42,5 +55,7 @@ def test_under_the_avx2_emulation_auto_is_bf16_with_our_kernel_and_fp32_without(
 
 
 def test_a_build_records_the_dtype_auto_chose(tmp_path, random_draft_dir):
-    plan = make_plan(BuildOptions(output=tmp_path / "b", draft=str(random_draft_dir), max_seq_len=64), progress=lambda m: None)
+    plan = make_plan(
+        BuildOptions(output=tmp_path / "b", draft=str(random_draft_dir), max_seq_len=64), progress=lambda m: None
+    )
     assert plan.options.dtype == fastest_dtype()

@@ -41,7 +41,9 @@ def test_probabilities_interpolate_the_longer_context_with_the_shorter(prior):
 
 def test_greedy_guesses_follow_the_prior_only_against_a_close_draft(prior):
     logits = torch.zeros(2, 10)
-    logits[0, 4] = 0.1  # the draft prefers 4 after (1, 2) a little; the prior favours 3 by 0.75 * (log(1 + 6250) - log(1 + 3750)) = 0.38
+    logits[0, 4] = (
+        0.1  # the draft prefers 4 after (1, 2) a little; the prior favours 3 by 0.75 * (log(1 + 6250) - log(1 + 3750)) = 0.38
+    )
     logits[1, 9] = 1.0  # after 3 nothing was seen: the draft's own choice stands
     assert prior.greedy(logits, RequestCounts([1, 2]), None) == [3, 9]
     logits[0, 4] = 3.0  # a draft this sure keeps its guess, and the next slot is conditioned on it
@@ -91,12 +93,24 @@ def test_with_a_draft_vocabulary_guesses_are_its_columns(prior):
     assert prior.greedy(logits[:, :2], RequestCounts([1, 2]), torch.tensor([9, 4])) == [4]
 
 
-@pytest.mark.parametrize("make, words", [
-    (lambda p: p.write_text("not a zip"), "not a draft n-gram file"),
-    (lambda p: np.savez(p, meta=np.array(json.dumps({"format": 2}))), "not a draft n-gram file"),
-    (lambda p: np.savez(p, **{"meta": np.array(json.dumps({"format": 1, "vocab_rows": 10, "weight": 0.5, "floor": 1e-4, "smoothing": 3}))}),
-     "not a draft n-gram file"),
-])
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda p: p.write_text("not a zip"), "not a draft n-gram file"),
+        (lambda p: np.savez(p, meta=np.array(json.dumps({"format": 2}))), "not a draft n-gram file"),
+        (
+            lambda p: np.savez(
+                p,
+                **{
+                    "meta": np.array(
+                        json.dumps({"format": 1, "vocab_rows": 10, "weight": 0.5, "floor": 1e-4, "smoothing": 3})
+                    )
+                },
+            ),
+            "not a draft n-gram file",
+        ),
+    ],
+)
 def test_a_bad_ngram_file_is_one_clear_error(tmp_path, make, words):
     with open(tmp_path / FILE, "wb") as f:
         f.write(b"")
@@ -119,9 +133,14 @@ def test_the_shipped_draft_has_a_prior_the_engine_uses():
     assert off.draft.ngram is None
 
 
-@pytest.mark.parametrize("prompt", ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-                                    "How many clips did she sell altogether?",
-                                    "What are three simple habits that help people sleep better?"])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did she sell altogether?",
+        "What are three simple habits that help people sleep better?",
+    ],
+)
 def test_decoding_with_the_prior_is_lossless_and_changes_the_guesses(prompt):
     """fp32 greedy with the prior equals decoding without a draft, token for token; without the prior the same
     engine accepts a different number of guesses, so the prior really chose some of them."""
@@ -139,7 +158,25 @@ def test_a_bad_ngram_file_fails_the_build_in_one_sentence(tmp_path):
     draft = tmp_path / "draft"
     shutil.copytree(SHIPPED, draft)
     (draft / FILE).write_text("not a zip")
-    done = subprocess.run([sys.executable, "-m", "trtllm_dflash.cli", "build", "--target", "smollm2-135m", "--draft", str(draft),
-                           "--output", str(tmp_path / "out"), "--dry-run"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 2 and "not a draft n-gram file" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trtllm_dflash.cli",
+            "build",
+            "--target",
+            "smollm2-135m",
+            "--draft",
+            str(draft),
+            "--output",
+            str(tmp_path / "out"),
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 2 and "not a draft n-gram file" in done.stderr and "Traceback" not in done.stderr, (
+        done.stderr
+    )
     assert not (tmp_path / "out").exists()

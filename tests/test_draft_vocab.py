@@ -24,22 +24,27 @@ def test_ranking_is_by_count_then_id_and_coverage_is_the_kept_share(tmp_path):
     stats = write_draft_vocab(tmp_path / FILE, ranked, 2, 10, {"test": True})
     assert stats["coverage"] == 5 / 8 and stats["size"] == 2 and stats["answer_tokens"] == 8
     assert read_draft_vocab(tmp_path, 10).tolist() == [5, 7]
-    stats = write_draft_vocab(tmp_path / FILE, ranked, 6, 10, {"test": True})  # more than seen: unseen ids fill up, in order
+    stats = write_draft_vocab(
+        tmp_path / FILE, ranked, 6, 10, {"test": True}
+    )  # more than seen: unseen ids fill up, in order
     assert read_draft_vocab(tmp_path, 10).tolist() == [5, 7, 9, 2, 0, 1] and stats["coverage"] == 1.0
     assert not list(tmp_path.glob(".*"))  # written through a temporary sibling, nothing left behind
     with pytest.raises(DFlashError, match="between 1 and"):
         write_draft_vocab(tmp_path / FILE, ranked, 11, 10, {})
 
 
-@pytest.mark.parametrize("content, words", [
-    ("not json", "not a draft vocabulary"),
-    (json.dumps({"format": 1, "token_ids": []}), "not a draft vocabulary"),
-    (json.dumps({"format": 2, "token_ids": [1, 2]}), "not a draft vocabulary"),
-    (json.dumps({"format": 1, "token_ids": [1, "2"]}), "not a draft vocabulary"),
-    (json.dumps({"format": 1, "token_ids": [1, 10]}), "another target"),
-    (json.dumps({"format": 1, "token_ids": [1, 1]}), "another target"),
-    (json.dumps({"format": 1, "token_ids": [-1]}), "another target"),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("not json", "not a draft vocabulary"),
+        (json.dumps({"format": 1, "token_ids": []}), "not a draft vocabulary"),
+        (json.dumps({"format": 2, "token_ids": [1, 2]}), "not a draft vocabulary"),
+        (json.dumps({"format": 1, "token_ids": [1, "2"]}), "not a draft vocabulary"),
+        (json.dumps({"format": 1, "token_ids": [1, 10]}), "another target"),
+        (json.dumps({"format": 1, "token_ids": [1, 1]}), "another target"),
+        (json.dumps({"format": 1, "token_ids": [-1]}), "another target"),
+    ],
+)
 def test_a_bad_vocabulary_file_is_one_clear_error(tmp_path, content, words):
     (tmp_path / FILE).write_text(content)
     with pytest.raises(DFlashError, match=words):
@@ -53,9 +58,29 @@ def vocab_draft(tmp_path_factory):
     that the draft often cannot guess the target's token."""
     draft = tmp_path_factory.mktemp("vocab") / "draft"
     shutil.copytree(SHIPPED, draft)
-    done = subprocess.run([sys.executable, "-m", "trtllm_dflash.cli", "draft-vocab", "--output", str(draft), "--size", "40",
-                           "--data", "gsm8k", "--prompts", "3", "--max-new-tokens", "48", "--dtype", "fp32"],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trtllm_dflash.cli",
+            "draft-vocab",
+            "--output",
+            str(draft),
+            "--size",
+            "40",
+            "--data",
+            "gsm8k",
+            "--prompts",
+            "3",
+            "--max-new-tokens",
+            "48",
+            "--dtype",
+            "fp32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     assert "40 tokens, covering" in done.stdout and "n-grams of" in done.stdout
     return draft
@@ -68,16 +93,26 @@ def test_the_command_writes_a_vocabulary_the_engine_uses(vocab_draft):
     assert engine.draft.vocab_token_ids.tolist() == card["token_ids"]
     ngram = json.loads(str(np.load(vocab_draft / NGRAM_FILE)["meta"]))  # the same answers' n-grams, beside it
     assert ngram["source"]["answer_tokens"] == card["source"]["answer_tokens"] and engine.draft.ngram is not None
-    plain = DFlashEngine.load("smollm2-135m", str(vocab_draft), dtype="fp32", draft_vocab=False, progress=lambda m: None)
+    plain = DFlashEngine.load(
+        "smollm2-135m", str(vocab_draft), dtype="fp32", draft_vocab=False, progress=lambda m: None
+    )
     assert plain.draft.vocab_token_ids is None
 
 
-@pytest.mark.parametrize("prompt", ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-                                    "How many clips did she sell altogether?", "Write a haiku about the sea."])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did she sell altogether?",
+        "Write a haiku about the sea.",
+    ],
+)
 def test_decoding_with_a_draft_vocabulary_is_lossless(vocab_draft, prompt):
     """fp32 greedy with the vocabulary-limited draft equals decoding without a draft, token for token; the draft
     still gets some guesses accepted, so its head really ran."""
-    engine = DFlashEngine.load("smollm2-135m", str(vocab_draft), dtype="fp32", speculation="fixed", progress=lambda m: None)
+    engine = DFlashEngine.load(
+        "smollm2-135m", str(vocab_draft), dtype="fp32", speculation="fixed", progress=lambda m: None
+    )
     with_vocab = engine.generate(prompt, max_new_tokens=48)
     reference = engine.generate(prompt, max_new_tokens=48, block_size=1)
     assert with_vocab.token_ids == reference.token_ids
@@ -87,9 +122,25 @@ def test_decoding_with_a_draft_vocabulary_is_lossless(vocab_draft, prompt):
 def test_a_bad_vocabulary_fails_the_build_and_the_engine_in_one_sentence(tmp_path):
     draft = tmp_path / "draft"
     shutil.copytree(SHIPPED, draft)
-    (draft / FILE).write_text(json.dumps({"format": 1, "token_ids": [1, 10 ** 6]}))
-    done = subprocess.run([sys.executable, "-m", "trtllm_dflash.cli", "build", "--target", "smollm2-135m", "--draft", str(draft),
-                           "--output", str(tmp_path / "out"), "--dry-run"], capture_output=True, text=True, timeout=600)
+    (draft / FILE).write_text(json.dumps({"format": 1, "token_ids": [1, 10**6]}))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trtllm_dflash.cli",
+            "build",
+            "--target",
+            "smollm2-135m",
+            "--draft",
+            str(draft),
+            "--output",
+            str(tmp_path / "out"),
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 2 and "another target" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
     with pytest.raises(DFlashError, match="another target"):

@@ -24,7 +24,13 @@ def test_no_steady_window_when_the_queue_never_holds_a_second_wave():
 
 
 def test_a_level_reports_its_median_round_and_keeps_every_round():
-    rounds = [{"steady_tokens_per_s": x, "total_tokens_per_s": x - 1, "ttft_p50_s": x / 100} for x in (30.0, 10.0, 20.0)]
+    rounds = [
+        {"steady_tokens_per_s": x, "total_tokens_per_s": x - 1, "ttft_p50_s": x / 100} for x in (30.0, 10.0, 20.0)
+    ]
     level = median_level(rounds)
     assert level["steady_tokens_per_s"] == 20.0 and level["ttft_p50_s"] == 0.2  # the median round's latencies with it
-    assert level["steady_tokens_per_s_rounds"] == [30.0, 10.0, 20.0] and level["total_tokens_per_s_rounds"] == [29.0, 9.0, 19.0]
+    assert level["steady_tokens_per_s_rounds"] == [30.0, 10.0, 20.0] and level["total_tokens_per_s_rounds"] == [
+        29.0,
+        9.0,
+        19.0,
+    ]

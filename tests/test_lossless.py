@@ -11,7 +11,10 @@ from trtllm_dflash.runtime import DFlashEngine
 
 PROMPTS = [
     ("Write a Python function that checks whether a number is prime.", True),
-    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?", True),
+    (
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
+        True,
+    ),
     ("The capital of France is", False),
 ]
 MAX_NEW = 32  # two blocks of 16: every block size below crops and carries over at least once
@@ -24,9 +27,14 @@ def references(target):
     refs = {}
     for prompt, chat in PROMPTS:
         ids = engine.encode(prompt, chat)
-        out = target.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                                    eos_token_id=sorted(engine.eos_token_ids), pad_token_id=target.tokenizer.pad_token_id)
-        refs[prompt] = (ids, out[0, len(ids):].tolist())
+        out = target.model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=sorted(engine.eos_token_ids),
+            pad_token_id=target.tokenizer.pad_token_id,
+        )
+        refs[prompt] = (ids, out[0, len(ids) :].tolist())
     return refs
 
 
@@ -66,7 +74,9 @@ class OracleDraft(torch.nn.Module):
     def to_full_vocab(self, logits):
         return logits
 
-    def compute_logits(self, hidden, lm_head, full=True):  # hidden [1, k-1, H]: one request (the block drafted may be longer)
+    def compute_logits(
+        self, hidden, lm_head, full=True
+    ):  # hidden [1, k-1, H]: one request (the block drafted may be longer)
         if self.sequence is None:  # the real draft's own guesses
             return self.inner.compute_logits(hidden, lm_head, full)
         logits = torch.zeros(*hidden.shape[:2], lm_head.weight.shape[0])
@@ -80,7 +90,11 @@ class OracleDraft(torch.nn.Module):
 
 def run(target, draft, ids, block_size):
     stats = GenerationStats()
-    out = [t for step in speculative_stream(target, draft, ids, MAX_NEW, block_size, SamplingParams(), frozenset({2}), stats) for t in step]
+    out = [
+        t
+        for step in speculative_stream(target, draft, ids, MAX_NEW, block_size, SamplingParams(), frozenset({2}), stats)
+        for t in step
+    ]
     return out, stats
 
 
@@ -129,17 +143,27 @@ def test_a_step_checks_the_drafts_guess_one_slot_beyond_its_block(target, draft,
     oracle = OracleDraft(draft, ids + ref, wrong_every=3)
     policy = VerifiesOneGuess(16, oracle)
     stats = GenerationStats()
-    out = [t for s in speculative_stream(target, oracle, ids, MAX_NEW, 16, SamplingParams(), frozenset({2}), stats,
-                                         policy=policy, lookup=False) for t in s]
+    out = [
+        t
+        for s in speculative_stream(
+            target, oracle, ids, MAX_NEW, 16, SamplingParams(), frozenset({2}), stats, policy=policy, lookup=False
+        )
+        for t in s
+    ]
     assert out == ref
     known = 0
     for k, accepted, call, beyond in policy.seen:
-        first_right, spare_right = call % 3 != 2, (call + 1) % 3 != 2  # the oracle's guess j is wrong at (calls + j) % 3 == 2
+        first_right, spare_right = (
+            call % 3 != 2,
+            (call + 1) % 3 != 2,
+        )  # the oracle's guess j is wrong at (calls + j) % 3 == 2
         assert accepted == (first_right if k == 2 else 0)
         assert beyond == (spare_right if k == 2 and first_right else None)
         known += beyond is not None
     assert 0 < known < len(policy.seen)
-    assert policy.population.reached[1] == known and policy.population.accepted[1] == sum(b is True for *_, b in policy.seen)
+    assert policy.population.reached[1] == known and policy.population.accepted[1] == sum(
+        b is True for *_, b in policy.seen
+    )
 
 
 class CyclesBlocks(BlockPolicy):
@@ -159,7 +183,9 @@ class CyclesBlocks(BlockPolicy):
 
 
 @pytest.mark.parametrize("short", [False, True])
-def test_a_draft_trained_on_short_blocks_drafts_only_the_slots_a_block_needs(target, random_draft_dir, references, short):
+def test_a_draft_trained_on_short_blocks_drafts_only_the_slots_a_block_needs(
+    target, random_draft_dir, references, short
+):
     """With a draft trained on short blocks (its config's dflash_config.short_blocks) a block of k tokens is drafted
     over k + 1 slots (its guesses and the spare), else over the whole block; the output is the target's either way,
     from the oracle's long accepted runs and from the draft's own guesses."""
@@ -172,8 +198,13 @@ def test_a_draft_trained_on_short_blocks_drafts_only_the_slots_a_block_needs(tar
         oracle = OracleDraft(model, sequence)
         policy = CyclesBlocks(8, oracle, short=model.config.short_blocks > 0)
         stats = GenerationStats()
-        out = [t for s in speculative_stream(target, oracle, ids, MAX_NEW, 8, SamplingParams(), frozenset({2}), stats,
-                                             policy=policy, lookup=False) for t in s]
+        out = [
+            t
+            for s in speculative_stream(
+                target, oracle, ids, MAX_NEW, 8, SamplingParams(), frozenset({2}), stats, policy=policy, lookup=False
+            )
+            for t in s
+        ]
         assert out == ref
         drafted = [(k, w) for k, w in policy.seen if k > 1]  # the last step may be plain (one token left)
         assert {w for _, w in drafted} == ({min(8, k + 1) for k in range(2, 9)} if short else {8})
@@ -210,11 +241,17 @@ def test_stop_token_and_max_tokens_never_overshoot(target, draft, references):
     stop = ref[10]
     first = ref.index(stop)
     stats = GenerationStats()
-    out = [t for s in speculative_stream(target, oracle, ids, MAX_NEW, 16, SamplingParams(), frozenset({stop}), stats) for t in s]
+    out = [
+        t
+        for s in speculative_stream(target, oracle, ids, MAX_NEW, 16, SamplingParams(), frozenset({stop}), stats)
+        for t in s
+    ]
     assert out == ref[: first + 1] and stats.finish_reason == "stop"
     for n in (1, 5, 17):
         stats = GenerationStats()
-        out = [t for s in speculative_stream(target, oracle, ids, n, 16, SamplingParams(), frozenset(), stats) for t in s]
+        out = [
+            t for s in speculative_stream(target, oracle, ids, n, 16, SamplingParams(), frozenset(), stats) for t in s
+        ]
         assert out == ref[:n] and stats.finish_reason == "length"
 
 
@@ -241,12 +278,22 @@ def test_lookup_guesses_are_lossless_where_the_text_loops(target, draft):
     (lookup.py), beside the draft's elsewhere: the output is still the target's own, and lookup really ran."""
     prompt, n = "What are three simple habits that help people sleep better?", 96
     ids = DFlashEngine(target, None, 1).encode(prompt, True)
-    ref = target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=[2],
-                                pad_token_id=target.tokenizer.pad_token_id)[0, len(ids):].tolist()
+    ref = target.model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=[2],
+        pad_token_id=target.tokenizer.pad_token_id,
+    )[0, len(ids) :].tolist()
     for lookup in (True, False):
         stats = GenerationStats()
-        out = [t for s in speculative_stream(target, draft, ids, n, 8, SamplingParams(), frozenset({2}), stats, lookup=lookup)
-               for t in s]
+        out = [
+            t
+            for s in speculative_stream(
+                target, draft, ids, n, 8, SamplingParams(), frozenset({2}), stats, lookup=lookup
+            )
+            for t in s
+        ]
         assert out == ref
         assert (stats.lookup_steps >= 3 and stats.lookup_accepted >= 10) if lookup else stats.lookup_steps == 0
         assert (max(stats.block_lengths) > 8) == lookup  # lookup guesses beyond the draft's block were verified

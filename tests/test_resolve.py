@@ -13,7 +13,7 @@ from trtllm_dflash.resolve import PRESETS, _convert_gguf, _package_file, read_gg
 @pytest.fixture(scope="module")
 def smollm2_gguf():
     preset = PRESETS["smollm2-135m"]
-    (module, rel), = preset.packages
+    ((module, rel),) = preset.packages
     return _package_file(module, rel, preset)
 
 

@@ -27,8 +27,17 @@ def tiny_target():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thread sync dominates for a model this small
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.6, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.6,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
     yield TargetModel(model, tokenizer=None, path=None)
     torch.set_num_threads(threads)
@@ -84,7 +93,10 @@ def samples(target, draft, sp, prompt=PROMPT, stats=None, per=ROWS, neighbour=No
     out = []
     for first in range(0, SAMPLES, per):
         batch = Batch(target, draft, BLOCK, slots=per + 1)
-        rows = [Request(prompt, N_NEW, SamplingParams(sp.temperature, sp.top_p, sp.top_k, seed)) for seed in range(first, first + per)]
+        rows = [
+            Request(prompt, N_NEW, SamplingParams(sp.temperature, sp.top_p, sp.top_k, seed))
+            for seed in range(first, first + per)
+        ]
         got = {id(r): batch.add(r) for r in [*([Request(neighbour, 6)] if neighbour else []), *rows]}
         while batch.ready:
             for r, tokens in batch.step().items():
@@ -139,8 +151,11 @@ def assert_matches(seqs, joint):
         assert not chi2_rejects(observed, exact)
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(1.0), SamplingParams(1.0, top_k=3), SamplingParams(0.8, top_p=0.7)],
-                         ids=["t1", "t1-topk3", "t0.8-topp0.7"])
+@pytest.mark.parametrize(
+    "sp",
+    [SamplingParams(1.0), SamplingParams(1.0, top_k=3), SamplingParams(0.8, top_p=0.7)],
+    ids=["t1", "t1-topk3", "t0.8-topp0.7"],
+)
 def test_distribution_matches_target(tiny_target, sp):
     draft = make_draft(tiny_target, scale=0.3, seed=1)
     assert_matches(samples(tiny_target, draft, sp), exact_joint(tiny_target, sp))
@@ -150,7 +165,9 @@ def test_distribution_matches_target_under_batching(tiny_target):
     sp = SamplingParams(1.0, top_k=3)
     draft = make_draft(tiny_target, scale=0.3, seed=1)
     # ten sampled requests a batch, beside a greedy neighbour at other positions that joined first
-    assert_matches(samples(tiny_target, draft, sp, per=10, neighbour=[1, 5, 3, 2, 6, 4, 7, 2]), exact_joint(tiny_target, sp))
+    assert_matches(
+        samples(tiny_target, draft, sp, per=10, neighbour=[1, 5, 3, 2, 6, 4, 7, 2]), exact_joint(tiny_target, sp)
+    )
 
 
 def test_lookup_guesses_keep_sampling_exact(tiny_target, monkeypatch):
@@ -186,7 +203,15 @@ def test_seed_reproducible(tiny_target):
     runs = []
     for _ in range(2):
         stats = GenerationStats()
-        runs.append([t for s in speculative_stream(tiny_target, draft, PROMPT, 12, BLOCK, SamplingParams(1.0, seed=42), frozenset(), stats) for t in s])
+        runs.append(
+            [
+                t
+                for s in speculative_stream(
+                    tiny_target, draft, PROMPT, 12, BLOCK, SamplingParams(1.0, seed=42), frozenset(), stats
+                )
+                for t in s
+            ]
+        )
     assert runs[0] == runs[1]
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.client import CompletionRequest, complete
@@ -46,9 +47,18 @@ def draft_dir(random_draft_dir):
 def build_dir(draft_dir, random_draft_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("serve") / "build"
     draft = None if draft_dir != random_draft_dir else str(draft_dir)
-    return run_build(BuildOptions(output=out, draft=draft, block_size=BLOCK, max_seq_len=MAX_SEQ_LEN, max_batch_size=2,
-                                  speculation="fixed", dtype="fp32"),  # statistics comparable with `generate --speculation fixed`
-                     progress=lambda m: None)
+    return run_build(
+        BuildOptions(
+            output=out,
+            draft=draft,
+            block_size=BLOCK,
+            max_seq_len=MAX_SEQ_LEN,
+            max_batch_size=2,
+            speculation="fixed",
+            dtype="fp32",
+        ),  # statistics comparable with `generate --speculation fixed`
+        progress=lambda m: None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +77,28 @@ def server(build_dir):
 def reference(draft_dir):
     """What `trtdflash generate` prints for the same prompt and settings (greedy)."""
     out = subprocess.run(
-        [TRTDFLASH, "generate", "--draft", str(draft_dir), "--block-size", str(BLOCK), "--max-new-tokens", str(MAX_TOKENS), "--speculation", "fixed",
-         "--dtype", "fp32", "--prompt", PROMPT, "--json"], capture_output=True, text=True, check=True, timeout=300)
+        [
+            TRTDFLASH,
+            "generate",
+            "--draft",
+            str(draft_dir),
+            "--block-size",
+            str(BLOCK),
+            "--max-new-tokens",
+            str(MAX_TOKENS),
+            "--speculation",
+            "fixed",
+            "--dtype",
+            "fp32",
+            "--prompt",
+            PROMPT,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     return json.loads(out.stdout)
 
 
@@ -77,7 +107,9 @@ def _complete(server, stream=True, prompt=PROMPT, max_tokens=MAX_TOKENS, **kw):
 
 
 def _post(server, path, body):
-    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{server.http_url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, r.read().decode()
@@ -112,16 +144,23 @@ def test_grpc_non_stream_is_one_response_with_the_same_text(server, reference):
 def test_http_generate_and_generate_stream(server, reference):
     status, body = _post(server, "/v2/models/ensemble/generate", {"text_input": PROMPT, "max_tokens": MAX_TOKENS})
     assert status == 200 and json.loads(body)["text_output"] == reference["text"]
-    status, body = _post(server, "/v2/models/ensemble/generate_stream", {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "stream": True})
-    events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+    status, body = _post(
+        server, "/v2/models/ensemble/generate_stream", {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "stream": True}
+    )
+    events = [json.loads(line[len("data: ") :]) for line in body.splitlines() if line.startswith("data: ")]
     assert status == 200 and len(events) > 1
     assert "".join(e["text_output"] for e in events) == reference["text"]
     assert events[-1]["num_output_tokens"] == reference["num_tokens"]
 
 
 def test_cli_client_json(server, reference):
-    out = subprocess.run([TRTDFLASH, "client", "--url", server.grpc_url, "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"],
-                         capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [TRTDFLASH, "client", "--url", server.grpc_url, "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     got = json.loads(out.stdout)
     assert got["text"] == reference["text"] and got["num_tokens"] == reference["num_tokens"]
     assert got["time_to_first_token"] > 0 and got["tokens_per_second"] > 0 and "acceptance_length" in got
@@ -131,11 +170,33 @@ def test_cli_bench_loads_the_server_and_reports_every_request(server, tmp_path):
     """`trtdflash bench` against the real server, named twice: at each level every request streams the tokens asked
     for, and the table, the results JSON and the plot report it."""
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "Write a long story about a dragon who learns to bake bread."})
-                       + "\nList every month of the year with one fact about each.\n")
-    out = subprocess.run([TRTDFLASH, "bench", "--url", f"a={server.grpc_url}", "--url", f"b={server.grpc_url}", "--concurrency", "1,2",
-                          "--requests", "3", "--max-tokens", "8", "--prompts", str(prompts), "--output", str(tmp_path / "r.json")],
-                         capture_output=True, text=True, timeout=600)
+    prompts.write_text(
+        json.dumps({"prompt": "Write a long story about a dragon who learns to bake bread."})
+        + "\nList every month of the year with one fact about each.\n"
+    )
+    out = subprocess.run(
+        [
+            TRTDFLASH,
+            "bench",
+            "--url",
+            f"a={server.grpc_url}",
+            "--url",
+            f"b={server.grpc_url}",
+            "--concurrency",
+            "1,2",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "8",
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert list(report["levels"]) == ["a", "b"] and report["num_prompts"] == 2
@@ -176,14 +237,19 @@ def test_engine_metrics_on_the_metrics_port(server, reference):
     while True:
         with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
             text = r.read().decode()
-        values = {m.group(1): float(m.group(2)) for m in re.finditer(r'^(dflash_\w+)\{[^}]*model="dflash"[^}]*\} (\S+)$', text, re.M)}
+        values = {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(r'^(dflash_\w+)\{[^}]*model="dflash"[^}]*\} (\S+)$', text, re.M)
+        }
         if values.get("dflash_running") == 0 or time.time() > deadline:
             break
         time.sleep(0.5)
     assert values["dflash_steps_total"] >= reference["steps"]
     assert values["dflash_generated_tokens_total"] >= reference["num_tokens"]
     assert 0 < values["dflash_accepted_tokens_total"] <= values["dflash_drafted_tokens_total"]
-    assert values["dflash_lookup_accepted_tokens_total"] <= values["dflash_accepted_tokens_total"]  # lookup's share, published
+    assert (
+        values["dflash_lookup_accepted_tokens_total"] <= values["dflash_accepted_tokens_total"]
+    )  # lookup's share, published
     # the same chat prompt served more than once: at least the template's head came from the prefix cache
     assert 0 < values["dflash_cached_prompt_tokens_total"] < values["dflash_prompt_tokens_total"]
     assert values["dflash_acceptance_length"] > 1 and values["dflash_running"] == 0 and values["dflash_queued"] == 0
@@ -200,8 +266,12 @@ def _raw_stream(server, arrays: dict, outputs=None) -> tuple[list, list]:
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         inputs.append(t)
-    client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True,
-                              outputs=outputs and [grpcclient.InferRequestedOutput(name) for name in outputs])
+    client.async_stream_infer(
+        "ensemble",
+        inputs,
+        enable_empty_final_response=True,
+        outputs=outputs and [grpcclient.InferRequestedOutput(name) for name in outputs],
+    )
     results, errors = [], []
     while True:
         result, error = q.get(timeout=120)
@@ -224,20 +294,36 @@ def _i32(v):
     return (np.array([[v]], dtype=np.int32), "INT32")
 
 
-@pytest.mark.parametrize("arrays, message", [
-    ({"max_tokens": _i32(8)}, "text_input"),
-    ({"text_input": _text(b"Hi"), "max_tokens": _i32(0)}, "max_tokens must be between 1 and 256"),
-    ({"text_input": _text(b"Hi"), "max_tokens": _i32(10**6)}, "max_tokens must be between 1 and 256"),
-    ({"text_input": _text(b"word " * 300), "max_tokens": _i32(8)}, "context window is 256"),
-    ({"text_input": _text(b"word " * 100), "max_tokens": _i32(200)}, "exceeds max_seq_len 256"),
-    ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "temperature": (np.array([[-1.0]], np.float32), "FP32")}, "temperature"),
-    ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "top_p": (np.array([[1.5]], np.float32), "FP32")}, "top_p must be in [0, 1]"),
-    ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "top_k": _i32(-3)}, "top_k"),
-    ({"text_input": _text(b"\xff\xfe bad"), "max_tokens": _i32(8)}, "not valid UTF-8"),
-    ({"text_input": _text(b""), "max_tokens": _i32(8)}, "prompt is empty"),
-    ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "end_id": _i32(10**7)}, "end_id"),
-    ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "bad_words": (np.array([[b"x"]], np.object_), "BYTES")}, "bad_words"),
-])
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        ({"max_tokens": _i32(8)}, "text_input"),
+        ({"text_input": _text(b"Hi"), "max_tokens": _i32(0)}, "max_tokens must be between 1 and 256"),
+        ({"text_input": _text(b"Hi"), "max_tokens": _i32(10**6)}, "max_tokens must be between 1 and 256"),
+        ({"text_input": _text(b"word " * 300), "max_tokens": _i32(8)}, "context window is 256"),
+        ({"text_input": _text(b"word " * 100), "max_tokens": _i32(200)}, "exceeds max_seq_len 256"),
+        (
+            {
+                "text_input": _text(b"Hi"),
+                "max_tokens": _i32(8),
+                "temperature": (np.array([[-1.0]], np.float32), "FP32"),
+            },
+            "temperature",
+        ),
+        (
+            {"text_input": _text(b"Hi"), "max_tokens": _i32(8), "top_p": (np.array([[1.5]], np.float32), "FP32")},
+            "top_p must be in [0, 1]",
+        ),
+        ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "top_k": _i32(-3)}, "top_k"),
+        ({"text_input": _text(b"\xff\xfe bad"), "max_tokens": _i32(8)}, "not valid UTF-8"),
+        ({"text_input": _text(b""), "max_tokens": _i32(8)}, "prompt is empty"),
+        ({"text_input": _text(b"Hi"), "max_tokens": _i32(8), "end_id": _i32(10**7)}, "end_id"),
+        (
+            {"text_input": _text(b"Hi"), "max_tokens": _i32(8), "bad_words": (np.array([[b"x"]], np.object_), "BYTES")},
+            "bad_words",
+        ),
+    ],
+)
 def test_bad_requests_get_an_error_and_the_server_keeps_serving(server, arrays, message):
     results, errors = _raw_stream(server, arrays)
     assert len(errors) == 1 and message in errors[0].message(), errors
@@ -249,17 +335,27 @@ def client_ok(server) -> bool:
 
 
 def test_cli_client_reports_a_rejection_as_one_sentence(server):
-    out = subprocess.run([TRTDFLASH, "client", "--url", server.grpc_url, "--prompt", PROMPT, "--max-tokens", "0"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [TRTDFLASH, "client", "--url", server.grpc_url, "--prompt", PROMPT, "--max-tokens", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.startswith("Error: The server rejected the request:") and "max_tokens must be between 1 and 256" in out.stderr
+    assert (
+        out.stderr.startswith("Error: The server rejected the request:")
+        and "max_tokens must be between 1 and 256" in out.stderr
+    )
 
 
 def _ensemble_requests_done(server) -> int:
     """Ensemble requests the server has finished (success + failure), from its Prometheus metrics."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
         text = r.read().decode()
-    return sum(int(float(v)) for v in re.findall(r'nv_inference_request_(?:success|failure)\{[^}]*model="ensemble"[^}]*\} (\S+)', text))
+    return sum(
+        int(float(v))
+        for v in re.findall(r'nv_inference_request_(?:success|failure)\{[^}]*model="ensemble"[^}]*\} (\S+)', text)
+    )
 
 
 def test_client_disconnect_mid_stream_does_not_wedge_the_model(server, reference):
@@ -289,8 +385,23 @@ def test_client_disconnect_mid_stream_does_not_wedge_the_model(server, reference
 
 def test_serve_cli_prints_endpoints_and_stops_gracefully_on_sigterm(build_dir):
     grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
-    proc = subprocess.Popen([TRTDFLASH, "serve", str(build_dir), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-                             "--metrics-port", str(metrics_port), "--openai-port", str(free_port())], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            TRTDFLASH,
+            "serve",
+            str(build_dir),
+            "--grpc-port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+            "--metrics-port",
+            str(metrics_port),
+            "--openai-port",
+            str(free_port()),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = []
         for line in proc.stderr:
@@ -306,7 +417,7 @@ def test_serve_cli_prints_endpoints_and_stops_gracefully_on_sigterm(build_dir):
         assert proc.wait(timeout=60) == 0
         assert time.perf_counter() - t0 < 20, "graceful stop waited for a request the ensemble never released"
         assert "stopping tritonserver gracefully" in proc.stderr.read()
-        with pytest.raises(Exception):
+        with pytest.raises(InferenceServerException):
             grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}").is_server_live()
     finally:
         if proc.poll() is None:
@@ -326,7 +437,10 @@ def test_stop_all_stops_servers_side_by_side_each_gracefully_and_once(build_dir)
         stop_all(servers)
         assert [s.proc.returncode for s in servers] == [0, 0]
         assert [s.stop() for s in servers] == [0, 0]  # stopping again is a no-op
-        unloaded = [re.findall(r"^I\d+ (\d\d:\d\d:\d\d\.\d+) .*successfully unloaded 'dflash'", s.log_path.read_text(), re.M) for s in servers]
+        unloaded = [
+            re.findall(r"^I\d+ (\d\d:\d\d:\d\d\.\d+) .*successfully unloaded 'dflash'", s.log_path.read_text(), re.M)
+            for s in servers
+        ]
         assert all(len(u) == 1 for u in unloaded), unloaded
         first, second = (sum(float(x) * 60 ** (2 - i) for i, x in enumerate(u[0].split(":"))) for u in unloaded)
         assert abs(first - second) < 2.0, unloaded  # side by side: one unload does not wait for the other's server
@@ -337,12 +451,32 @@ def test_stop_all_stops_servers_side_by_side_each_gracefully_and_once(build_dir)
 
 def test_examples_run_against_the_server(server, reference):
     root = Path(__file__).resolve().parent.parent / "examples"
-    out = subprocess.run([sys.executable, str(root / "grpc_stream_client.py"), "--url", server.grpc_url, "--prompt", PROMPT,
-                          "--max-tokens", str(MAX_TOKENS)], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(root / "grpc_stream_client.py"),
+            "--url",
+            server.grpc_url,
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            str(MAX_TOKENS),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert out.stdout.rstrip("\n") == reference["text"].rstrip("\n") and "acceptance length" in out.stderr
     if shutil.which("curl"):
-        out = subprocess.run([str(root / "http_generate_stream.sh"), server.http_url, PROMPT], capture_output=True, text=True, check=True, timeout=120)
-        events = [json.loads(line[len("data: "):]) for line in out.stdout.splitlines() if line.startswith("data: ")]
+        out = subprocess.run(
+            [str(root / "http_generate_stream.sh"), server.http_url, PROMPT],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        events = [json.loads(line[len("data: ") :]) for line in out.stdout.splitlines() if line.startswith("data: ")]
         assert events and events[-1]["finish_reason"]
 
 
@@ -357,8 +491,14 @@ def test_stop_words_and_seeded_sampling(server, reference):
 
 
 def test_exclude_input_in_output_false_prepends_the_prompt(server, reference):
-    results, errors = _raw_stream(server, {"text_input": _text(PROMPT.encode()), "max_tokens": _i32(MAX_TOKENS),
-                                           "exclude_input_in_output": (np.array([[False]]), "BOOL")})
+    results, errors = _raw_stream(
+        server,
+        {
+            "text_input": _text(PROMPT.encode()),
+            "max_tokens": _i32(MAX_TOKENS),
+            "exclude_input_in_output": (np.array([[False]]), "BOOL"),
+        },
+    )
     assert not errors
     text = "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r in results if r.get_response().outputs)
     assert PROMPT in text and text.endswith(reference["text"]) and len(text) > len(reference["text"])
@@ -366,8 +506,12 @@ def test_exclude_input_in_output_false_prepends_the_prompt(server, reference):
 
 # Clients written for Triton's TensorRT-LLM ensemble (inputs as the upstream clients build them).
 
+
 def _array(value, dtype):
-    return (np.array([[value]], dtype=dtype), {np.int32: "INT32", np.float32: "FP32", bool: "BOOL", np.uint64: "UINT64"}[dtype])
+    return (
+        np.array([[value]], dtype=dtype),
+        {np.int32: "INT32", np.float32: "FP32", bool: "BOOL", np.uint64: "UINT64"}[dtype],
+    )
 
 
 def _joined(results) -> str:
@@ -378,9 +522,15 @@ def _joined(results) -> str:
 def test_tensorrt_llm_end_to_end_client_inputs(server, reference, stream):
     """What inflight_batcher_llm/client/end_to_end_grpc_client.py sends with --exclude-input-in-output (and -n 1):
     temperature 1.0 without top_k/top_p is greedy in TensorRT-LLM's meaning, so the text is generate's."""
-    arrays = {"text_input": _text(PROMPT), "max_tokens": _i32(MAX_TOKENS), "stream": _array(stream, bool),
-              "beam_width": _i32(1), "temperature": _array(1.0, np.float32), "num_return_sequences": _i32(1),
-              "exclude_input_in_output": _array(True, bool)}
+    arrays = {
+        "text_input": _text(PROMPT),
+        "max_tokens": _i32(MAX_TOKENS),
+        "stream": _array(stream, bool),
+        "beam_width": _i32(1),
+        "temperature": _array(1.0, np.float32),
+        "num_return_sequences": _i32(1),
+        "exclude_input_in_output": _array(True, bool),
+    }
     results, errors = _raw_stream(server, arrays, outputs=["text_output"])
     assert not errors and _joined(results) == reference["text"]
     responses = len([r for r in results if r.get_response().outputs])
@@ -390,7 +540,11 @@ def test_tensorrt_llm_end_to_end_client_inputs(server, reference, stream):
 @pytest.mark.parametrize("stream", [True, False])
 def test_genai_perf_tensorrtllm_inputs(server, reference, stream):
     """genai-perf --service-kind triton --backend tensorrtllm: text_input, max_tokens, exclude_input_in_output, stream."""
-    arrays = {"text_input": _text(PROMPT), "max_tokens": _i32(MAX_TOKENS), "exclude_input_in_output": _array(True, bool)}
+    arrays = {
+        "text_input": _text(PROMPT),
+        "max_tokens": _i32(MAX_TOKENS),
+        "exclude_input_in_output": _array(True, bool),
+    }
     if stream:
         arrays["stream"] = _array(True, bool)
     results, errors = _raw_stream(server, arrays)
@@ -398,13 +552,25 @@ def test_genai_perf_tensorrtllm_inputs(server, reference, stream):
 
 
 NEUTRAL = {  # default values of the inputs we honour only at their default
-    "beam_width": _i32(1), "num_return_sequences": _i32(1), "pad_id": _i32(0), "length_penalty": _array(1.0, np.float32),
-    "repetition_penalty": _array(1.0, np.float32), "presence_penalty": _array(0.0, np.float32),
-    "frequency_penalty": _array(0.0, np.float32), "min_tokens": _i32(0), "return_log_probs": _array(False, bool),
-    "return_context_logits": _array(False, bool), "return_generation_logits": _array(False, bool),
-    "return_perf_metrics": _array(True, bool), "return_num_input_tokens": _array(True, bool),
-    "return_num_output_tokens": _array(True, bool), "decoder_text_input": _text(b""), "bad_words": _text(b""),
-    "embedding_bias_words": _text(b""), "guided_decoding_guide_type": _text(b""), "guided_decoding_guide": _text(b""),
+    "beam_width": _i32(1),
+    "num_return_sequences": _i32(1),
+    "pad_id": _i32(0),
+    "length_penalty": _array(1.0, np.float32),
+    "repetition_penalty": _array(1.0, np.float32),
+    "presence_penalty": _array(0.0, np.float32),
+    "frequency_penalty": _array(0.0, np.float32),
+    "min_tokens": _i32(0),
+    "return_log_probs": _array(False, bool),
+    "return_context_logits": _array(False, bool),
+    "return_generation_logits": _array(False, bool),
+    "return_perf_metrics": _array(True, bool),
+    "return_num_input_tokens": _array(True, bool),
+    "return_num_output_tokens": _array(True, bool),
+    "decoder_text_input": _text(b""),
+    "bad_words": _text(b""),
+    "embedding_bias_words": _text(b""),
+    "guided_decoding_guide_type": _text(b""),
+    "guided_decoding_guide": _text(b""),
 }
 
 
@@ -414,7 +580,11 @@ def test_every_neutral_value_at_once_is_plain_greedy(server, reference):
 
 
 UNSUPPORTED = [
-    ("beam_width", _i32(4), "beam_width 4 is not supported: DFlash speculative decoding runs one beam; send beam_width 1."),
+    (
+        "beam_width",
+        _i32(4),
+        "beam_width 4 is not supported: DFlash speculative decoding runs one beam; send beam_width 1.",
+    ),
     ("num_return_sequences", _i32(3), "num_return_sequences 3 is not supported"),
     ("repetition_penalty", _array(1.3, np.float32), "repetition_penalty 1.3 is not supported"),
     ("presence_penalty", _array(0.5, np.float32), "presence_penalty 0.5 is not supported"),
@@ -423,9 +593,21 @@ UNSUPPORTED = [
     ("return_context_logits", _array(True, bool), "return_context_logits true is not supported"),
     ("return_generation_logits", _array(True, bool), "return_generation_logits true is not supported"),
     ("decoder_text_input", _text(b"hola"), "decoder_text_input 'hola' is not supported"),
-    ("embedding_bias_words", (np.array([[b"red", b"blue"]], np.object_), "BYTES"), "embedding_bias_words 'red' is not supported"),
-    ("embedding_bias_weights", (np.array([[0.5, 1.0]], np.float32), "FP32"), "A non-empty embedding_bias_weights is not supported"),
-    ("prompt_embedding_table", (np.ones((1, 2, 576), np.float16), "FP16"), "A non-empty prompt_embedding_table is not supported"),
+    (
+        "embedding_bias_words",
+        (np.array([[b"red", b"blue"]], np.object_), "BYTES"),
+        "embedding_bias_words 'red' is not supported",
+    ),
+    (
+        "embedding_bias_weights",
+        (np.array([[0.5, 1.0]], np.float32), "FP32"),
+        "A non-empty embedding_bias_weights is not supported",
+    ),
+    (
+        "prompt_embedding_table",
+        (np.ones((1, 2, 576), np.float16), "FP16"),
+        "A non-empty prompt_embedding_table is not supported",
+    ),
     ("prompt_table_extra_id", _array(5, np.uint64), "prompt_table_extra_id 5 is not supported"),
     ("prompt_vocab_size", _i32(2), "prompt_vocab_size 2 is not supported"),
     ("lora_task_id", _array(1, np.uint64), "lora_task_id 1 is not supported: LoRA adapters are not supported"),
@@ -445,20 +627,55 @@ def test_each_unsupported_value_is_rejected_and_the_next_request_succeeds(server
 
 
 def test_standard_outputs_are_consistent(server, reference):
-    results, errors = _raw_stream(server, {"text_input": _text(PROMPT), "max_tokens": _i32(MAX_TOKENS), "stream": _array(True, bool),
-                                           "return_perf_metrics": _array(True, bool)})
+    results, errors = _raw_stream(
+        server,
+        {
+            "text_input": _text(PROMPT),
+            "max_tokens": _i32(MAX_TOKENS),
+            "stream": _array(True, bool),
+            "return_perf_metrics": _array(True, bool),
+        },
+    )
     assert not errors
-    last = {name: results[-1].as_numpy(name).reshape(-1)[0] for name in (
-        "num_input_tokens", "num_output_tokens", "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate",
-        "acceptance_length", "finish_reason", "batch_index", "sequence_index", "arrival_time_ns", "first_scheduled_time_ns",
-        "first_token_time_ns", "last_token_time_ns")}
+    last = {
+        name: results[-1].as_numpy(name).reshape(-1)[0]
+        for name in (
+            "num_input_tokens",
+            "num_output_tokens",
+            "total_draft_tokens",
+            "total_accepted_draft_tokens",
+            "acceptance_rate",
+            "acceptance_length",
+            "finish_reason",
+            "batch_index",
+            "sequence_index",
+            "arrival_time_ns",
+            "first_scheduled_time_ns",
+            "first_token_time_ns",
+            "last_token_time_ns",
+        )
+    }
     assert last["num_input_tokens"] == reference["prompt_tokens"]
     assert last["num_output_tokens"] == reference["num_tokens"] == len(reference["token_ids"])
-    assert (last["total_draft_tokens"], last["total_accepted_draft_tokens"]) == (reference["drafted_tokens"], reference["accepted_tokens"])
-    assert last["acceptance_rate"] == pytest.approx(reference["accepted_tokens"] / reference["drafted_tokens"], abs=1e-6)
+    assert (last["total_draft_tokens"], last["total_accepted_draft_tokens"]) == (
+        reference["drafted_tokens"],
+        reference["accepted_tokens"],
+    )
+    assert last["acceptance_rate"] == pytest.approx(
+        reference["accepted_tokens"] / reference["drafted_tokens"], abs=1e-6
+    )
     assert last["acceptance_length"] == pytest.approx(reference["acceptance_length"], abs=1e-3)
-    assert last["finish_reason"].decode() == reference["finish_reason"] and last["batch_index"] == last["sequence_index"] == 0
-    assert 0 < last["arrival_time_ns"] <= last["first_scheduled_time_ns"] <= last["first_token_time_ns"] < last["last_token_time_ns"]
+    assert (
+        last["finish_reason"].decode() == reference["finish_reason"]
+        and last["batch_index"] == last["sequence_index"] == 0
+    )
+    assert (
+        0
+        < last["arrival_time_ns"]
+        <= last["first_scheduled_time_ns"]
+        <= last["first_token_time_ns"]
+        < last["last_token_time_ns"]
+    )
     firsts = {int(r.as_numpy("first_token_time_ns").reshape(-1)[0]) for r in results if r.get_response().outputs}
     assert len(firsts) == 1  # the first token's time stays put while later responses stream
 
@@ -467,6 +684,8 @@ def test_min_tokens_holds_back_eos(server):
     natural, errors = _raw_stream(server, {"text_input": _text(b"Hi"), "max_tokens": _i32(64)})
     n = int(natural[-1].as_numpy("num_output_tokens").reshape(-1)[0])
     assert not errors and natural[-1].as_numpy("finish_reason").reshape(-1)[0] == b"stop"
-    held, errors = _raw_stream(server, {"text_input": _text(b"Hi"), "max_tokens": _i32(n + 3), "min_tokens": _i32(n + 3)})
+    held, errors = _raw_stream(
+        server, {"text_input": _text(b"Hi"), "max_tokens": _i32(n + 3), "min_tokens": _i32(n + 3)}
+    )
     assert not errors and held[-1].as_numpy("num_output_tokens").reshape(-1)[0] == n + 3
     assert held[-1].as_numpy("finish_reason").reshape(-1)[0] == b"length"

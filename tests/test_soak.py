@@ -13,8 +13,10 @@ PROMPTS = ["The capital of France is", "Name three colors.", "What is 12 times 7
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    build = run_build(BuildOptions(output=tmp_path_factory.mktemp("soak") / "build", max_batch_size=4, max_seq_len=256, dtype="fp32"),
-                      progress=lambda m: None)
+    build = run_build(
+        BuildOptions(output=tmp_path_factory.mktemp("soak") / "build", max_batch_size=4, max_seq_len=256, dtype="fp32"),
+        progress=lambda m: None,
+    )
     with TritonServer(ServerConfig(build, grpc_port=0, http_port=0, metrics_port=0)) as s:
         yield s
 

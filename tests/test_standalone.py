@@ -3,11 +3,11 @@
 import re
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from trtllm_dflash.data import GSM8K_HOLDOUT, gsm8k_records
 
@@ -24,7 +24,9 @@ def _tracked(*suffixes) -> list[Path]:
 
 def test_no_code_reaches_outside_the_repository():
     """No path to a sibling folder, and no `Path(__file__).parents[k]` that climbs above the repository root."""
-    climb = re.compile(r"Path\(__file__\)(?:\.resolve\(\))?((?:\.parent(?!s))+)|Path\(__file__\)(?:\.resolve\(\))?\.parents\[(\d+)\]")
+    climb = re.compile(
+        r"Path\(__file__\)(?:\.resolve\(\))?((?:\.parent(?!s))+)|Path\(__file__\)(?:\.resolve\(\))?\.parents\[(\d+)\]"
+    )
     offenders = []
     for f in _tracked(".py", ".sh", ".toml", ".pbtxt", ".yaml", ".yml"):
         if f == Path(__file__).resolve():
@@ -43,7 +45,11 @@ def test_no_code_reaches_outside_the_repository():
 def test_every_package_is_listed_for_the_wheel():
     listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
     mapped = PYPROJECT["tool"]["setuptools"]["package-dir"]
-    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "trtllm_dflash").rglob("__init__.py") if "__pycache__" not in p.parts}
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for p in (ROOT / "trtllm_dflash").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
     found |= {name for name, folder in mapped.items() if (ROOT / folder / "__init__.py").is_file()}
     assert found <= listed, f"packages missing from pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"
 
@@ -59,13 +65,32 @@ def test_wheel_carries_everything_and_works_outside_the_source_tree(tmp_path):
     """Build the wheel, unpack it into an empty folder and use it from `/`: templates, recipes, draft and data
     must come from the installed package, not from this checkout."""
     wheel_dir = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), str(ROOT)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheel_dir),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = wheel_dir.glob("trtllm_dflash-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     # every tracked file of the package and of the folders mapped into it ships (a missing one degrades silently)
-    tracked = subprocess.run(["git", "ls-files", "trtllm_dflash", "triton_repo", "build_configs", "plugins"], cwd=ROOT,
-                             check=True, capture_output=True, text=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files", "trtllm_dflash", "triton_repo", "build_configs", "plugins"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     expected = {path if path.startswith("trtllm_dflash/") else f"trtllm_dflash/{path}" for path in tracked}
     assert "trtllm_dflash/drafts/smollm2-135m/draft_ngram.npz" in expected and len(expected) > 100
     assert sorted(expected - names) == []
@@ -80,6 +105,11 @@ def test_wheel_carries_everything_and_works_outside_the_source_tree(tmp_path):
         "assert len(gsm8k_records()) == 7273; from trtllm_dflash.data import magpie_records; assert magpie_records(); from trtllm_dflash.build.recipes import load_recipe, recipes_root; "
         "assert recipes_root().is_relative_to(SITE) and load_recipe('gpt-oss-120b').num_gpus == 8; print('ok')"
     ).replace("SITE", repr(str(site)))
-    r = subprocess.run([sys.executable, "-c", probe], cwd="/", env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd="/",
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

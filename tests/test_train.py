@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import SMOL_MASK_ID
 from torch import nn
 
-from conftest import SMOL_MASK_ID
 from trtllm_dflash.config import DraftConfig
 from trtllm_dflash.cpu import trains_in_bf16
 from trtllm_dflash.data import gsm8k_records
@@ -19,12 +19,28 @@ from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.train import trainer as tr
 from trtllm_dflash.train.data import (
-    CODE_PACKAGES, code_package_versions, code_prompts, docstring_prompts, doctest_stub,
-    INSTRUCT_TEMPLATES, gsm8k_variant_prompts, instruct_prompts, load_prompts, perturb_numbers, remaining_prompts,
+    CODE_PACKAGES,
+    INSTRUCT_TEMPLATES,
+    code_package_versions,
+    code_prompts,
+    docstring_prompts,
+    doctest_stub,
+    gsm8k_variant_prompts,
+    instruct_prompts,
+    load_prompts,
+    perturb_numbers,
+    remaining_prompts,
 )
 from trtllm_dflash.train.trainer import (
-    block_hidden, build_blocks, check_output_dir, chunked_lm_head_ce, loss_weights, sample_anchors, train_draft,
-    training_mask, valid_anchors,
+    block_hidden,
+    build_blocks,
+    check_output_dir,
+    chunked_lm_head_ce,
+    loss_weights,
+    sample_anchors,
+    train_draft,
+    training_mask,
+    valid_anchors,
 )
 
 
@@ -85,8 +101,18 @@ def test_padding_block_at_anchor_zero_sees_only_itself():
 
 
 def _tiny_draft(layers=2, block=4):
-    cfg = DraftConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      intermediate_size=64, vocab_size=50, block_size=block, mask_token_id=49, target_layer_ids=[0, 1])
+    cfg = DraftConfig(
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=50,
+        block_size=block,
+        mask_token_id=49,
+        target_layer_ids=[0, 1],
+    )
     d = DFlashDraftModel(cfg)
     d.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
     return d.eval()
@@ -119,7 +145,11 @@ def test_short_blocks_train_as_the_runtime_drafts_them():
     feats, ids = torch.randn(s, 64), torch.randint(0, 49, (s,))
     anchors, widths = torch.tensor([2, 5, 9]), torch.tensor([2, 4, 3])
     noise, pos, labels, valid = build_blocks(ids, torch.ones(s), anchors, b, 49, widths)
-    assert valid.view(3, b).tolist() == [[False, True, False, False], [False, True, True, True], [False, True, True, False]]
+    assert valid.view(3, b).tolist() == [
+        [False, True, False, False],
+        [False, True, True, True],
+        [False, True, True, False],
+    ]
     m = training_mask(anchors, s, b, widths=widths)[0, 0, :, s:]  # block keys only
     assert m.any(0).tolist() == [True, True, False, False] + [True] * 4 + [True, True, True, False]
     assert torch.equal(training_mask(anchors, s, b, widths=torch.full((3,), b)), training_mask(anchors, s, b))
@@ -216,7 +246,9 @@ def few_code_packages():
     from trtllm_dflash.train import data
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(data, "CODE_PACKAGES", tuple(p for p in CODE_PACKAGES if p in ("networkx", "numpy", "jinja2", "click")))
+        mp.setattr(
+            data, "CODE_PACKAGES", tuple(p for p in CODE_PACKAGES if p in ("networkx", "numpy", "jinja2", "click"))
+        )
         data._library_functions.cache_clear()
         yield
     data._library_functions.cache_clear()
@@ -233,7 +265,10 @@ def test_code_prompts_keep_stdlib_keys_first_and_add_installed_libraries(few_cod
         assert order == sorted(order) and len(set(order)) >= 3
     versions = code_package_versions()
     assert list(versions) == [p for p in CODE_PACKAGES if p in versions] and versions["numpy"].startswith("1.")
-    assert not {k.rsplit(":", 1)[1] for k in keys} & {"has_close_elements", "separate_paren_groups"}  # HumanEval stays unseen
+    assert not {k.rsplit(":", 1)[1] for k in keys} & {
+        "has_close_elements",
+        "separate_paren_groups",
+    }  # HumanEval stays unseen
 
 
 def test_perturb_numbers_moves_integers_and_keeps_the_rest():
@@ -260,7 +295,10 @@ def test_gsm8k_variants_cover_training_questions_only():
 
 def test_doctest_stubs_are_humaneval_shaped_and_never_humaneval(few_code_packages):
     doc = "Add two numbers.\n\nMore text.\n\n>>> from m import add\n>>> add(1, 2)\n3\n>>> for x in y:\n...     add(x, 1)\n"
-    assert doctest_stub("add(a, b)", doc) == 'def add(a, b):\n    """Add two numbers.\n\n    >>> add(1, 2)\n    3\n    """\n'
+    assert (
+        doctest_stub("add(a, b)", doc)
+        == 'def add(a, b):\n    """Add two numbers.\n\n    >>> add(1, 2)\n    3\n    """\n'
+    )
     assert doctest_stub("add(a, b)", "Add two numbers together.\n\nNo examples.") is None
     prompts = docstring_prompts()
     keys = [k for k, _ in prompts]
@@ -317,9 +355,23 @@ def test_tiny_training_run_resumes_and_is_lossless(target_dir, tmp_path, monkeyp
     from trtllm_dflash.runtime import DFlashEngine
 
     out = tmp_path / "run"
-    kw = dict(data=("gsm8k", "docstring"), num_samples=4, gen_max_new_tokens=16, gen_batch_size=4,
-              mask_token_id=SMOL_MASK_ID, progress_bar=False, log=lambda m: None, num_layers=1, block_size=4, steps=10,
-              lr=3e-3, anchors_per_seq=16, seqs_per_step=2, val_fraction=0.0, checkpoint_minutes=0.0)
+    kw = dict(
+        data=("gsm8k", "docstring"),
+        num_samples=4,
+        gen_max_new_tokens=16,
+        gen_batch_size=4,
+        mask_token_id=SMOL_MASK_ID,
+        progress_bar=False,
+        log=lambda m: None,
+        num_layers=1,
+        block_size=4,
+        steps=10,
+        lr=3e-3,
+        anchors_per_seq=16,
+        seqs_per_step=2,
+        val_fraction=0.0,
+        checkpoint_minutes=0.0,
+    )
     real_step, calls = tr.DraftTrainer.train_step, []
 
     def killed_after_6(self):
@@ -374,17 +426,34 @@ def test_tiny_training_run_resumes_and_is_lossless(target_dir, tmp_path, monkeyp
         before = block_hidden(draft, engine.target.embed_tokens, feats, noise, pos, anchors)
         after = block_hidden(grown, engine.target.embed_tokens, feats, noise, pos, anchors)
     assert torch.allclose(before, after, atol=1e-5)
-    card = train_draft(str(target_dir), tmp_path / "grown", init_from=str(out / "draft"), **{**kw, "num_layers": 2, "steps": 2})
+    card = train_draft(
+        str(target_dir), tmp_path / "grown", init_from=str(out / "draft"), **{**kw, "num_layers": 2, "steps": 2}
+    )
     assert card["hyperparameters"]["num_layers"] == 2
     assert load_draft(tmp_path / "grown" / "draft").config.target_layer_ids == draft.config.target_layer_ids
     with pytest.raises(DFlashError, match="grow, not shrink"):
-        tr.DraftTrainer(engine.target, warm, tr.TrainArgs(**{**args.__dict__, "init_from": str(tmp_path / "grown" / "draft")}))
+        tr.DraftTrainer(
+            engine.target, warm, tr.TrainArgs(**{**args.__dict__, "init_from": str(tmp_path / "grown" / "draft")})
+        )
 
 
 def test_kd_run_keeps_the_targets_last_layer_and_learns(target, target_dir, tmp_path, one_thread):
-    kw = dict(data=("gsm8k",), num_samples=2, gen_max_new_tokens=16, gen_batch_size=2, mask_token_id=SMOL_MASK_ID,
-              progress_bar=False, log=lambda m: None, num_layers=1, block_size=4, lr=3e-3, anchors_per_seq=16,
-              seqs_per_step=2, val_fraction=0.0, loss="dpace")
+    kw = dict(
+        data=("gsm8k",),
+        num_samples=2,
+        gen_max_new_tokens=16,
+        gen_batch_size=2,
+        mask_token_id=SMOL_MASK_ID,
+        progress_bar=False,
+        log=lambda m: None,
+        num_layers=1,
+        block_size=4,
+        lr=3e-3,
+        anchors_per_seq=16,
+        seqs_per_step=2,
+        val_fraction=0.0,
+        loss="dpace",
+    )
     with pytest.raises(DFlashError, match="from 0 to 1"):
         train_draft(str(target_dir), tmp_path / "bad", kd=1.5, steps=1, **kw)
     with pytest.raises(DFlashError, match="from 0 to 1"):
@@ -393,7 +462,9 @@ def test_kd_run_keeps_the_targets_last_layer_and_learns(target, target_dir, tmp_
     assert card["hyperparameters"]["bf16"] == trains_in_bf16()  # --dtype auto: bf16 autocast only with bf16 arithmetic
     layers = card["hyperparameters"]["target_layer_ids"]
     assert json.loads((tmp_path / "kd" / "data.json").read_text())["target_layer_ids"] == [*layers, 29]
-    assert load_draft(tmp_path / "kd" / "draft").config.target_layer_ids == layers  # the draft reads only its own layers
+    assert (
+        load_draft(tmp_path / "kd" / "draft").config.target_layer_ids == layers
+    )  # the draft reads only its own layers
     log = [json.loads(line) for line in (tmp_path / "kd" / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < log[0]["loss"] and all(math.isfinite(r["loss"]) for r in log)
     plain = tmp_path / "plain"  # data captured without the last layer cannot feed a --kd run
@@ -418,8 +489,10 @@ def test_shipped_draft_accepts_on_fixed_prompts(one_thread):
         pytest.skip("no packaged smollm2-135m draft")
     engine = DFlashEngine.load("smollm2-135m", dtype="fp32", progress=lambda m: None)
     assert engine.draft is not None
-    prompts = ["A baker sells 24 muffins a day at $3 each. How much money does he make in a week?",
-               "Write a Python function that returns the sum of the squares of a list of numbers."]
+    prompts = [
+        "A baker sells 24 muffins a day at $3 each. How much money does he make in a week?",
+        "Write a Python function that returns the sum of the squares of a list of numbers.",
+    ]
     steps = tokens = 0
     for p in prompts:
         s = engine.generate(p, max_new_tokens=64).stats
@@ -434,13 +507,17 @@ def test_greedy_batch_equals_generate_and_captures_aligned_features(target, one_
     from trtllm_dflash.train.data import greedy_batch
 
     engine = DFlashEngine(target, None, 1)
-    prompts = [engine.encode(p) for p in ("What is 3 + 4?", "Name a prime number larger than 10 and explain why.", "Hi")]
+    prompts = [
+        engine.encode(p) for p in ("What is 3 + 4?", "Name a prime number larger than 10 and explain why.", "Hi")
+    ]
     layers = [1, 14, 27]
     answers, feats = greedy_batch(target, prompts, layer_ids=layers, max_new_tokens=12, eos=set())
     with torch.inference_mode():
         for p, a, f in zip(prompts, answers, feats):
             x = torch.tensor([p])  # explicit mask: generate() would infer one that hides the template's pad-id tokens
-            ref = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
+            ref = target.model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False, eos_token_id=None
+            )[0, len(p) :].tolist()
             assert a == ref
             hs = target.model(torch.tensor([p + a]), output_hidden_states=True).hidden_states
             want = torch.cat([hs[l + 1][0] for l in layers], dim=-1)
@@ -468,7 +545,9 @@ def test_a_finished_data_phase_grows_when_asked_for_more(target, tmp_path, one_t
     records = read_dataset(tmp_path / "data.jsonl")
     assert (tmp_path / "data.jsonl").read_text().startswith(first) and len({r["key"] for r in records}) == 5
     width = 3 * target.hidden_size
-    assert len(read_features(tmp_path / "data.jsonl", width)) == records[-1]["feat_offset"] + len(records[-1]["input_ids"])
+    assert len(read_features(tmp_path / "data.jsonl", width)) == records[-1]["feat_offset"] + len(
+        records[-1]["input_ids"]
+    )
     with pytest.raises(DFlashError, match="new --output"):
         prepare_data(target, ("gsm8k", "code", "docstring"), tmp_path, num_samples=6, frozen=True, **kw)
     assert read_dataset(tmp_path / "data.jsonl") == records

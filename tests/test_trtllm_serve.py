@@ -26,8 +26,18 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def build_dir(target_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("trtllm") / "build"
-    return run_build(BuildOptions(output=out, target=str(target_dir), draft="smollm2-135m", backend="trtllm", block_size=BLOCK,
-                                  max_seq_len=256, max_batch_size=2), progress=lambda m: None)
+    return run_build(
+        BuildOptions(
+            output=out,
+            target=str(target_dir),
+            draft="smollm2-135m",
+            backend="trtllm",
+            block_size=BLOCK,
+            max_seq_len=256,
+            max_batch_size=2,
+        ),
+        progress=lambda m: None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +52,15 @@ def server(build_dir):
 def reference(target_dir):
     """The embedded runtime directly, with what model.yaml asks for: bf16 (the checkpoint is fp32), block 4 every step,
     the draft's guesses only (TensorRT-LLM's DFlash mode does no prompt lookup)."""
-    engine = DFlashEngine.load(str(target_dir), "smollm2-135m", dtype="bf16", block_size=BLOCK, speculation="fixed", lookup=False,
-                               progress=lambda m: None)
+    engine = DFlashEngine.load(
+        str(target_dir),
+        "smollm2-135m",
+        dtype="bf16",
+        block_size=BLOCK,
+        speculation="fixed",
+        lookup=False,
+        progress=lambda m: None,
+    )
     return engine.generate(PROMPT, max_new_tokens=MAX_TOKENS)
 
 
@@ -72,7 +89,7 @@ def test_non_streaming_and_stop_words(server, reference):
     assert done.pieces == [reference.text]
     stop = reference.text.split()[3]
     done = complete(server.grpc_url, CompletionRequest(PROMPT, MAX_TOKENS, True, stop_words=(stop,)), timeout=120)
-    assert done.text == reference.text[:reference.text.index(stop)] and done.finish_reason == "stop"
+    assert done.text == reference.text[: reference.text.index(stop)] and done.finish_reason == "stop"
 
 
 def test_an_unsupported_value_is_refused_and_the_server_keeps_serving(server, reference):
@@ -86,15 +103,26 @@ def test_an_unsupported_value_is_refused_and_the_server_keeps_serving(server, re
 
 def test_draft_counts_are_the_engines_and_labelled_where_inferred():
     """count_drafts: the engine's counts when they can be true; otherwise inferred from decoding_iter and said so."""
-    spec = lambda drafted, accepted: SimpleNamespace(speculative_decoding=SimpleNamespace(  # noqa: E731
-        total_draft_tokens=drafted, total_accepted_draft_tokens=accepted))
+
+    def spec(drafted, accepted):
+        return SimpleNamespace(
+            speculative_decoding=SimpleNamespace(total_draft_tokens=drafted, total_accepted_draft_tokens=accepted)
+        )
+
     stats = GenerationStats(num_tokens=24)
     count_drafts(stats, decoding_iter=11, perf_metrics=spec(28, 13), max_draft_len=3)
-    assert (stats.steps, stats.drafted_tokens, stats.accepted_tokens, stats.draft_counts_estimated) == (10, 28, 13, False)
+    assert (stats.steps, stats.drafted_tokens, stats.accepted_tokens, stats.draft_counts_estimated) == (
+        10,
+        28,
+        13,
+        False,
+    )
     for metrics in (None, spec(0, 0)):  # no metrics, or a release whose PyTorch flow leaves them at zero
         count_drafts(stats, decoding_iter=11, perf_metrics=metrics, max_draft_len=3)
         assert (stats.drafted_tokens, stats.accepted_tokens, stats.draft_counts_estimated) == (30, 13, True)
-    stats = GenerationStats(num_tokens=11)  # one token a step: zero accepted is true, zero drafted possible (schedule 0)
+    stats = GenerationStats(
+        num_tokens=11
+    )  # one token a step: zero accepted is true, zero drafted possible (schedule 0)
     count_drafts(stats, decoding_iter=11, perf_metrics=spec(0, 0), max_draft_len=3)
     assert (stats.drafted_tokens, stats.accepted_tokens, stats.draft_counts_estimated) == (0, 0, False)
 
@@ -108,22 +136,41 @@ def test_a_stop_string_aborts_once_and_finish_reasons_pass_through(target_dir, b
     from trtllm_dflash.config import SamplingParams as Sampling
     from trtllm_dflash.protocol import EngineRequest
 
-    llm = LLM(str(target_dir), speculative_config={"decoding_type": "DFlash", "max_draft_len": BLOCK - 1,
-                                                   "speculative_model": str(build_dir / "checkpoints/draft")})
+    llm = LLM(
+        str(target_dir),
+        speculative_config={
+            "decoding_type": "DFlash",
+            "max_draft_len": BLOCK - 1,
+            "speculative_model": str(build_dir / "checkpoints/draft"),
+        },
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     results = []
     generate = llm.generate_async
     llm.generate_async = lambda *a, **k: results.append(generate(*a, **k)) or results[-1]  # a spy: the call is real
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_dict=True)["input_ids"]
-    text = "".join(d for _, d in llm_steps(llm, SamplingParams, EngineRequest(prompt, MAX_TOKENS, Sampling(0.0)), GenerationStats(),
-                                           tokenizer, BLOCK - 1))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    text = "".join(
+        d
+        for _, d in llm_steps(
+            llm,
+            SamplingParams,
+            EngineRequest(prompt, MAX_TOKENS, Sampling(0.0)),
+            GenerationStats(),
+            tokenizer,
+            BLOCK - 1,
+        )
+    )
     stop = text.split()[2]
     stats = GenerationStats()
     job = EngineRequest(prompt, MAX_TOKENS, Sampling(0.0), stop_strings=(stop,))
     list(llm_steps(llm, SamplingParams, job, stats, tokenizer, BLOCK - 1))
     assert stats.finish_reason == "stop" and results[-1].aborts == 1
     stats = GenerationStats()
-    steps = llm_steps(llm, SamplingParams, EngineRequest(prompt, MAX_TOKENS, Sampling(0.0)), stats, tokenizer, BLOCK - 1)
+    steps = llm_steps(
+        llm, SamplingParams, EngineRequest(prompt, MAX_TOKENS, Sampling(0.0)), stats, tokenizer, BLOCK - 1
+    )
     next(steps)
     results[-1].abort()  # the engine cancels (as TensorRT-LLM does on a client's cancellation)
     list(steps)
@@ -131,7 +178,14 @@ def test_a_stop_string_aborts_once_and_finish_reasons_pass_through(target_dir, b
 
 
 def test_mpi_job_variables_are_cleared_and_configuration_kept():
-    env = {"OMPI_COMM_WORLD_SIZE": "1", "PMIX_RANK": "0", "PMI_SIZE": "1", "OMPI_MCA_orte_ess_num_procs": "1",
-           "OMPI_MCA_btl": "^openib", "PMIX_MCA_gds": "hash", "PATH": "/bin"}
+    env = {
+        "OMPI_COMM_WORLD_SIZE": "1",
+        "PMIX_RANK": "0",
+        "PMI_SIZE": "1",
+        "OMPI_MCA_orte_ess_num_procs": "1",
+        "OMPI_MCA_btl": "^openib",
+        "PMIX_MCA_gds": "hash",
+        "PATH": "/bin",
+    }
     assert clear_mpi_job_env(env) == ["OMPI_COMM_WORLD_SIZE", "OMPI_MCA_orte_ess_num_procs", "PMIX_RANK", "PMI_SIZE"]
     assert env == {"OMPI_MCA_btl": "^openib", "PMIX_MCA_gds": "hash", "PATH": "/bin"}

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -20,19 +21,31 @@ from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import load_draft, read_draft_config
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.resolve import DRAFTS_DIR, resolve_target
-from trtllm_dflash.untrusted import (DTYPE_BITS, check_checkpoint_dir, check_config_values, inside, read_hf_config, read_json,
-                                     read_safetensors_header)
+from trtllm_dflash.untrusted import (
+    DTYPE_BITS,
+    check_checkpoint_dir,
+    check_config_values,
+    inside,
+    read_hf_config,
+    read_json,
+    read_safetensors_header,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # A few seconds per fuzz test; database=None: no example database written into the work tree.
-FUZZ = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def library_view(path):
     """What the safetensors library itself reads: name -> (dtype, shape), or None if it refuses the file."""
     try:
         with safe_open(path, framework="numpy") as f:
-            return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+            return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f}
     except Exception:
         return None
 
@@ -42,17 +55,24 @@ def our_view(path):
 
 
 def small_file(path):
-    save_file({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
-               "c": torch.zeros(3, dtype=torch.int64)}, path, metadata={"format": "pt"})
+    save_file(
+        {
+            "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+            "b": torch.ones(4, dtype=torch.bfloat16),
+            "c": torch.zeros(3, dtype=torch.int64),
+        },
+        path,
+        metadata={"format": "pt"},
+    )
     return path.read_bytes()
 
 
 def rewrite_header(blob: bytes, edit) -> bytes:
     (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8:8 + n])
+    header = json.loads(blob[8 : 8 + n])
     edit(header)
     raw = json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + blob[8 + n:]
+    return struct.pack("<Q", len(raw)) + raw + blob[8 + n :]
 
 
 def test_real_checkpoints_read_exactly_as_the_library_reads_them(target_dir):
@@ -75,7 +95,9 @@ CORRUPTIONS = {
     "header length of 2^63": lambda b: struct.pack("<Q", 1 << 63) + b[8:],
     "header not JSON": lambda b: b[:8] + b"\xff" * (len(b) - 8),
     "shape lies about the size": lambda b: rewrite_header(b, lambda h: h["a"].update(shape=[3, 3])),
-    "overlapping tensors": lambda b: rewrite_header(b, lambda h: h["b"].update(data_offsets=h["a"]["data_offsets"][:1] + [h["a"]["data_offsets"][0] + 8])),
+    "overlapping tensors": lambda b: rewrite_header(
+        b, lambda h: h["b"].update(data_offsets=h["a"]["data_offsets"][:1] + [h["a"]["data_offsets"][0] + 8])
+    ),
     "a gap between tensors": lambda b: rewrite_header(b, lambda h: [_shift(h, k, 4) for k in h if k != "__metadata__"]),
     "unknown dtype": lambda b: rewrite_header(b, lambda h: h["c"].update(dtype="Q64")),
     "negative dimension": lambda b: rewrite_header(b, lambda h: h["c"].update(shape=[-3])),
@@ -129,10 +151,16 @@ def test_fuzz_headers_we_accept_are_exactly_what_the_library_accepts(tmp_path_fa
 
 
 @FUZZ
-@given(blob=st.one_of(st.binary(max_size=200), st.binary(max_size=200).map(lambda b: struct.pack("<Q", len(b)) + b),
-                      st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-                                   lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3))
-                      .map(lambda v: (lambda raw: struct.pack("<Q", len(raw)) + raw)(json.dumps(v).encode()))))
+@given(
+    blob=st.one_of(
+        st.binary(max_size=200),
+        st.binary(max_size=200).map(lambda b: struct.pack("<Q", len(b)) + b),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+        ).map(lambda v: (lambda raw: struct.pack("<Q", len(raw)) + raw)(json.dumps(v).encode())),
+    )
+)
 def test_fuzz_any_bytes_are_a_header_or_one_sentence(tmp_path_factory, blob):
     path = tmp_path_factory.getbasetemp() / "bytes.safetensors"
     path.write_bytes(blob)
@@ -144,13 +172,19 @@ def test_fuzz_any_bytes_are_a_header_or_one_sentence(tmp_path_factory, blob):
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats() | st.text(max_size=6),
-    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3), max_leaves=8)
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+    max_leaves=8,
+)
 DRAFT_CONFIG = json.loads((FIXTURES / "qwen3-8b-dflash-b16-tiny.json").read_text())
 
 
 @FUZZ
-@given(top=st.dictionaries(st.sampled_from(sorted(DRAFT_CONFIG)), JSON_VALUES, max_size=3),
-       dflash=st.dictionaries(st.sampled_from(["mask_token_id", "target_layer_ids", "block_size", "short_blocks"]), JSON_VALUES, max_size=2))
+@given(
+    top=st.dictionaries(st.sampled_from(sorted(DRAFT_CONFIG)), JSON_VALUES, max_size=3),
+    dflash=st.dictionaries(
+        st.sampled_from(["mask_token_id", "target_layer_ids", "block_size", "short_blocks"]), JSON_VALUES, max_size=2
+    ),
+)
 def test_fuzz_draft_configs_are_a_config_or_one_sentence(tmp_path_factory, top, dflash):
     d = tmp_path_factory.getbasetemp() / "fuzzdraft"
     d.mkdir(exist_ok=True)
@@ -163,13 +197,29 @@ def test_fuzz_draft_configs_are_a_config_or_one_sentence(tmp_path_factory, top, 
     except DFlashError as e:
         assert "\n" not in str(e)
     else:  # what is accepted is in range
-        assert 1 <= cfg.num_hidden_layers <= 1024 and 1 <= cfg.hidden_size and 1 <= cfg.block_size <= 4096
+        assert 1 <= cfg.num_hidden_layers <= 1024 and cfg.hidden_size >= 1 and 1 <= cfg.block_size <= 4096
         assert 0 <= cfg.short_blocks <= 1
 
 
 @FUZZ
-@given(config=st.dictionaries(st.sampled_from(["hidden_size", "num_hidden_layers", "vocab_size", "rms_norm_eps", "text_config",
-                                               "layer_types", "max_position_embeddings", "head_dim"]), JSON_VALUES, max_size=4))
+@given(
+    config=st.dictionaries(
+        st.sampled_from(
+            [
+                "hidden_size",
+                "num_hidden_layers",
+                "vocab_size",
+                "rms_norm_eps",
+                "text_config",
+                "layer_types",
+                "max_position_embeddings",
+                "head_dim",
+            ]
+        ),
+        JSON_VALUES,
+        max_size=4,
+    )
+)
 def test_fuzz_config_value_checks(config):
     try:
         check_config_values(config, "config.json")
@@ -177,8 +227,17 @@ def test_fuzz_config_value_checks(config):
         assert "\n" not in str(e)
 
 
-@pytest.mark.parametrize("key, value", [("hidden_size", -64), ("num_hidden_layers", 10**9), ("vocab_size", 0),
-                                        ("rms_norm_eps", float("nan")), ("head_dim", "16"), ("num_hidden_layers", True)])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("hidden_size", -64),
+        ("num_hidden_layers", 10**9),
+        ("vocab_size", 0),
+        ("rms_norm_eps", float("nan")),
+        ("head_dim", "16"),
+        ("num_hidden_layers", True),
+    ],
+)
 def test_absurd_config_values_are_refused_for_drafts_and_targets(tmp_path, target_dir, key, value):
     draft = tmp_path / "draft"
     draft.mkdir()
@@ -187,7 +246,9 @@ def test_absurd_config_values_are_refused_for_drafts_and_targets(tmp_path, targe
         read_draft_config(draft)
     target = _target_copy(target_dir, tmp_path / "target")
     (target / "config.json").unlink()
-    (target / "config.json").write_text(json.dumps({**json.loads((target_dir / "config.json").read_text()), key: value}))
+    (target / "config.json").write_text(
+        json.dumps({**json.loads((target_dir / "config.json").read_text()), key: value})
+    )
     with pytest.raises(DFlashError, match=f"sets {key} to"):
         TargetModel.load(target)
 
@@ -232,8 +293,12 @@ def test_shard_index_paths_cannot_leave_the_directory(tmp_path):
     d.mkdir()
     (d / "config.json").write_text(json.dumps(DRAFT_CONFIG))
     small_file(d / "model-00001.safetensors")
-    for shard, message in (("../../etc/passwd.safetensors", "leaves that directory"), ("/etc/x.safetensors", "leaves that directory"),
-                           ("model-00002.safetensors", "not a safetensors file in"), ("config.json", "not a safetensors file in")):
+    for shard, message in (
+        ("../../etc/passwd.safetensors", "leaves that directory"),
+        ("/etc/x.safetensors", "leaves that directory"),
+        ("model-00002.safetensors", "not a safetensors file in"),
+        ("config.json", "not a safetensors file in"),
+    ):
         (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": shard}}))
         with pytest.raises(DFlashError, match=message):
             load_draft(d)
@@ -259,20 +324,59 @@ def test_generate_on_a_truncated_target_is_one_sentence_exit_2(tmp_path, target_
     weights = (target_dir / "model.safetensors").open("rb").read(1 << 20)
     target = _target_copy(target_dir, tmp_path / "t", weights=weights)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "trtllm_dflash.cli", "generate", "--target", str(target), "--no-draft", "--prompt", "hi"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trtllm_dflash.cli",
+            "generate",
+            "--target",
+            str(target),
+            "--no-draft",
+            "--prompt",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and "is not a readable safetensors file" in lines[0], r.stderr
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "is not a readable safetensors file" in lines[0], (
+        r.stderr
+    )
     assert "header describes" in lines[0]
 
 
 @FUZZ
-@given(top=st.dictionaries(st.sampled_from(["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                                            "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "tie_word_embeddings",
-                                            "model_type", "architectures", "auto_map", "layer_types", "torch_dtype", "max_position_embeddings"]),
-                           JSON_VALUES, max_size=3))
+@given(
+    top=st.dictionaries(
+        st.sampled_from(
+            [
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "vocab_size",
+                "rope_theta",
+                "rope_scaling",
+                "rope_parameters",
+                "attention_bias",
+                "tie_word_embeddings",
+                "model_type",
+                "architectures",
+                "auto_map",
+                "layer_types",
+                "torch_dtype",
+                "max_position_embeddings",
+            ]
+        ),
+        JSON_VALUES,
+        max_size=3,
+    )
+)
 def test_fuzz_target_configs_are_a_config_or_one_sentence(tmp_path_factory, target_dir, top):
     """transformers' strict config classes raise their own errors; the target reader turns every one into a sentence."""
     d = tmp_path_factory.getbasetemp() / "fuzztarget"
@@ -293,6 +397,10 @@ def test_convert_checks_its_input_before_reading_it(tmp_path):
     shutil.copytree(DRAFTS_DIR / "smollm2-135m", draft)
     (draft / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
     (draft / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
-    with pytest.raises(DFlashError, match="model.safetensors is a symlink to .*elsewhere.safetensors, outside the model directory"):
-        convert_checkpoint(ConvertOptions(model=str(draft), quant="fp8", output=tmp_path / "out"), progress=lambda m: None)
+    with pytest.raises(
+        DFlashError, match="model.safetensors is a symlink to .*elsewhere.safetensors, outside the model directory"
+    ):
+        convert_checkpoint(
+            ConvertOptions(model=str(draft), quant="fp8", output=tmp_path / "out"), progress=lambda m: None
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "elsewhere.safetensors"]

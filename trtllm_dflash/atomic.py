@@ -63,8 +63,10 @@ def locked(dest: Path, what: str = "build"):
             f.seek(0)
             holder = f.read().strip() or "?"
             f.close()
-            raise DFlashError(f"Another {what} (process {holder}) is writing {dest} right now; wait for it to finish or pick "
-                              "another output directory.") from None
+            raise DFlashError(
+                f"Another {what} (process {holder}) is writing {dest} right now; wait for it to finish or pick "
+                "another output directory."
+            ) from None
         try:
             if os.stat(lock_path).st_ino == os.fstat(f.fileno()).st_ino:
                 break

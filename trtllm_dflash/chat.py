@@ -19,13 +19,16 @@ from .prefix_cache import DEFAULT_TOKENS
 class Conversation:
     def __init__(self, engine, system: str | None = None, prefix_cache_tokens: int = DEFAULT_TOKENS):
         if not engine.tokenizer.chat_template:
-            raise DFlashError("This target's tokenizer has no chat template, so a conversation cannot be rendered; use "
-                              "`trtdflash generate --no-chat` for plain text.")
+            raise DFlashError(
+                "This target's tokenizer has no chat template, so a conversation cannot be rendered; use "
+                "`trtdflash generate --no-chat` for plain text."
+            )
         self.engine, self.system = engine, system
         self.messages: list[dict] = []
         self.dropped = 0  # turns left out of the prompt so far, the oldest first, to fit the context window
-        self.scheduler = engine.scheduler(1, engine.target.max_positions, log=lambda m: None,
-                                          prefix_cache_tokens=prefix_cache_tokens)
+        self.scheduler = engine.scheduler(
+            1, engine.target.max_positions, log=lambda m: None, prefix_cache_tokens=prefix_cache_tokens
+        )
 
     def reset(self) -> None:
         """Start over (the prefix cache keeps what it holds: a new conversation with the same opening copies it)."""
@@ -37,7 +40,9 @@ class Conversation:
         head = [{"role": "system", "content": self.system}] if self.system else []
         room = self.engine.target.max_positions - max_new_tokens - self.engine.block_size
         while True:
-            text = self.engine.tokenizer.apply_chat_template(head + messages, add_generation_prompt=True, tokenize=False)
+            text = self.engine.tokenizer.apply_chat_template(
+                head + messages, add_generation_prompt=True, tokenize=False
+            )
             try:
                 ids = self.engine.encode(text, chat=False)  # rendered already: as the OpenAI frontend encodes it
             except DFlashError:  # longer than the whole window
@@ -45,22 +50,31 @@ class Conversation:
             if ids is not None and len(ids) <= room:
                 return ids
             if len(messages) <= 1:
-                raise DFlashError(f"This message does not fit: with the chat template and --max-new-tokens {max_new_tokens}, "
-                                  f"the context window of {self.engine.target.max_positions} tokens has room for a prompt "
-                                  f"of {room}; shorten it.")
+                raise DFlashError(
+                    f"This message does not fit: with the chat template and --max-new-tokens {max_new_tokens}, "
+                    f"the context window of {self.engine.target.max_positions} tokens has room for a prompt "
+                    f"of {room}; shorten it."
+                )
             messages[:] = messages[2:]  # the oldest exchange: a user turn and its answer
             self.dropped += 1
 
-    def ask(self, text: str, *, max_new_tokens: int = 512, sampling: SamplingParams = SamplingParams(),
-            stats: GenerationStats | None = None) -> Iterator[str]:
+    def ask(
+        self,
+        text: str,
+        *,
+        max_new_tokens: int = 512,
+        sampling: SamplingParams = SamplingParams(),
+        stats: GenerationStats | None = None,
+    ) -> Iterator[str]:
         """Yield the answer's text as it is decided; the turn joins the conversation once the answer is complete."""
         if not text.strip():
             raise DFlashError("The message is empty; type something.")
         messages = self.messages + [{"role": "user", "content": text}]
         ids = self.prompt_ids(messages, max_new_tokens)
         answer = []
-        for _, delta in self.engine.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, stats=stats,
-                                           scheduler=self.scheduler):
+        for _, delta in self.engine.stream(
+            ids, max_new_tokens=max_new_tokens, sampling=sampling, stats=stats, scheduler=self.scheduler
+        ):
             answer.append(delta)
             yield delta
         self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
@@ -68,7 +82,7 @@ class Conversation:
     def close(self) -> None:
         self.scheduler.stop()
 
-    def __enter__(self) -> "Conversation":
+    def __enter__(self) -> Conversation:
         return self
 
     def __exit__(self, *exc) -> None:

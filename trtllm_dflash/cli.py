@@ -12,16 +12,19 @@ import sys
 
 import click
 
-from .backends.trtllm.schema import DEFAULT_RELEASE as DEFAULT_TRTLLM_RELEASE, RELEASES as TRTLLM_RELEASES
+from .backends.trtllm.schema import DEFAULT_RELEASE as DEFAULT_TRTLLM_RELEASE
+from .backends.trtllm.schema import RELEASES as TRTLLM_RELEASES
 from .build.recipes import OPT_INS
 from .config import DRAFT_LOSSES, DTYPE_CHOICES
 from .errors import DFlashError
 from .prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from .threads import configure_threads
 
-DTYPE_HELP = ("auto: bf16 where the CPU has bf16 arithmetic (AVX-512 BF16, AMX) or AVX2 alone (our kernel: bf16 weights, "
-              "fp32 arithmetic), else fp32, whichever runs DFlash faster; fp32 output is token-identical to decoding "
-              "without a draft")
+DTYPE_HELP = (
+    "auto: bf16 where the CPU has bf16 arithmetic (AVX-512 BF16, AMX) or AVX2 alone (our kernel: bf16 weights, "
+    "fp32 arithmetic), else fp32, whichever runs DFlash faster; fp32 output is token-identical to decoding "
+    "without a draft"
+)
 
 
 def user_errors(fn):
@@ -36,10 +39,15 @@ def user_errors(fn):
             sys.exit(2)
         except OSError as e:  # the environment: writers work in temporary siblings they remove on failure (atomic.py)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                click.echo(f"Error: the disk is full ({e.strerror} writing {e.filename or 'a file'}); outputs are replaced only when "
-                           "complete, so free some space and run the command again.", err=True)
+                click.echo(
+                    f"Error: the disk is full ({e.strerror} writing {e.filename or 'a file'}); outputs are replaced only when "
+                    "complete, so free some space and run the command again.",
+                    err=True,
+                )
             elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                click.echo(f"Error: {e.strerror}: {e.filename or 'a file'}; check the path and its permissions.", err=True)
+                click.echo(
+                    f"Error: {e.strerror}: {e.filename or 'a file'}; check the path and its permissions.", err=True
+                )
             else:
                 raise
             sys.exit(2)
@@ -62,16 +70,26 @@ def main():
 
 
 speculation_option = click.option(
-    "--speculation", type=click.Choice(["adaptive", "fixed"]), default="adaptive", show_default=True,
-    help="adaptive: block length per step (down to 1, plain decoding) from measured costs and acceptance; fixed: always the full block.")
+    "--speculation",
+    type=click.Choice(["adaptive", "fixed"]),
+    default="adaptive",
+    show_default=True,
+    help="adaptive: block length per step (down to 1, plain decoding) from measured costs and acceptance; fixed: always the full block.",
+)
 lookup_option = click.option(
-    "--lookup/--no-lookup", default=True, show_default=True,
+    "--lookup/--no-lookup",
+    default=True,
+    show_default=True,
     help="Where a request's last tokens occurred before (prompt or answer), verify the tokens that followed them instead of "
-         "the draft's guesses (prompt lookup, vLLM's ngram); output is the same either way.")
+    "the draft's guesses (prompt lookup, vLLM's ngram); output is the same either way.",
+)
 
 int8_draft_option = click.option(
-    "--int8-draft/--no-int8-draft", default=True, show_default=True,
-    help="bf16 on a CPU with AVX2 alone: keep the draft's weights as int8 (half the bytes a drafting step reads); output is the same either way.")
+    "--int8-draft/--no-int8-draft",
+    default=True,
+    show_default=True,
+    help="bf16 on a CPU with AVX2 alone: keep the draft's weights as int8 (half the bytes a drafting step reads); output is the same either way.",
+)
 
 
 def prompt_input(fn):
@@ -85,43 +103,81 @@ def the_prompt(prompt: str | None, prompt_option: str | None) -> str:
         raise click.UsageError("Give the prompt once: as the argument or with --prompt, not both.")
     text = prompt if prompt is not None else prompt_option
     if text is None:
-        raise click.UsageError("Missing the prompt: give it as the argument (\"-\" reads it from stdin) or with --prompt.")
+        raise click.UsageError(
+            'Missing the prompt: give it as the argument ("-" reads it from stdin) or with --prompt.'
+        )
     return sys.stdin.read() if text == "-" else text
 
 
 def sampling_options(fn):
-    for opt in reversed([
-        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
-        click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
-        click.option("--seed", type=int, default=None),
-    ]):
+    for opt in reversed(
+        [
+            click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+            click.option("--top-p", type=float, default=1.0, show_default=True),
+            click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
+            click.option("--seed", type=int, default=None),
+        ]
+    ):
         fn = opt(fn)
     return fn
 
 
 @main.command()
-@click.option("--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory.")
-@click.option("--draft", default=None, help="DFlash draft directory (z-lab format). Default: the target's packaged draft.")
+@click.option(
+    "--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory."
+)
+@click.option(
+    "--draft", default=None, help="DFlash draft directory (z-lab format). Default: the target's packaged draft."
+)
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding (the baseline).")
 @prompt_input
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the tokenizer's chat template.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's); 1 = autoregressive.")
+@click.option(
+    "--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's); 1 = autoregressive."
+)
 @sampling_options
 @click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable).")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
 @speculation_option
 @lookup_option
-@click.option("--draft-vocab/--no-draft-vocab", default=True, show_default=True,
-              help="Guess only among the draft's vocabulary (its draft_vocab.json) where it has one; output is the same either way.")
-@click.option("--draft-ngram/--no-draft-ngram", default=True, show_default=True,
-              help="Re-weight greedy guesses with the draft's n-gram prior (its draft_ngram.npz) where it has one; output is the same either way.")
+@click.option(
+    "--draft-vocab/--no-draft-vocab",
+    default=True,
+    show_default=True,
+    help="Guess only among the draft's vocabulary (its draft_vocab.json) where it has one; output is the same either way.",
+)
+@click.option(
+    "--draft-ngram/--no-draft-ngram",
+    default=True,
+    show_default=True,
+    help="Re-weight greedy guesses with the draft's n-gram prior (its draft_ngram.npz) where it has one; output is the same either way.",
+)
 @int8_draft_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @user_errors
-def generate(target, draft, no_draft, prompt, prompt_option, chat, max_new_tokens, block_size, temperature, top_p, top_k, seed, stop_strings, dtype, speculation,
-             lookup, draft_vocab, draft_ngram, int8_draft, as_json):
+def generate(
+    target,
+    draft,
+    no_draft,
+    prompt,
+    prompt_option,
+    chat,
+    max_new_tokens,
+    block_size,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    stop_strings,
+    dtype,
+    speculation,
+    lookup,
+    draft_vocab,
+    draft_ngram,
+    int8_draft,
+    as_json,
+):
     """Generate text from a prompt with DFlash speculative decoding on the embedded PyTorch backend."""
     prompt = the_prompt(prompt, prompt_option)
     from .config import SamplingParams
@@ -129,20 +185,45 @@ def generate(target, draft, no_draft, prompt, prompt_option, chat, max_new_token
     from .runtime import DFlashEngine
 
     sampling = SamplingParams(temperature, top_p, top_k, seed)
-    engine = DFlashEngine.load(target, draft, no_draft=no_draft, dtype=dtype, block_size=block_size, speculation=speculation,
-                               draft_vocab=draft_vocab, draft_ngram=draft_ngram, lookup=lookup, int8_draft=int8_draft,
-                               progress=lambda m: click.echo(m, err=True))
+    engine = DFlashEngine.load(
+        target,
+        draft,
+        no_draft=no_draft,
+        dtype=dtype,
+        block_size=block_size,
+        speculation=speculation,
+        draft_vocab=draft_vocab,
+        draft_ngram=draft_ngram,
+        lookup=lookup,
+        int8_draft=int8_draft,
+        progress=lambda m: click.echo(m, err=True),
+    )
     stats = GenerationStats()
     ids, text = [], []
-    for new_ids, delta in engine.stream(engine.encode(prompt, chat), max_new_tokens=max_new_tokens, sampling=sampling,
-                                        stop_strings=stop_strings, stats=stats):
+    for new_ids, delta in engine.stream(
+        engine.encode(prompt, chat),
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        stop_strings=stop_strings,
+        stats=stats,
+    ):
         ids.extend(new_ids)
         text.append(delta)
         if not as_json:
             click.echo(delta, nl=False)
     if as_json:
-        click.echo(json.dumps({"text": "".join(text), "token_ids": ids, "block_size": engine.block_size, "dtype": engine.dtype,
-                               "draft_weights": engine.draft_weights, **stats.to_dict()}))
+        click.echo(
+            json.dumps(
+                {
+                    "text": "".join(text),
+                    "token_ids": ids,
+                    "block_size": engine.block_size,
+                    "dtype": engine.dtype,
+                    "draft_weights": engine.draft_weights,
+                    **stats.to_dict(),
+                }
+            )
+        )
     else:
         click.echo()
         click.echo(
@@ -154,8 +235,12 @@ def generate(target, draft, no_draft, prompt, prompt_option, chat, max_new_token
 
 
 @main.command()
-@click.option("--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory.")
-@click.option("--draft", default=None, help="DFlash draft directory (z-lab format). Default: the target's packaged draft.")
+@click.option(
+    "--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory."
+)
+@click.option(
+    "--draft", default=None, help="DFlash draft directory (z-lab format). Default: the target's packaged draft."
+)
 @click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding (the baseline).")
 @click.option("--system", default=None, help="A system message the conversation starts with.")
 @click.option("--max-new-tokens", type=int, default=512, show_default=True, help="Longest answer a turn may get.")
@@ -165,7 +250,21 @@ def generate(target, draft, no_draft, prompt, prompt_option, chat, max_new_token
 @lookup_option
 @int8_draft_option
 @user_errors
-def chat(target, draft, no_draft, system, max_new_tokens, temperature, top_p, top_k, seed, dtype, speculation, lookup, int8_draft):
+def chat(
+    target,
+    draft,
+    no_draft,
+    system,
+    max_new_tokens,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    dtype,
+    speculation,
+    lookup,
+    int8_draft,
+):
     """Chat turn by turn on the embedded PyTorch backend, each answer streamed with its speed and acceptance.
 
     Reads one message a line from the terminal or from stdin; /reset starts a new conversation, /exit or Ctrl-D ends.
@@ -178,14 +277,26 @@ def chat(target, draft, no_draft, system, max_new_tokens, temperature, top_p, to
     if max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
     sampling = SamplingParams(temperature, top_p, top_k, seed)
-    engine = DFlashEngine.load(target, draft, no_draft=no_draft, dtype=dtype, speculation=speculation,
-                               lookup=lookup, int8_draft=int8_draft, progress=lambda m: click.echo(m, err=True))
+    engine = DFlashEngine.load(
+        target,
+        draft,
+        no_draft=no_draft,
+        dtype=dtype,
+        speculation=speculation,
+        lookup=lookup,
+        int8_draft=int8_draft,
+        progress=lambda m: click.echo(m, err=True),
+    )
     interactive = sys.stdin.isatty()
     if interactive:
         with contextlib.suppress(ImportError):  # line editing and history for input(), where Python has them
             importlib.import_module("readline")
-        click.echo(f"{target}, {engine.dtype}, " + ("no draft" if engine.draft is None else f"DFlash block {engine.block_size}")
-                   + ". One message a line; /reset starts over, /exit or Ctrl-D ends.", err=True)
+        click.echo(
+            f"{target}, {engine.dtype}, "
+            + ("no draft" if engine.draft is None else f"DFlash block {engine.block_size}")
+            + ". One message a line; /reset starts over, /exit or Ctrl-D ends.",
+            err=True,
+        )
     failed = 0  # turns refused (a message that cannot fit): said at once, the chat goes on, the exit code tells
     with Conversation(engine, system) as conversation:
         while True:
@@ -213,67 +324,172 @@ def chat(target, draft, no_draft, system, max_new_tokens, temperature, top_p, to
                 failed += 1
                 continue
             click.echo()
-            note = "" if conversation.dropped == dropped else f", the {conversation.dropped} oldest exchanges left out to fit the window"
-            click.echo(f"[{stats.num_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, acceptance length "
-                       f"{stats.acceptance_length:.2f}, first token {stats.time_to_first_token * 1000:.0f} ms, prompt "
-                       f"{stats.prompt_tokens} tokens of which {stats.cached_tokens} from the prefix cache{note}]", err=True)
+            note = (
+                ""
+                if conversation.dropped == dropped
+                else f", the {conversation.dropped} oldest exchanges left out to fit the window"
+            )
+            click.echo(
+                f"[{stats.num_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, acceptance length "
+                f"{stats.acceptance_length:.2f}, first token {stats.time_to_first_token * 1000:.0f} ms, prompt "
+                f"{stats.prompt_tokens} tokens of which {stats.cached_tokens} from the prefix cache{note}]",
+                err=True,
+            )
     if failed:
         sys.exit(2)
 
 
 @main.command()
-@click.option("--target", default="smollm2-135m", show_default=True,
-              help="Local Hugging Face directory, an embedded preset (smollm2-135m, ...) or a GPU preset (gpt-oss-120b, qwen3-8b, ...).")
+@click.option(
+    "--target",
+    default="smollm2-135m",
+    show_default=True,
+    help="Local Hugging Face directory, an embedded preset (smollm2-135m, ...) or a GPU preset (gpt-oss-120b, qwen3-8b, ...).",
+)
 @click.option("--draft", default=None, help="DFlash draft directory (z-lab format). Default: the preset's draft.")
 @click.option("--no-draft", is_flag=True, help="Build without a draft (plain autoregressive serving).")
-@click.option("--backend", default=None,
-              help="torch: embedded PyTorch runtime; trtllm: TensorRT-LLM on NVIDIA GPUs. Default: trtllm for a GPU preset or "
-                   "any of --gpu/--recipe/--tp>1/--ep/--quant, else torch.")
-@click.option("--gpu", default=None, help="GPU of the deployment (h100, h200, b200, b300, ...). Default: the preset's (trtllm).")
+@click.option(
+    "--backend",
+    default=None,
+    help="torch: embedded PyTorch runtime; trtllm: TensorRT-LLM on NVIDIA GPUs. Default: trtllm for a GPU preset or "
+    "any of --gpu/--recipe/--tp>1/--ep/--quant, else torch.",
+)
+@click.option(
+    "--gpu", default=None, help="GPU of the deployment (h100, h200, b200, b300, ...). Default: the preset's (trtllm)."
+)
 @click.option("--recipe", default=None, help="latency or throughput, where the preset has both (trtllm).")
 @click.option("--tp", type=int, default=None, help="Tensor-parallel size = GPUs (trtllm). Default: the recipe's.")
 @click.option("--ep", type=int, default=None, help="MoE expert-parallel size (trtllm). Default: the recipe's.")
 @click.option("--quant", default=None, help="none, fp8, nvfp4 or mxfp4 (trtllm). Default: the recipe's.")
-@click.option("--max-batch-size", type=int, default=None, help="Concurrent requests. Default: the recipe's (trtllm) or 8 (torch).")
-@click.option("--max-seq-len", type=int, default=None, help="Prompt + generated tokens per request. Default: the recipe's or the target's window.")
-@click.option("--block-size", type=int, default=None, help="Tokens per draft block (default: the draft's); the trtllm max_draft_len is this minus 1.")
-@click.option("--dtype", default="auto", show_default=True, help=DTYPE_HELP.replace("auto:", "auto, fp32 or bf16 (torch backend); auto:", 1))
+@click.option(
+    "--max-batch-size", type=int, default=None, help="Concurrent requests. Default: the recipe's (trtllm) or 8 (torch)."
+)
+@click.option(
+    "--max-seq-len",
+    type=int,
+    default=None,
+    help="Prompt + generated tokens per request. Default: the recipe's or the target's window.",
+)
+@click.option(
+    "--block-size",
+    type=int,
+    default=None,
+    help="Tokens per draft block (default: the draft's); the trtllm max_draft_len is this minus 1.",
+)
+@click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    help=DTYPE_HELP.replace("auto:", "auto, fp32 or bf16 (torch backend); auto:", 1),
+)
 @speculation_option
 @lookup_option
 @int8_draft_option
-@click.option("--prefix-cache-tokens", type=int, default=PREFIX_CACHE_TOKENS, show_default=True,
-              help="Prompt tokens whose K/V the server keeps for later prompts that start the same way (a conversation "
-                   "resent with each turn, a shared system prompt); 0 = off (torch backend).")
+@click.option(
+    "--prefix-cache-tokens",
+    type=int,
+    default=PREFIX_CACHE_TOKENS,
+    show_default=True,
+    help="Prompt tokens whose K/V the server keeps for later prompts that start the same way (a conversation "
+    "resent with each turn, a shared system prompt); 0 = off (torch backend).",
+)
 @click.option("--force", is_flag=True, help="Write a TensorRT-LLM plan even if its memory plan does not fit the GPUs.")
-@click.option("--draft-engine", is_flag=True, help="Also write the ONNX drafter (block attention as one TensorRT plugin node) and, "
-              "on a GPU host with TensorRT, build its engine.")
-@click.option("--trtllm-version", default=None,
-              help=f"TensorRT-LLM release whose LLM-API fields and validators the options must meet ({', '.join(TRTLLM_RELEASES)}). "
-                   f"Default: {DEFAULT_TRTLLM_RELEASE}, the release DEPLOY.md's container carries.")
-@click.option("--opt-in", multiple=True, type=click.Choice(list(OPT_INS)),
-              help="Take a recipe's choice that no upstream DFlash test covers (default: the tested one instead); repeatable.")
+@click.option(
+    "--draft-engine",
+    is_flag=True,
+    help="Also write the ONNX drafter (block attention as one TensorRT plugin node) and, "
+    "on a GPU host with TensorRT, build its engine.",
+)
+@click.option(
+    "--trtllm-version",
+    default=None,
+    help=f"TensorRT-LLM release whose LLM-API fields and validators the options must meet ({', '.join(TRTLLM_RELEASES)}). "
+    f"Default: {DEFAULT_TRTLLM_RELEASE}, the release DEPLOY.md's container carries.",
+)
+@click.option(
+    "--opt-in",
+    multiple=True,
+    type=click.Choice(list(OPT_INS)),
+    help="Take a recipe's choice that no upstream DFlash test covers (default: the tested one instead); repeatable.",
+)
 @click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
 @user_errors
-def build(target, draft, no_draft, backend, gpu, recipe, tp, ep, quant, max_batch_size, max_seq_len, block_size, dtype, speculation, lookup, int8_draft, prefix_cache_tokens, force, draft_engine, trtllm_version, opt_in, output, dry_run):
+def build(
+    target,
+    draft,
+    no_draft,
+    backend,
+    gpu,
+    recipe,
+    tp,
+    ep,
+    quant,
+    max_batch_size,
+    max_seq_len,
+    block_size,
+    dtype,
+    speculation,
+    lookup,
+    int8_draft,
+    prefix_cache_tokens,
+    force,
+    draft_engine,
+    trtllm_version,
+    opt_in,
+    output,
+    dry_run,
+):
     """Build a Triton model repository (plus checkpoints or GPU launch files, manifest.json) from a target and a DFlash draft."""
     from pathlib import Path
 
     from .build import BuildOptions, run_build
 
-    opts = BuildOptions(output=Path(output), target=target, draft=draft, no_draft=no_draft, backend=backend, gpu=gpu, recipe=recipe,
-                        tp=tp, ep=ep, quant=quant, max_batch_size=max_batch_size, max_seq_len=max_seq_len, block_size=block_size,
-                        dtype=dtype, speculation=speculation, lookup=lookup, int8_draft=int8_draft, prefix_cache_tokens=prefix_cache_tokens,
-                        force=force, draft_engine=draft_engine, trtllm_version=trtllm_version, opt_in=tuple(opt_in))
+    opts = BuildOptions(
+        output=Path(output),
+        target=target,
+        draft=draft,
+        no_draft=no_draft,
+        backend=backend,
+        gpu=gpu,
+        recipe=recipe,
+        tp=tp,
+        ep=ep,
+        quant=quant,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        block_size=block_size,
+        dtype=dtype,
+        speculation=speculation,
+        lookup=lookup,
+        int8_draft=int8_draft,
+        prefix_cache_tokens=prefix_cache_tokens,
+        force=force,
+        draft_engine=draft_engine,
+        trtllm_version=trtllm_version,
+        opt_in=tuple(opt_in),
+    )
     run_build(opts, progress=lambda m: click.echo(m, err=True), dry_run=dry_run)
 
 
 @main.command("gpu-check")
-@click.option("--output", default="gpu-check", show_default=True, type=click.Path(path_type=str),
-              help="Folder for the deployments, their server logs and gpu-check.json.")
-@click.option("--engine", default="trtllm", show_default=True, type=click.Choice(["trtllm", "embedded"]),
-              help="trtllm: TensorRT-LLM on this host's GPU; embedded: our CPU engine behind the LLM API (no GPU).")
-@click.option("--target", default=None, help="A preset or a local checkpoint. Default: the preset that fits this host's GPU.")
+@click.option(
+    "--output",
+    default="gpu-check",
+    show_default=True,
+    type=click.Path(path_type=str),
+    help="Folder for the deployments, their server logs and gpu-check.json.",
+)
+@click.option(
+    "--engine",
+    default="trtllm",
+    show_default=True,
+    type=click.Choice(["trtllm", "embedded"]),
+    help="trtllm: TensorRT-LLM on this host's GPU; embedded: our CPU engine behind the LLM API (no GPU).",
+)
+@click.option(
+    "--target", default=None, help="A preset or a local checkpoint. Default: the preset that fits this host's GPU."
+)
 @click.option("--draft", default=None, help="DFlash draft directory or name. Default: the preset's.")
 @click.option("--gpu", default=None, help="The recipe's GPU. Default: this host's.")
 @click.option("--max-tokens", type=int, default=96, show_default=True, help="Tokens per checked answer.")
@@ -284,8 +500,10 @@ def gpu_check(output, engine, target, draft, gpu, max_tokens):
 
     from .build.gpu_check import CheckOptions, run_check, table
 
-    rows = run_check(CheckOptions(Path(output), engine=engine, target=target, draft=draft, gpu=gpu, max_tokens=max_tokens),
-                     progress=lambda m: click.echo(m, err=True))
+    rows = run_check(
+        CheckOptions(Path(output), engine=engine, target=target, draft=draft, gpu=gpu, max_tokens=max_tokens),
+        progress=lambda m: click.echo(m, err=True),
+    )
     click.echo(table(rows))
     click.echo(f"Saved {Path(output) / 'gpu-check.json'}.")
     sys.exit(0 if all(r.passed for r in rows) else 1)
@@ -293,11 +511,19 @@ def gpu_check(output, engine, target, draft, gpu, max_tokens):
 
 @main.command()
 @click.argument("build_dir", type=click.Path(path_type=str))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told otherwise).")
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told otherwise)."
+)
 @click.option("--grpc-port", type=int, default=8001, show_default=True, help="0 = pick a free port.")
 @click.option("--http-port", type=int, default=8000, show_default=True)
 @click.option("--metrics-port", type=int, default=8002, show_default=True)
-@click.option("--openai-port", type=int, default=8003, show_default=True, help="OpenAI-compatible API (/v1/completions, /v1/chat/completions).")
+@click.option(
+    "--openai-port",
+    type=int,
+    default=8003,
+    show_default=True,
+    help="OpenAI-compatible API (/v1/completions, /v1/chat/completions).",
+)
 @click.option("--no-openai", is_flag=True, help="Serve Triton's endpoints only.")
 @user_errors
 def serve(build_dir, host, grpc_port, http_port, metrics_port, openai_port, no_openai):
@@ -333,29 +559,61 @@ def _stream_completion(url, prompt, max_tokens, stream, sampling, stop_words, as
 @click.option("--stream/--no-stream", default=True, show_default=True, help="One response per step, or one at the end.")
 @sampling_options
 @click.option("--stop", "stop_words", multiple=True, help="Stop string (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token count, acceptance length, TTFT, tokens/s.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object: text, token count, acceptance length, TTFT, tokens/s.",
+)
 @user_errors
 def client(url, prompt, prompt_option, max_tokens, stream, temperature, top_p, top_k, seed, stop_words, as_json):
     """Send one prompt to a running server over gRPC (tritonclient) and print the text as it arrives."""
     prompt = the_prompt(prompt, prompt_option)
     from .config import SamplingParams
 
-    _stream_completion(url, prompt, max_tokens, stream, SamplingParams(temperature, top_p, top_k, seed), stop_words, as_json)
+    _stream_completion(
+        url, prompt, max_tokens, stream, SamplingParams(temperature, top_p, top_k, seed), stop_words, as_json
+    )
 
 
 @main.command()
-@click.option("--url", "urls", multiple=True, default=["127.0.0.1:8001"], show_default=True,
-              help="Triton's gRPC endpoint (HOST:PORT), or an OpenAI-compatible server's (http://HOST:PORT: vLLM, SGLang, "
-                   "trtllm-serve, ours); repeat it to load several in turn (NAME=URL names one in the table).")
-@click.option("--concurrency", default="1,2,4,8", show_default=True, help="Closed-loop clients per level, comma-separated.")
-@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=str), default=None,
-              help="One prompt per line, or JSON lines with a \"prompt\" field. Default: held-out GSM8K questions alternating "
-                   "with everyday questions.")
+@click.option(
+    "--url",
+    "urls",
+    multiple=True,
+    default=["127.0.0.1:8001"],
+    show_default=True,
+    help="Triton's gRPC endpoint (HOST:PORT), or an OpenAI-compatible server's (http://HOST:PORT: vLLM, SGLang, "
+    "trtllm-serve, ours); repeat it to load several in turn (NAME=URL names one in the table).",
+)
+@click.option(
+    "--concurrency", default="1,2,4,8", show_default=True, help="Closed-loop clients per level, comma-separated."
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help='One prompt per line, or JSON lines with a "prompt" field. Default: held-out GSM8K questions alternating '
+    "with everyday questions.",
+)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--requests", type=click.IntRange(min=0), default=0, help="Requests per level (default: four per client, at least 8).")
-@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Runs of every level on every server, the order turning; each figure is the median round's.")
-@click.option("--output", default=None, help="Write the results here as JSON, and the throughput-latency plot beside it (.png).")
+@click.option(
+    "--requests",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Requests per level (default: four per client, at least 8).",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Runs of every level on every server, the order turning; each figure is the median round's.",
+)
+@click.option(
+    "--output", default=None, help="Write the results here as JSON, and the throughput-latency plot beside it (.png)."
+)
 @user_errors
 def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output):
     """Load running servers with closed-loop streaming clients (each sends its next request when its last one ends):
@@ -365,46 +623,86 @@ def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output)
     try:
         levels = [int(c) for c in concurrency.split(",")]
     except ValueError:
-        raise click.BadParameter(f"give numbers of clients separated by commas, such as 1,4,16; got {concurrency!r}.",
-                                 param_hint="--concurrency") from None
-    report = run_bench(urls, levels, prompts_file=prompts_file, max_tokens=max_tokens, requests=requests, rounds=rounds,
-                       output=output, progress=lambda m: click.echo(m, err=True))
+        raise click.BadParameter(
+            f"give numbers of clients separated by commas, such as 1,4,16; got {concurrency!r}.",
+            param_hint="--concurrency",
+        ) from None
+    report = run_bench(
+        urls,
+        levels,
+        prompts_file=prompts_file,
+        max_tokens=max_tokens,
+        requests=requests,
+        rounds=rounds,
+        output=output,
+        progress=lambda m: click.echo(m, err=True),
+    )
     click.echo(report["table"])
 
 
 @main.command()
-@click.option("--output", default=None, help="Build directory (default: <cache>/quickstart); rebuilt only when inputs change. "
-                                             "The comparison build goes beside it, in OUTPUT-no-draft.")
+@click.option(
+    "--output",
+    default=None,
+    help="Build directory (default: <cache>/quickstart); rebuilt only when inputs change. "
+    "The comparison build goes beside it, in OUTPUT-no-draft.",
+)
 @click.option("--draft", default=None, help="DFlash draft directory. Default: the packaged SmolLM2-135M draft.")
 @click.option("--prompt", default=None, help="The prompt streamed first. Default: the comparison's first code prompt.")
 @click.option("--max-tokens", type=int, default=96, show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
-@click.option("--compare/--no-compare", default=True, show_default=True,
-              help="Time DFlash against the same build without a draft on three chat, three math and three code prompts.")
-@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Runs of each prompt on each server (interleaved, the order alternating); the table pools them.")
+@click.option(
+    "--compare/--no-compare",
+    default=True,
+    show_default=True,
+    help="Time DFlash against the same build without a draft on three chat, three math and three code prompts.",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Runs of each prompt on each server (interleaved, the order alternating); the table pools them.",
+)
 @user_errors
 def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
     """Build the embedded default (SmolLM2-135M + draft, torch backend), start Triton, stream one completion over gRPC,
     then show DFlash's speed-up over the same server without a draft."""
     from .quickstart import comparison_table, run_quickstart
 
-    result = run_quickstart(output, draft, prompt, max_tokens, dtype, compare, say=lambda m: click.echo(m, err=True),
-                            on_text=lambda piece: click.echo(piece, nl=False), rounds=rounds)
+    result = run_quickstart(
+        output,
+        draft,
+        prompt,
+        max_tokens,
+        dtype,
+        compare,
+        say=lambda m: click.echo(m, err=True),
+        on_text=lambda piece: click.echo(piece, nl=False),
+        rounds=rounds,
+    )
     if result.rows:
         click.echo("\n" + comparison_table(result))
 
 
 @main.command("train-draft")
-@click.option("--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory (frozen).")
+@click.option(
+    "--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory (frozen)."
+)
 @click.option("--output", required=True, help="Run directory (data, checkpoints); the draft lands in OUTPUT/draft.")
-@click.option("--data", "data", multiple=True, default=("gsm8k", "code"), show_default=True,
-              help="Prompt source the target answers (repeatable): gsm8k (train split minus our 200 held-out), "
-                   "gsm8k-var (those questions with other numbers), code (library functions: signature + summary), "
-                   "docstring (library functions with doctest examples, HumanEval-shaped), "
-                   "magpie (chat questions SmolLM2 wrote itself, packaged with its greedy answers), "
-                   "instruct (writing, role-play, reasoning and explaining tasks: templates over the magpie topics); "
-                   "SOURCE:N takes the source's first N prompts.")
+@click.option(
+    "--data",
+    "data",
+    multiple=True,
+    default=("gsm8k", "code"),
+    show_default=True,
+    help="Prompt source the target answers (repeatable): gsm8k (train split minus our 200 held-out), "
+    "gsm8k-var (those questions with other numbers), code (library functions: signature + summary), "
+    "docstring (library functions with doctest examples, HumanEval-shaped), "
+    "magpie (chat questions SmolLM2 wrote itself, packaged with its greedy answers), "
+    "instruct (writing, role-play, reasoning and explaining tasks: templates over the magpie topics); "
+    "SOURCE:N takes the source's first N prompts.",
+)
 @click.option("--num-samples", type=int, default=None, help="At most this many prompts answered (default: all).")
 @click.option("--data-minutes", type=float, default=None, help="Time budget of the data phase (default: none).")
 @click.option("--gen-max-new-tokens", type=int, default=192, show_default=True)
@@ -414,54 +712,146 @@ def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
 @click.option("--steps", type=int, default=None, help="Optimiser steps (overrides --epochs).")
 @click.option("--epochs", type=float, default=1.0, show_default=True)
 @click.option("--lr", type=float, default=6e-4, show_default=True)
-@click.option("--loss", type=click.Choice(DRAFT_LOSSES), default="decay", show_default=True,
-              help="Slot weights of the CE: a fixed exp(-(k-1)/gamma) decay, or D-PACE's dynamic weights from the draft's own "
-                   "confidence (a slot after an uncertain one counts less).")
-@click.option("--kd", type=float, default=0.0, show_default=True,
-              help="Share of the target's own distribution in each slot's label, 0 to 1 (knowledge distillation; the data "
-                   "phase then also keeps the target's last layer, 576 more bf16 values a token for SmolLM2).")
-@click.option("--short-blocks", type=float, default=0.0, show_default=True,
-              help="Share of training blocks cut to a random width below --block-size, 0 to 1, so the draft also guesses "
-                   "from a block of only the slots a short verify needs (3 instead of 8 for a 2-token block; the runtime "
-                   "still drafts whole blocks).")
+@click.option(
+    "--loss",
+    type=click.Choice(DRAFT_LOSSES),
+    default="decay",
+    show_default=True,
+    help="Slot weights of the CE: a fixed exp(-(k-1)/gamma) decay, or D-PACE's dynamic weights from the draft's own "
+    "confidence (a slot after an uncertain one counts less).",
+)
+@click.option(
+    "--kd",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Share of the target's own distribution in each slot's label, 0 to 1 (knowledge distillation; the data "
+    "phase then also keeps the target's last layer, 576 more bf16 values a token for SmolLM2).",
+)
+@click.option(
+    "--short-blocks",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Share of training blocks cut to a random width below --block-size, 0 to 1, so the draft also guesses "
+    "from a block of only the slots a short verify needs (3 instead of 8 for a 2-token block; the runtime "
+    "still drafts whole blocks).",
+)
 @click.option("--max-seq-len", type=int, default=1024, show_default=True)
 @click.option("--anchors-per-seq", type=int, default=64, show_default=True)
 @click.option("--seqs-per-step", type=int, default=4, show_default=True)
 @click.option("--eval-every", type=int, default=100, show_default=True, help="Steps between held-out evaluations.")
 @click.option("--mask-token-id", type=int, default=None, help="Embedding row used as MASK (default: first unused row).")
-@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True,
-              help="Data generation and training. auto: each the faster on this CPU (the data in bf16 wherever our bf16 "
-                   "kernels run; training in bf16 autocast only on CPUs with bf16 arithmetic, else fp32).")
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPE_CHOICES),
+    default="auto",
+    show_default=True,
+    help="Data generation and training. auto: each the faster on this CPU (the data in bf16 wherever our bf16 "
+    "kernels run; training in bf16 autocast only on CPUs with bf16 arithmetic, else fp32).",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--init-from", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Start from this draft's weights, e.g. to continue on more data. Same block size and target layers; "
-                   "with fewer layers than --num-layers it grows (new layers start as the identity).")
+@click.option(
+    "--init-from",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Start from this draft's weights, e.g. to continue on more data. Same block size and target layers; "
+    "with fewer layers than --num-layers it grows (new layers start as the identity).",
+)
 @click.option("--resume", is_flag=True, help="Continue the run in --output from its last checkpoint.")
 @user_errors
-def train_draft(target, output, data, num_samples, data_minutes, gen_max_new_tokens, gen_batch_size, num_layers, block_size, steps,
-                epochs, lr, loss, kd, short_blocks, max_seq_len, anchors_per_seq, seqs_per_step, eval_every, mask_token_id, dtype, seed,
-                init_from, resume):
+def train_draft(
+    target,
+    output,
+    data,
+    num_samples,
+    data_minutes,
+    gen_max_new_tokens,
+    gen_batch_size,
+    num_layers,
+    block_size,
+    steps,
+    epochs,
+    lr,
+    loss,
+    kd,
+    short_blocks,
+    max_seq_len,
+    anchors_per_seq,
+    seqs_per_step,
+    eval_every,
+    mask_token_id,
+    dtype,
+    seed,
+    init_from,
+    resume,
+):
     """Train a DFlash draft for a target on its own greedy answers (CPU is fine for small targets)."""
     from .train.trainer import train_draft as run
 
-    run(target, output, data=data, num_samples=num_samples, data_minutes=data_minutes, gen_max_new_tokens=gen_max_new_tokens,
-        gen_batch_size=gen_batch_size, mask_token_id=mask_token_id, resume=resume, command="trtdflash " + " ".join(sys.argv[1:]),
-        log=lambda m: click.echo(m, err=True), num_layers=num_layers, block_size=block_size, steps=steps, epochs=epochs, lr=lr, loss=loss, kd=kd,
-        short_blocks=short_blocks, max_seq_len=max_seq_len, anchors_per_seq=anchors_per_seq, seqs_per_step=seqs_per_step, eval_every=eval_every, dtype=dtype, seed=seed, init_from=init_from)
+    run(
+        target,
+        output,
+        data=data,
+        num_samples=num_samples,
+        data_minutes=data_minutes,
+        gen_max_new_tokens=gen_max_new_tokens,
+        gen_batch_size=gen_batch_size,
+        mask_token_id=mask_token_id,
+        resume=resume,
+        command="trtdflash " + " ".join(sys.argv[1:]),
+        log=lambda m: click.echo(m, err=True),
+        num_layers=num_layers,
+        block_size=block_size,
+        steps=steps,
+        epochs=epochs,
+        lr=lr,
+        loss=loss,
+        kd=kd,
+        short_blocks=short_blocks,
+        max_seq_len=max_seq_len,
+        anchors_per_seq=anchors_per_seq,
+        seqs_per_step=seqs_per_step,
+        eval_every=eval_every,
+        dtype=dtype,
+        seed=seed,
+        init_from=init_from,
+    )
 
 
 @main.command("draft-vocab")
-@click.option("--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory.")
-@click.option("--output", required=True, type=click.Path(path_type=str), help="The draft's directory (writes draft_vocab.json there) or a file path.")
-@click.option("--size", type=click.IntRange(min=1), default=16384, show_default=True, help="Tokens the draft may guess.")
-@click.option("--data", "data", multiple=True, default=("gsm8k", "code", "magpie"), show_default=True,
-              help="Prompt sources whose greedy answers are counted (repeatable; as train-draft's --data).")
-@click.option("--prompts", "per_source", type=click.IntRange(min=1), default=256, show_default=True, help="Prompts per source.")
+@click.option(
+    "--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory."
+)
+@click.option(
+    "--output",
+    required=True,
+    type=click.Path(path_type=str),
+    help="The draft's directory (writes draft_vocab.json there) or a file path.",
+)
+@click.option(
+    "--size", type=click.IntRange(min=1), default=16384, show_default=True, help="Tokens the draft may guess."
+)
+@click.option(
+    "--data",
+    "data",
+    multiple=True,
+    default=("gsm8k", "code", "magpie"),
+    show_default=True,
+    help="Prompt sources whose greedy answers are counted (repeatable; as train-draft's --data).",
+)
+@click.option(
+    "--prompts", "per_source", type=click.IntRange(min=1), default=256, show_default=True, help="Prompts per source."
+)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True)
-@click.option("--ngram/--no-ngram", default=True, show_default=True,
-              help="Also count the answers' n-grams into draft_ngram.npz beside it (the n-gram prior on greedy guesses).")
+@click.option(
+    "--ngram/--no-ngram",
+    default=True,
+    show_default=True,
+    help="Also count the answers' n-grams into draft_ngram.npz beside it (the n-gram prior on greedy guesses).",
+)
 @user_errors
 def draft_vocab(target, output, size, data, per_source, max_new_tokens, batch_size, dtype, ngram):
     """Write a draft vocabulary: the draft then guesses only among the SIZE tokens the target writes most (a smaller
@@ -469,26 +859,52 @@ def draft_vocab(target, output, size, data, per_source, max_new_tokens, batch_si
     guesses are re-weighted with."""
     from .models.draft_vocab import build_draft_vocab
 
-    stats = build_draft_vocab(target, output, sources=tuple(data), size=size, per_source=per_source, max_new_tokens=max_new_tokens,
-                              batch_size=batch_size, dtype=dtype, ngram=ngram, progress=lambda m: click.echo(m, err=True))
-    click.echo(f"wrote {stats['path']}: {stats['size']} tokens, covering {stats['coverage']:.2%} of {stats['answer_tokens']} answer tokens")
+    stats = build_draft_vocab(
+        target,
+        output,
+        sources=tuple(data),
+        size=size,
+        per_source=per_source,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        dtype=dtype,
+        ngram=ngram,
+        progress=lambda m: click.echo(m, err=True),
+    )
+    click.echo(
+        f"wrote {stats['path']}: {stats['size']} tokens, covering {stats['coverage']:.2%} of {stats['answer_tokens']} answer tokens"
+    )
     if ngram:
         n = stats["ngram"]
         click.echo(f"wrote {n['path']}: {sum(n['entries'].values())} n-grams of {n['answer_tokens']} answer tokens")
 
 
 @main.command()
-@click.option("--model", required=True, help="Preset name, local Hugging Face target directory, or DFlash draft directory.")
-@click.option("--role", type=click.Choice(["target", "draft"]), default=None, help="Default: draft if the directory is a DFlashDraftModel, else target.")
+@click.option(
+    "--model", required=True, help="Preset name, local Hugging Face target directory, or DFlash draft directory."
+)
+@click.option(
+    "--role",
+    type=click.Choice(["target", "draft"]),
+    default=None,
+    help="Default: draft if the directory is a DFlashDraftModel, else target.",
+)
 @click.option("--quant", required=True, help="fp8, nvfp4, mxfp4 or w4a8_mxfp4_fp8.")
 @click.option("--kv-cache-quant", default="none", show_default=True, help="none or fp8 (targets).")
 @click.option("--calib-data", default="gsm8k", show_default=True, help="gsm8k, code, chat, or a .txt/.jsonl file.")
 @click.option("--calib-samples", type=int, default=64, show_default=True)
-@click.option("--exclude", multiple=True, help="Keep Linear modules matching this pattern high precision (repeatable, fnmatch).")
-@click.option("--target", default=None, help="A draft's target for calibration (default: the one in its training.json).")
+@click.option(
+    "--exclude", multiple=True, help="Keep Linear modules matching this pattern high precision (repeatable, fnmatch)."
+)
+@click.option(
+    "--target", default=None, help="A draft's target for calibration (default: the one in its training.json)."
+)
 @click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
-@click.option("--offload/--no-offload", default=None,
-              help="Target layer by layer from disk (same output, a fraction of the memory). Default: when the fp32 model would not fit in RAM.")
+@click.option(
+    "--offload/--no-offload",
+    default=None,
+    help="Target layer by layer from disk (same output, a fraction of the memory). Default: when the fp32 model would not fit in RAM.",
+)
 @user_errors
 def convert(model, role, quant, kv_cache_quant, calib_data, calib_samples, exclude, target, output, offload):
     """Quantize a target or a DFlash draft with NVIDIA Model Optimizer into a TensorRT-LLM-loadable checkpoint."""
@@ -497,10 +913,21 @@ def convert(model, role, quant, kv_cache_quant, calib_data, calib_samples, exclu
 
     from .convert import ConvertOptions, convert_checkpoint
 
-    opts = ConvertOptions(model=model, role=role, quant=quant, kv_cache_quant=kv_cache_quant, calib_data=calib_data,
-                          calib_samples=calib_samples, exclude=exclude, target=target, output=output, offload=offload)
-    convert_checkpoint(opts, progress=lambda m: click.echo(m, err=True),
-                       track=lambda it, desc: tqdm(it, desc=desc, file=sys.stderr))
+    opts = ConvertOptions(
+        model=model,
+        role=role,
+        quant=quant,
+        kv_cache_quant=kv_cache_quant,
+        calib_data=calib_data,
+        calib_samples=calib_samples,
+        exclude=exclude,
+        target=target,
+        output=output,
+        offload=offload,
+    )
+    convert_checkpoint(
+        opts, progress=lambda m: click.echo(m, err=True), track=lambda it, desc: tqdm(it, desc=desc, file=sys.stderr)
+    )
 
 
 if __name__ == "__main__":

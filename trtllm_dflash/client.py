@@ -11,8 +11,8 @@ from __future__ import annotations
 import queue
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -79,19 +79,27 @@ class Completion:
         return self.num_tokens / self.wall_time if self.wall_time > 0 else 0.0
 
     def summary(self) -> str:
-        return (f"[{self.num_tokens} tokens, {self.tokens_per_second:.1f} tok/s, time to first token {self.time_to_first_token * 1000:.0f} ms, "
-                f"acceptance length {self.acceptance_length:.2f} ({self.accepted_tokens}/{self.drafted_tokens} drafts accepted"
-                f"{', estimated' if self.draft_counts_estimated else ''}), "
-                f"finish {self.finish_reason or '?'}]")
+        return (
+            f"[{self.num_tokens} tokens, {self.tokens_per_second:.1f} tok/s, time to first token {self.time_to_first_token * 1000:.0f} ms, "
+            f"acceptance length {self.acceptance_length:.2f} ({self.accepted_tokens}/{self.drafted_tokens} drafts accepted"
+            f"{', estimated' if self.draft_counts_estimated else ''}), "
+            f"finish {self.finish_reason or '?'}]"
+        )
 
     def to_dict(self) -> dict:
         return {
-            "text": self.text, "num_tokens": self.num_tokens, "acceptance_length": round(self.acceptance_length, 4),
-            "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
-            "draft_counts_estimated": self.draft_counts_estimated, "cached_tokens": self.cached_tokens,
+            "text": self.text,
+            "num_tokens": self.num_tokens,
+            "acceptance_length": round(self.acceptance_length, 4),
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "draft_counts_estimated": self.draft_counts_estimated,
+            "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
-            "time_to_first_token": round(self.time_to_first_token, 4), "wall_time": round(self.wall_time, 4),
-            "tokens_per_second": round(self.tokens_per_second, 3), "responses": len(self.pieces),
+            "time_to_first_token": round(self.time_to_first_token, 4),
+            "wall_time": round(self.wall_time, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "responses": len(self.pieces),
         }
 
 
@@ -122,10 +130,14 @@ class EnsembleStream:
             try:
                 self.client.is_server_live()
             except InferenceServerException:
-                raise DFlashError(f"Cannot reach Triton at {url}; start it with `trtdflash serve BUILD_DIR` or pass the right --url.") from None
+                raise DFlashError(
+                    f"Cannot reach Triton at {url}; start it with `trtdflash serve BUILD_DIR` or pass the right --url."
+                ) from None
             self.client.start_stream(callback=on_response)
             self.t0 = time.perf_counter()
-            self.client.async_stream_infer(request.model, request.inputs(), request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+            self.client.async_stream_infer(
+                request.model, request.inputs(), request_id=uuid.uuid4().hex, enable_empty_final_response=True
+            )
         except InferenceServerException as e:
             self.close()
             raise DFlashError(f"Cannot talk to Triton at {url}: {e.message()}") from None
@@ -169,7 +181,9 @@ class EnsembleStream:
             self.client.close()
 
 
-def complete(url: str, request: CompletionRequest, on_text: Callable[[str], None] | None = None, timeout: float = 600.0) -> Completion:
+def complete(
+    url: str, request: CompletionRequest, on_text: Callable[[str], None] | None = None, timeout: float = 600.0
+) -> Completion:
     """Send one request over the gRPC stream; call on_text with each piece of text as it arrives."""
     responses: queue.Queue = queue.Queue()
     stream = EnsembleStream(url, request, lambda result, error: responses.put((result, error)))

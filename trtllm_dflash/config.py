@@ -11,7 +11,10 @@ from .errors import DFlashError
 
 DTYPE_CHOICES = ("auto", "fp32", "bf16")  # embedded backend; auto: the faster on this CPU (cpu.fastest_dtype)
 DRAFT_LOSSES = ("decay", "dpace")  # train-draft slot weights: a fixed exp(-(k-1)/gamma), or D-PACE's dynamic ones
-SPECULATION = ("adaptive", "fixed")  # block length per step from measured costs and acceptance, or always the full block
+SPECULATION = (
+    "adaptive",
+    "fixed",
+)  # block length per step from measured costs and acceptance, or always the full block
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 
@@ -80,8 +83,16 @@ class DraftConfig:
         return float(self.extra.get("dflash_config", {}).get("short_blocks") or 0.0)
 
     @classmethod
-    def for_target(cls, text_config, *, vocab_rows: int, num_layers: int = 2, block_size: int = 16,
-                   mask_token_id: int, target_layer_ids: list[int] | None = None) -> "DraftConfig":
+    def for_target(
+        cls,
+        text_config,
+        *,
+        vocab_rows: int,
+        num_layers: int = 2,
+        block_size: int = 16,
+        mask_token_id: int,
+        target_layer_ids: list[int] | None = None,
+    ) -> DraftConfig:
         """A fresh draft shaped after the target's own layers (width, heads, RoPE), as z-lab drafts are."""
         n_target = text_config.num_hidden_layers
         rope = {"rope_type": "default", **rope_of(text_config)}
@@ -90,7 +101,8 @@ class DraftConfig:
             num_hidden_layers=num_layers,
             num_attention_heads=text_config.num_attention_heads,
             num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads,
-            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads,
+            head_dim=getattr(text_config, "head_dim", None)
+            or text_config.hidden_size // text_config.num_attention_heads,
             intermediate_size=text_config.intermediate_size,
             vocab_size=vocab_rows,
             block_size=block_size,
@@ -103,37 +115,66 @@ class DraftConfig:
         )
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "DraftConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> DraftConfig:
         from transformers import Qwen3Config
 
         raw = dict(raw)
         dflash = dict(raw.get("dflash_config") or {})
         if "mask_token_id" not in dflash:
-            raise DFlashError("The draft's config.json has no dflash_config.mask_token_id; it is not a DFlash draft checkpoint.")
+            raise DFlashError(
+                "The draft's config.json has no dflash_config.mask_token_id; it is not a DFlash draft checkpoint."
+            )
         short = dflash.get("short_blocks")
-        if short is not None and (isinstance(short, bool) or not isinstance(short, (int, float)) or not 0 <= short <= 1):
-            raise DFlashError(f"The draft's config.json sets dflash_config.short_blocks to {json.dumps(short)[:40]}, not a share "
-                              "from 0 to 1 (train-draft --short-blocks).")
+        if short is not None and (
+            isinstance(short, bool) or not isinstance(short, (int, float)) or not 0 <= short <= 1
+        ):
+            raise DFlashError(
+                f"The draft's config.json sets dflash_config.short_blocks to {json.dumps(short)[:40]}, not a share "
+                "from 0 to 1 (train-draft --short-blocks)."
+            )
         in_dflash = "block_size" in dflash
         block_size = dflash.get("block_size", raw.get("block_size"))
         if block_size is None:
             raise DFlashError("The draft's config.json has no block_size (top level or in dflash_config).")
         # Qwen3Config normalises legacy rope_theta/rope_scaling into rope_parameters.
-        std = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("dflash_config", "architectures", "auto_map", "model_type")})
+        std = Qwen3Config(
+            **{k: v for k, v in raw.items() if k not in ("dflash_config", "architectures", "auto_map", "model_type")}
+        )
         n_layers = std.num_hidden_layers
         layer_ids = dflash.get("target_layer_ids")
         if layer_ids is None:
             if raw.get("num_target_layers") is None:
-                raise DFlashError("The draft's config.json has neither dflash_config.target_layer_ids nor num_target_layers.")
+                raise DFlashError(
+                    "The draft's config.json has neither dflash_config.target_layer_ids nor num_target_layers."
+                )
             layer_ids = build_target_layer_ids(int(raw["num_target_layers"]), n_layers)
         known = {
-            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "intermediate_size", "vocab_size", "block_size", "dflash_config", "num_target_layers", "rms_norm_eps",
-            "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "attention_bias",
-            "layer_types", "sliding_window", "is_causal", "architectures", "model_type",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "block_size",
+            "dflash_config",
+            "num_target_layers",
+            "rms_norm_eps",
+            "rope_theta",
+            "rope_scaling",
+            "rope_parameters",
+            "max_position_embeddings",
+            "attention_bias",
+            "layer_types",
+            "sliding_window",
+            "is_causal",
+            "architectures",
+            "model_type",
         }
         extra = {k: v for k, v in raw.items() if k not in known}
-        extra["dflash_config"] = {k: v for k, v in dflash.items() if k not in ("mask_token_id", "target_layer_ids", "block_size")}
+        extra["dflash_config"] = {
+            k: v for k, v in dflash.items() if k not in ("mask_token_id", "target_layer_ids", "block_size")
+        }
         head_dim = raw.get("head_dim") or std.hidden_size // std.num_attention_heads
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         return cls(
@@ -160,9 +201,11 @@ class DraftConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        rope_scaling = None if self.rope_parameters.get("rope_type", "default") == "default" else {
-            k: v for k, v in self.rope_parameters.items() if k != "rope_theta"
-        }
+        rope_scaling = (
+            None
+            if self.rope_parameters.get("rope_type", "default") == "default"
+            else {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
+        )
         dflash = dict(self.extra.get("dflash_config", {}))
         dflash.update(mask_token_id=self.mask_token_id, target_layer_ids=list(self.target_layer_ids))
         out = {k: v for k, v in self.extra.items() if k != "dflash_config"}

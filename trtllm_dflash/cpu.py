@@ -52,12 +52,20 @@ def machine_info() -> dict:
 
     from .models import bf16_gemm
 
-    return {"cpu": cpu_model(), "isa": isa_summary(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": None,
-            "openmp": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
-            # where set, torch and our kernels ran as on a CPU with less (bf16_gemm.variant): "bf16_kernel" names the one
-            "isa_limits": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ},
-            "bf16_kernel": bf16_gemm.variant(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    return {
+        "cpu": cpu_model(),
+        "isa": isa_summary(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": None,
+        "openmp": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
+        # where set, torch and our kernels ran as on a CPU with less (bf16_gemm.variant): "bf16_kernel" names the one
+        "isa_limits": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ},
+        "bf16_kernel": bf16_gemm.variant(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
 
 
 @functools.cache

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 import triton_python_backend_utils as pb_utils
 
@@ -58,7 +58,9 @@ class EngineModel:
     def _serve(self, request, sender):
         steps, key, slot, times = None, uuid.uuid4().hex, False, protocol.RequestTimes()
         try:
-            job = protocol.parse_request(lambda name: _array(request, name), max_seq_len=self.max_seq_len, vocab_rows=self.vocab_rows)
+            job = protocol.parse_request(
+                lambda name: _array(request, name), max_seq_len=self.max_seq_len, vocab_rows=self.vocab_rows
+            )
             gone = lambda: sender.is_cancelled() or cancel.is_cancelled(key) or self.stopping.is_set()  # noqa: E731
             while not self.slots.acquire(timeout=0.2):  # all slots busy: queue, but notice a client that left
                 if gone():
@@ -91,7 +93,10 @@ class EngineModel:
         except Exception as e:  # a bug or a lost client: report it, keep serving others
             pb_utils.Logger.log_error(f"{self.name}: request failed: {type(e).__name__}: {e}")
             with contextlib.suppress(Exception):
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {type(e).__name__}: {e}")), flags=FINAL)
+                sender.send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {type(e).__name__}: {e}")),
+                    flags=FINAL,
+                )
         finally:
             cancel.clear(key)
             if steps is not None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import bisect
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -85,8 +85,15 @@ def _generator(seed: int | None) -> torch.Generator:
 class Request:
     """One generation: its inputs, its place in the sequence and what it has committed."""
 
-    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 stop_token_ids: frozenset[int] = frozenset(), min_tokens: int = 0, stats: GenerationStats | None = None):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams = SamplingParams(),
+        stop_token_ids: frozenset[int] = frozenset(),
+        min_tokens: int = 0,
+        stats: GenerationStats | None = None,
+    ):
         self.prompt_ids, self.sampling, self.min_tokens = list(prompt_ids), sampling, min_tokens
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids, self.stop_list = stop_token_ids, sorted(stop_token_ids)
@@ -100,7 +107,9 @@ class Request:
         self.chunk_ends: list[int] = []  # where its canonical prefill chunks end, and their prefix-cache keys
         self.chunk_keys: list[bytes] = []
         self.history: NgramIndex | None = None  # prompt and committed tokens, where the batch looks guesses up
-        self.counts: RequestCounts | None = None  # prompt and committed tokens' n-grams, where the draft's prior reads them
+        self.counts: RequestCounts | None = (
+            None  # prompt and committed tokens' n-grams, where the draft's prior reads them
+        )
 
     @property
     def remaining(self) -> int:
@@ -136,9 +145,18 @@ class Request:
 class Batch:
     """The running requests of one engine and their caches; `add`, `step` and `remove` between steps."""
 
-    def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int, slots: int = 1,
-                 policy: BlockPolicy | None = None, lookup: bool = True, threads: tuple[int, int] | None = None,
-                 prefix: list[int] | None = None, cache_tokens: int = 0):
+    def __init__(
+        self,
+        target: TargetModel,
+        draft: DFlashDraftModel | None,
+        block_size: int,
+        slots: int = 1,
+        policy: BlockPolicy | None = None,
+        lookup: bool = True,
+        threads: tuple[int, int] | None = None,
+        prefix: list[int] | None = None,
+        cache_tokens: int = 0,
+    ):
         """`lookup`: rows whose recent tokens occurred before may verify what followed them instead of drafting.
         `threads`: torch threads for steps and for prompt chunks of WIDE_TOKENS tokens or more (a server's:
         threads.server_threads); None: torch's count for all.
@@ -155,7 +173,9 @@ class Batch:
         # decoding writes (as the draft's blocks of 8 do).
         tiled = target.dtype == torch.bfloat16 and bf16_gemm.tiles()
         self.max_guesses = min(MAX_GUESSES, bf16_gemm.TILE_ROWS - 1) if tiled else MAX_GUESSES
-        self.policy = policy or BlockPolicy(self.block_size, short=self.draft is not None and self.draft.config.short_blocks > 0)
+        self.policy = policy or BlockPolicy(
+            self.block_size, short=self.draft is not None and self.draft.config.short_blocks > 0
+        )
         self.rows: list[Request] = []  # row i is slot i
         self.cache = target.new_cache(slots)
         self.dcache = DraftKVCache(draft.config, slots, 256, target.dtype) if self.draft is not None else None
@@ -191,19 +211,29 @@ class Batch:
         i = bisect.bisect_right(req.chunk_ends, req.prefilled)  # the chunk that starts at `prefilled`
         start, end = req.prefilled, req.chunk_ends[i]
         with widened(self.threads, end - start):
-            logits, feats = self.target.forward(torch.tensor([req.prompt_ids[start:end]]), start, self.cache,
-                                                capture=self.draft is not None, logits_to_keep=1, first_slot=slot)
+            logits, feats = self.target.forward(
+                torch.tensor([req.prompt_ids[start:end]]),
+                start,
+                self.cache,
+                capture=self.draft is not None,
+                logits_to_keep=1,
+                first_slot=slot,
+            )
         req.prefilled = end
         if feats is not None:
             self.dcache.stage(torch.full((end - start,), slot), torch.arange(start, end), feats[0])
         head = i == 0 and req.head > 0
-        if head or (end - start == BLOCK and self.prefix_cache.max_tokens):  # a whole chunk, kept for prompts that start alike
+        if head or (
+            end - start == BLOCK and self.prefix_cache.max_tokens
+        ):  # a whole chunk, kept for prompts that start alike
             k, v = self.cache.read(slot, start, end)
             self.prefix_cache.put(req.chunk_keys[i], Entry(k, v, None if feats is None else feats[0].clone()), pin=head)
         if end < n:
             return []
         row = req.hold_stops(logits[0, -1:], 0)  # [1, V]
-        req.token = int(greedy(row)[0] if req.sampling.greedy else sample(sampling_probs(row, req.sampling), req.gen)[0])
+        req.token = int(
+            greedy(row)[0] if req.sampling.greedy else sample(sampling_probs(row, req.sampling), req.gen)[0]
+        )
         req.start = n
         req.stats.time_to_first_token = time.perf_counter() - req.t0
         return req.commit([req.token])
@@ -266,19 +296,27 @@ class Batch:
             if self.policy.short:
                 shapes.update({w: (1, w) for w in range(2, self.block_size + 1)})
         draft = {n: float("inf") for n in shapes}
-        for _ in range(CALIBRATION_ROUNDS):  # the first run of a shape pays one-off setup; the fastest is the machine's cost
+        for _ in range(
+            CALIBRATION_ROUNDS
+        ):  # the first run of a shape pays one-off setup; the fastest is the machine's cost
             for n in sorted(set(sizes) | set(shapes)):
                 t1 = time.perf_counter()
                 if n in verify:
-                    self.target.forward(torch.zeros(1, n, dtype=torch.long), 0, self.cache, capture=self.draft is not None)
+                    self.target.forward(
+                        torch.zeros(1, n, dtype=torch.long), 0, self.cache, capture=self.draft is not None
+                    )
                     verify[n] = min(verify[n], time.perf_counter() - t1)
                     t1 = time.perf_counter()
                 if n in shapes:
                     rows, width = shapes[n]  # width - 1 guesses a row to the LM head
                     x = self.draft.embed_block(self.target.embed_tokens, torch.zeros(rows, width, dtype=torch.long))
                     c = self.dcache.k[:, :1, :, :0].expand(-1, rows, -1, -1, -1)
-                    hidden = self.draft.draft_block(x, torch.arange(width).expand(rows, -1), c, c, torch.zeros(rows, dtype=torch.long))
-                    self.draft.compute_logits(hidden[:, 1:].reshape(1, -1, hidden.shape[-1]), self.target.lm_head, full=False)
+                    hidden = self.draft.draft_block(
+                        x, torch.arange(width).expand(rows, -1), c, c, torch.zeros(rows, dtype=torch.long)
+                    )
+                    self.draft.compute_logits(
+                        hidden[:, 1:].reshape(1, -1, hidden.shape[-1]), self.target.lm_head, full=False
+                    )
                     draft[n] = min(draft[n], time.perf_counter() - t1)
         for n in sorted(set(sizes) | set(shapes)):
             self.policy.record_cost(n, draft.get(n), verify.get(n))
@@ -300,7 +338,9 @@ class Batch:
                 dc.lengths[i] = hi
         if slots:
             slots, positions = torch.cat(slots), torch.cat(positions)
-            k, v = self.draft.context_kv(self.draft.project_context(dc.features[slots, positions][None]), positions[None])
+            k, v = self.draft.context_kv(
+                self.draft.project_context(dc.features[slots, positions][None]), positions[None]
+            )
             dc.write(slots, positions, k, v)
 
     @torch.inference_mode()
@@ -316,12 +356,17 @@ class Batch:
         found = [r.history.propose(self.max_guesses) if r.history is not None else [] for r in rows]
         ks, looked = self.policy.choose(rows, [len(f) for f in found])  # block length per row, within its budget
         drafting = [i for i, k in enumerate(ks) if k > 1 and not looked[i]]
-        drafts, q = [[] for _ in rows], [None] * n  # row i's guesses for positions start+1..start+k_i-1 (and their probs)
+        drafts, q = (
+            [[] for _ in rows],
+            [None] * n,
+        )  # row i's guesses for positions start+1..start+k_i-1 (and their probs)
         # A greedy drafting row also guesses one slot beyond its block (one slot more of the draft's forward): not
         # verified, but where every guess is accepted the bonus token tells whether it was right, and the policy learns
         # that slot's acceptance from it instead of from other requests' (a row held at k=2 learns whether k=3 pays).
         learns = self.policy.adaptive
-        spare = [int(learns and i in drafting and ks[i] < self.block_size and rows[i].sampling.greedy) for i in range(n)]
+        spare = [
+            int(learns and i in drafting and ks[i] < self.block_size and rows[i].sampling.greedy) for i in range(n)
+        ]
         spare_guess: list[int | None] = [None] * n
         beyond: list[bool | None] = [None] * n  # whether row i's spare guess was right, where all its guesses were
         for i in (i for i, lk in enumerate(looked) if lk):
@@ -345,15 +390,23 @@ class Batch:
             ck, cv = self.dcache.k[:, :n, :, :c], self.dcache.v[:, :n, :, :c]
             if len(drafting) < n:
                 ck, cv = ck[:, idx], cv[:, idx]
-            hidden = draft.draft_block(draft.embed_block(target.embed_tokens, block), starts[:, None] + torch.arange(width), ck, cv, starts)
-            guesses = torch.cat([hidden[d, 1 : ks[i] + spare[i]] for d, i in enumerate(drafting)])  # [sum(k_i - 1 + spare_i), H]
+            hidden = draft.draft_block(
+                draft.embed_block(target.embed_tokens, block), starts[:, None] + torch.arange(width), ck, cv, starts
+            )
+            guesses = torch.cat(
+                [hidden[d, 1 : ks[i] + spare[i]] for d, i in enumerate(drafting)]
+            )  # [sum(k_i - 1 + spare_i), H]
             vocab = draft.vocab_token_ids  # the draft guesses among these tokens (None: all)
-            draft_logits = draft.compute_logits(guesses[None], target.lm_head, full=False)[0].split([ks[i] - 1 + spare[i] for i in drafting])
+            draft_logits = draft.compute_logits(guesses[None], target.lm_head, full=False)[0].split(
+                [ks[i] - 1 + spare[i] for i in drafting]
+            )
             for i, logits in zip(drafting, draft_logits):
                 r = rows[i]
                 if r.counts is not None:  # greedy, re-weighted by what the target writes after them (n-gram prior)
                     drafts[i] = draft.ngram.greedy(logits, r.counts, vocab)
-                elif r.sampling.greedy:  # argmax over the vocabulary's columns (a stop token held back is rejected in verify)
+                elif (
+                    r.sampling.greedy
+                ):  # argmax over the vocabulary's columns (a stop token held back is rejected in verify)
                     guess = greedy(logits)
                     drafts[i] = (guess if vocab is None else vocab[guess]).tolist()
                 else:
@@ -363,24 +416,39 @@ class Batch:
                     spare_guess[i] = drafts[i].pop()
         t1 = time.perf_counter()
         # Verify [token, d_1..d_{k_i-1}] of every row at positions start..start+k_i-1, all rows in one target forward.
-        logits, feats = target.forward_rows([[r.token] + drafts[i] for i, r in enumerate(rows)], [r.start for r in rows],
-                                            self.cache, capture=draft is not None)
+        logits, feats = target.forward_rows(
+            [[r.token] + drafts[i] for i, r in enumerate(rows)],
+            [r.start for r in rows],
+            self.cache,
+            capture=draft is not None,
+        )
         row_logits = logits.split(ks)
         for r, lg in zip(rows, row_logits):
             r.hold_stops(lg, r.stats.num_tokens)
         posterior = greedy(logits).split(ks)
-        out, accepted, offset, kept = {}, [], 0, []  # kept: (slot, position, flat index) of each committed token's features
+        out, accepted, offset, kept = (
+            {},
+            [],
+            0,
+            [],
+        )  # kept: (slot, position, flat index) of each committed token's features
         for i, r in enumerate(rows):
             k, s = ks[i], r.stats
-            if r.sampling.greedy:  # accept the longest prefix of drafts the target agrees with; its next argmax is the bonus
+            if (
+                r.sampling.greedy
+            ):  # accept the longest prefix of drafts the target agrees with; its next argmax is the bonus
                 post = posterior[i].tolist()
                 a = 0
                 while a < k - 1 and drafts[i][a] == post[a]:
                     a += 1
                 bonus = post[a]
             else:
-                a, bonus = rejection_sample(torch.tensor(drafts[i], dtype=torch.long), sampling_probs(row_logits[i], r.sampling),
-                                            q[i] if q[i] is not None else torch.empty(0, 0), r.gen)
+                a, bonus = rejection_sample(
+                    torch.tensor(drafts[i], dtype=torch.long),
+                    sampling_probs(row_logits[i], r.sampling),
+                    q[i] if q[i] is not None else torch.empty(0, 0),
+                    r.gen,
+                )
             accepted.append(a)
             if spare_guess[i] is not None and a == k - 1:
                 beyond[i] = spare_guess[i] == bonus
@@ -401,8 +469,16 @@ class Batch:
         if feats is not None:
             slot, position, index = torch.tensor(kept).unbind(1)
             self.dcache.stage(slot, position, feats[index])
-        self.policy.observe(rows, ks, accepted, draft_seconds=t1 - t0, verify_seconds=time.perf_counter() - t1, looked=looked,
-                            beyond=beyond, width=width)
+        self.policy.observe(
+            rows,
+            ks,
+            accepted,
+            draft_seconds=t1 - t0,
+            verify_seconds=time.perf_counter() - t1,
+            looked=looked,
+            beyond=beyond,
+            width=width,
+        )
         # for metrics: block lengths, guesses verified and accepted, rows that verified lookup guesses and theirs accepted
         self.last_step = (ks, sum(ks) - n, sum(accepted), sum(looked), sum(a for a, lk in zip(accepted, looked) if lk))
         return out

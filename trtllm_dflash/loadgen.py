@@ -48,7 +48,9 @@ class Outcome:
     left: bool = False  # the client disconnected on purpose
     ttft: float = 0.0
     latency: float = 0.0
-    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens so far) per streamed response
+    arrivals: list[tuple[float, int]] = field(
+        default_factory=list
+    )  # (perf_counter, tokens so far) per streamed response
     acceptance_length: float = 0.0
 
     @property
@@ -65,7 +67,9 @@ class Outcome:
 class LoadRun:
     outcomes: list[Outcome]  # in job order
     wall: float  # seconds from the first request sent to the last response
-    full: tuple[float, float]  # (perf_counter) from every client's first token until the queue ran dry: all clients busy
+    full: tuple[
+        float, float
+    ]  # (perf_counter) from every client's first token until the queue ran dry: all clients busy
 
 
 def _error(e: Exception) -> str:
@@ -78,7 +82,11 @@ def _one(url: str, index: int, job: Job, timeout: float) -> Outcome:
     out, responses = Outcome(index), queue.Queue()
     t0 = time.perf_counter()
     try:
-        stream = EnsembleStream(url, CompletionRequest(job.prompt, job.max_tokens, job.stream), lambda result, error: responses.put((result, error)))
+        stream = EnsembleStream(
+            url,
+            CompletionRequest(job.prompt, job.max_tokens, job.stream),
+            lambda result, error: responses.put((result, error)),
+        )
     except Exception as e:  # noqa: BLE001 - a refused connection is an outcome like any other
         out.error = _error(e)
         return out
@@ -117,7 +125,9 @@ def openai_model(url: str) -> str:
         with urllib.request.urlopen(openai_base(url) + "/models", timeout=30) as r:
             models = json.load(r).get("data") or []
     except (OSError, ValueError) as e:
-        raise DFlashError(f"Cannot reach an OpenAI-compatible server at {url} ({getattr(e, 'reason', e)}); check the --url.") from None
+        raise DFlashError(
+            f"Cannot reach an OpenAI-compatible server at {url} ({getattr(e, 'reason', e)}); check the --url."
+        ) from None
     if not models:
         raise DFlashError(f"The OpenAI-compatible server at {url} lists no model.")
     return models[0]["id"]
@@ -131,13 +141,20 @@ def _one_openai(url: str, index: int, job: Job, timeout: float) -> Outcome:
     comes only from servers that report one (ours, in its `dflash` field).
     """
     out, t0 = Outcome(index), time.perf_counter()
-    body = {"messages": [{"role": "user", "content": job.prompt}], "max_tokens": job.max_tokens, "temperature": 0.0, "stream": job.stream}
+    body = {
+        "messages": [{"role": "user", "content": job.prompt}],
+        "max_tokens": job.max_tokens,
+        "temperature": 0.0,
+        "stream": job.stream,
+    }
     if job.stream:
         body["stream_options"] = {"include_usage": True}
     chars, pieces, usage = [], [], None
     try:
         body["model"] = openai_model(url)
-        request = urllib.request.Request(openai_base(url) + "/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            openai_base(url) + "/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=timeout) as r:
             if not job.stream:
                 reply = json.load(r)
@@ -151,9 +168,13 @@ def _one_openai(url: str, index: int, job: Job, timeout: float) -> Outcome:
                     continue
                 chunk = json.loads(data[5:])
                 if "error" in chunk:
-                    raise DFlashError(f"The server failed the request mid-stream: {chunk['error'].get('message', chunk['error'])}")
+                    raise DFlashError(
+                        f"The server failed the request mid-stream: {chunk['error'].get('message', chunk['error'])}"
+                    )
                 usage = chunk.get("usage") or usage
-                out.acceptance_length = float((chunk.get("dflash") or {}).get("acceptance_length", out.acceptance_length))
+                out.acceptance_length = float(
+                    (chunk.get("dflash") or {}).get("acceptance_length", out.acceptance_length)
+                )
                 piece = (chunk["choices"][0].get("delta") or {}).get("content") if chunk.get("choices") else None
                 if piece:
                     if not pieces:
@@ -216,22 +237,35 @@ def summary(run: LoadRun) -> dict:
     """
     outcomes, wall, (start, end) = run.outcomes, run.wall, run.full
     done = [o for o in outcomes if not o.error and not o.left]
-    steady = sum(o.tokens_by(end) - o.tokens_by(start) for o in outcomes if not o.error) / (end - start) if end > start else None
+    steady = (
+        sum(o.tokens_by(end) - o.tokens_by(start) for o in outcomes if not o.error) / (end - start)
+        if end > start
+        else None
+    )
     tokens = sum(o.tokens for o in done)
     tpot = [(o.latency - o.ttft) / max(o.tokens - 1, 1) for o in done]
     gaps = [g for o in done for g in o.gaps]
     pct = lambda xs, q: round(percentile(xs, q), 4)  # noqa: E731
     return {
-        "requests": len(outcomes), "completed": len(done), "left": sum(o.left for o in outcomes),
-        "errors": [o.error for o in outcomes if o.error], "wall_s": round(wall, 3), "tokens": tokens,
+        "requests": len(outcomes),
+        "completed": len(done),
+        "left": sum(o.left for o in outcomes),
+        "errors": [o.error for o in outcomes if o.error],
+        "wall_s": round(wall, 3),
+        "tokens": tokens,
         "requests_per_s": round(len(done) / wall, 3) if wall else 0.0,
         "total_tokens_per_s": round(tokens / wall, 2) if wall else 0.0,
-        "steady_tokens_per_s": round(steady, 2) if steady is not None else None, "steady_s": round(max(end - start, 0.0), 3),
+        "steady_tokens_per_s": round(steady, 2) if steady is not None else None,
+        "steady_s": round(max(end - start, 0.0), 3),
         "tokens_per_s_per_user": round(statistics.median(o.tokens / o.latency for o in done), 2) if done else 0.0,
-        "ttft_p50_s": pct([o.ttft for o in done], 50), "ttft_p99_s": pct([o.ttft for o in done], 99),
-        "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
-        "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99),
-        "latency_p50_s": pct([o.latency for o in done], 50), "latency_p99_s": pct([o.latency for o in done], 99),
+        "ttft_p50_s": pct([o.ttft for o in done], 50),
+        "ttft_p99_s": pct([o.ttft for o in done], 99),
+        "tpot_p50_s": pct(tpot, 50),
+        "tpot_p99_s": pct(tpot, 99),
+        "itl_p50_s": pct(gaps, 50),
+        "itl_p99_s": pct(gaps, 99),
+        "latency_p50_s": pct([o.latency for o in done], 50),
+        "latency_p99_s": pct([o.latency for o in done], 99),
         "acceptance_length_median": round(statistics.median(o.acceptance_length for o in done), 3) if done else 0.0,
     }
 
@@ -242,19 +276,29 @@ def default_prompts(n_math: int = 16) -> list[str]:
     from .data import gsm8k_records
 
     held_out = gsm8k_records(holdout=True)
-    math = [r["question"] for r in held_out[len(held_out) - n_math:]]
+    math = [r["question"] for r in held_out[len(held_out) - n_math :]]
     return [p for pair in zip(math, EVERYDAY_QUESTIONS * (n_math // len(EVERYDAY_QUESTIONS) + 1)) for p in pair]
 
 
 def median_level(rounds: list[dict]) -> dict:
     """The round with the median steady tokens/s (its latencies with it), and every round's figures."""
     ranked = sorted(rounds, key=lambda lv: lv["steady_tokens_per_s"] or 0.0)
-    return ranked[(len(ranked) - 1) // 2] | {"steady_tokens_per_s_rounds": [lv["steady_tokens_per_s"] for lv in rounds],
-                                             "total_tokens_per_s_rounds": [lv["total_tokens_per_s"] for lv in rounds]}
+    return ranked[(len(ranked) - 1) // 2] | {
+        "steady_tokens_per_s_rounds": [lv["steady_tokens_per_s"] for lv in rounds],
+        "total_tokens_per_s_rounds": [lv["total_tokens_per_s"] for lv in rounds],
+    }
 
 
-def compare(urls: dict[str, str], prompts: list[str], concurrency: list[int], *, max_tokens: int, requests: int = 0,
-            rounds: int = 1, progress=print) -> dict[str, list[dict]]:
+def compare(
+    urls: dict[str, str],
+    prompts: list[str],
+    concurrency: list[int],
+    *,
+    max_tokens: int,
+    requests: int = 0,
+    rounds: int = 1,
+    progress=print,
+) -> dict[str, list[dict]]:
     """Every concurrency level on every server in turn, the order turning each round, so that a drift in the
     machine's speed falls on all of them; per server, one `summary` per level (the median round's).
 
@@ -266,9 +310,13 @@ def compare(urls: dict[str, str], prompts: list[str], concurrency: list[int], *,
     if not concurrency or min(concurrency) < 1:
         raise DFlashError(f"Concurrency levels must be positive numbers of clients, got {list(concurrency)}.")
     if requests and requests <= max(concurrency):
-        raise DFlashError(f"--requests ({requests}) must exceed the highest concurrency ({max(concurrency)}): the steady "
-                          "window starts once every client streams and ends when the queue runs dry.")
-    for url in urls.values():  # one short request each: a wrong address fails here in one sentence, and the server warms up
+        raise DFlashError(
+            f"--requests ({requests}) must exceed the highest concurrency ({max(concurrency)}): the steady "
+            "window starts once every client streams and ends when the queue runs dry."
+        )
+    for (
+        url
+    ) in urls.values():  # one short request each: a wrong address fails here in one sentence, and the server warms up
         probe = _one(url, 0, Job(prompts[0], 8), 600.0)
         if probe.error:
             raise DFlashError(probe.error)
@@ -282,9 +330,11 @@ def compare(urls: dict[str, str], prompts: list[str], concurrency: list[int], *,
                 runs[name][c].append(lv)
                 if progress:
                     steady = lv["steady_tokens_per_s"]
-                    progress(f"round {r + 1} c={c:<3d} {name}: {steady if steady is not None else 0:.1f} tok/s steady, "
-                             f"{lv['tokens_per_s_per_user']:.1f}/user, TTFT p50 {lv['ttft_p50_s']:.3f} s, "
-                             f"acceptance {lv['acceptance_length_median']}, errors {len(lv['errors'])}")
+                    progress(
+                        f"round {r + 1} c={c:<3d} {name}: {steady if steady is not None else 0:.1f} tok/s steady, "
+                        f"{lv['tokens_per_s_per_user']:.1f}/user, TTFT p50 {lv['ttft_p50_s']:.3f} s, "
+                        f"acceptance {lv['acceptance_length_median']}, errors {len(lv['errors'])}"
+                    )
     return {name: [{"concurrency": c} | median_level(runs[name][c]) for c in concurrency] for name in names}
 
 
@@ -299,7 +349,9 @@ def plot_pareto(levels: dict[str, list[dict]], title: str, path: Path) -> None:
     for i, (name, lvs) in enumerate(levels.items()):
         xs = [lv["steady_tokens_per_s"] or 0.0 for lv in lvs]
         ys = [lv["tokens_per_s_per_user"] for lv in lvs]
-        ax.plot(xs, ys, marker="o^Dv"[i // 2 % 4], linestyle="--" if i % 2 else "-", label=name)  # pairs: a build and its baseline
+        ax.plot(
+            xs, ys, marker="o^Dv"[i // 2 % 4], linestyle="--" if i % 2 else "-", label=name
+        )  # pairs: a build and its baseline
         for lv, x, y in zip(lvs, xs, ys):
             ax.annotate(str(lv["concurrency"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("total output tokens/s (server, all clients busy)")
@@ -352,8 +404,14 @@ def mixed_jobs(prompts: list[str], n: int, lengths: tuple[int, ...], seed: int =
     jobs = []
     for i in range(n):
         stream = i % 3 != 0
-        jobs.append(Job(prompts[i % len(prompts)], lengths[rng.randrange(len(lengths))], stream,
-                        leave_after=2 if stream and i % 8 == 1 else None))
+        jobs.append(
+            Job(
+                prompts[i % len(prompts)],
+                lengths[rng.randrange(len(lengths))],
+                stream,
+                leave_after=2 if stream and i % 8 == 1 else None,
+            )
+        )
     return jobs
 
 
@@ -372,9 +430,13 @@ def soak(server, prompts: list[str], n: int, concurrency: int, lengths: tuple[in
 
     client = grpcclient.InferenceServerClient(server.grpc_url)
     report = summary(run) | {
-        "concurrency": concurrency, "mismatches": mismatches(run.outcomes, jobs, references),
-        "healthy_after": bool(client.is_server_live() and client.is_server_ready() and client.is_model_ready("ensemble")),
-        "rss_before_mb": round(rss_before / 2**20, 1), "rss_after_mb": round(rss_after / 2**20, 1),
+        "concurrency": concurrency,
+        "mismatches": mismatches(run.outcomes, jobs, references),
+        "healthy_after": bool(
+            client.is_server_live() and client.is_server_ready() and client.is_model_ready("ensemble")
+        ),
+        "rss_before_mb": round(rss_before / 2**20, 1),
+        "rss_after_mb": round(rss_after / 2**20, 1),
     }
     client.close()
     return report

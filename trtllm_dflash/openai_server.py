@@ -63,7 +63,14 @@ def model_id(manifest: dict) -> str:
 class APIError(Exception):
     """Answered as OpenAI's error object with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.param, self.type, self.code = status, param, type, code
 
@@ -84,7 +91,11 @@ def _check_fixed(body: dict) -> None:
     for name, (default, why) in FIXED.items():
         value = body.get(name)
         if value is not None and value != default:
-            raise APIError(400, f"{name}={json.dumps(value)} is not supported ({why}); leave it out or send {json.dumps(default)}.", name)
+            raise APIError(
+                400,
+                f"{name}={json.dumps(value)} is not supported ({why}); leave it out or send {json.dumps(default)}.",
+                name,
+            )
 
 
 def _stop_words(body: dict) -> tuple[str, ...]:
@@ -93,7 +104,9 @@ def _stop_words(body: dict) -> tuple[str, ...]:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise APIError(400, "'stop' must be a string or a list of strings.", "stop")
     if len(stop) > MAX_STRINGS or any(len(s) > MAX_STRING_CHARS for s in stop):
-        raise APIError(400, f"'stop' takes at most {MAX_STRINGS} strings of at most {MAX_STRING_CHARS} characters.", "stop")
+        raise APIError(
+            400, f"'stop' takes at most {MAX_STRINGS} strings of at most {MAX_STRING_CHARS} characters.", "stop"
+        )
     return tuple(s for s in stop if s)
 
 
@@ -104,10 +117,16 @@ def _message_text(message, i: int) -> tuple[str, str]:
     content = message.get("content")
     if content is None or isinstance(content, str):
         return message["role"], content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return message["role"], "".join(p["text"] for p in content)
-    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts ({{\"type\": \"text\", \"text\": ...}}); "
-                        "this model reads text only.", "messages")
+    raise APIError(
+        400,
+        f'messages[{i}].content must be a string or a list of text parts ({{"type": "text", "text": ...}}); '
+        "this model reads text only.",
+        "messages",
+    )
 
 
 def _finish_reason(ensemble_reason: str) -> str:
@@ -131,21 +150,27 @@ class OpenAIFrontend:
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
-    def start(self) -> "OpenAIFrontend":
+    def start(self) -> OpenAIFrontend:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self.host, self.port))
         except OSError as e:
             sock.close()
-            raise DFlashError(f"Cannot use {self.host}:{self.port} ({e.strerror}); pick another --openai-port or stop what is listening there.") from None
+            raise DFlashError(
+                f"Cannot use {self.host}:{self.port} ({e.strerror}); pick another --openai-port or stop what is listening there."
+            ) from None
         self.port = sock.getsockname()[1]
         app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY)  # larger bodies get a 413
-        app.add_routes([
-            web.get("/v1/models", self._models), web.get("/v1/models/{model:.+}", self._model),
-            web.post("/v1/completions", self._completions), web.post("/v1/chat/completions", self._chat),
-            web.get("/health", self._health),
-        ])
+        app.add_routes(
+            [
+                web.get("/v1/models", self._models),
+                web.get("/v1/models/{model:.+}", self._model),
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/chat/completions", self._chat),
+                web.get("/health", self._health),
+            ]
+        )
         # handler_cancellation: a client that disconnects cancels its handler, which cancels its Triton request.
         # shutdown_timeout: on stop, requests in flight get a second to finish, then they are cancelled (see _shutdown).
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
@@ -195,21 +220,33 @@ class OpenAIFrontend:
         except APIError as e:
             return web.json_response(e.body(), status=e.status)
         except web.HTTPException as e:  # unknown route or method
-            return web.json_response(APIError(e.status, f"{request.method} {request.path}: {e.reason}.").body(), status=e.status)
+            return web.json_response(
+                APIError(e.status, f"{request.method} {request.path}: {e.reason}.").body(), status=e.status
+            )
         except Exception as e:
             log.exception("OpenAI frontend: %s %s failed", request.method, request.path)
-            return web.json_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body(), status=500)
+            return web.json_response(
+                APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body(), status=500
+            )
 
     async def _body(self, request: web.Request) -> dict:
         try:
             body = await request.json()
-        except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors; RecursionError: nesting
+        except (
+            ValueError,
+            RecursionError,
+        ):  # JSONDecodeError and UnicodeDecodeError are ValueErrors; RecursionError: nesting
             raise APIError(400, "The request body is not valid JSON.") from None
         if not isinstance(body, dict):
             raise APIError(400, "The request body must be a JSON object.")
         name = _field(body, "model", "a string", self.model)
         if name not in (self.model, "ensemble"):
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model}'.", "model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{self.model}'.",
+                "model",
+                code="model_not_found",
+            )
         return body
 
     async def _generate(self, request: CompletionRequest):
@@ -227,7 +264,9 @@ class OpenAIFrontend:
                 yield piece, stream.done
         except Rejected as e:
             internal = e.reason.startswith("internal error")
-            raise APIError(500 if internal else 400, e.reason, type="server_error" if internal else "invalid_request_error") from None
+            raise APIError(
+                500 if internal else 400, e.reason, type="server_error" if internal else "invalid_request_error"
+            ) from None
         finally:
             await asyncio.shield(loop.run_in_executor(None, stream.close))
 
@@ -241,7 +280,9 @@ class OpenAIFrontend:
 
     async def _model(self, request: web.Request) -> web.Response:
         if request.match_info["model"] not in (self.model, "ensemble"):
-            raise APIError(404, f"The model '{request.match_info['model']}' does not exist.", "model", code="model_not_found")
+            raise APIError(
+                404, f"The model '{request.match_info['model']}' does not exist.", "model", code="model_not_found"
+            )
         return web.json_response(self._model_card())
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -262,7 +303,11 @@ class OpenAIFrontend:
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
-            raise APIError(400, "'prompt' must be a string (or a list holding one string); token-id prompts and batches are not supported.", "prompt")
+            raise APIError(
+                400,
+                "'prompt' must be a string (or a list holding one string); token-id prompts and batches are not supported.",
+                "prompt",
+            )
         return await self._respond(request, body, prompt, _field(body, "max_tokens", "an integer", 16), chat=False)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -278,30 +323,54 @@ class OpenAIFrontend:
         except Exception as e:  # the template's own checks (e.g. role order) raise jinja errors
             raise APIError(400, f"The chat template cannot render these messages: {e}", "messages") from None
         max_tokens = _field(body, "max_completion_tokens", "an integer")
-        return await self._respond(request, body, prompt, _field(body, "max_tokens", "an integer") if max_tokens is None else max_tokens, chat=True)
+        return await self._respond(
+            request,
+            body,
+            prompt,
+            _field(body, "max_tokens", "an integer") if max_tokens is None else max_tokens,
+            chat=True,
+        )
 
-    async def _respond(self, request: web.Request, body: dict, prompt: str, max_tokens: int | None, chat: bool) -> web.StreamResponse:
+    async def _respond(
+        self, request: web.Request, body: dict, prompt: str, max_tokens: int | None, chat: bool
+    ) -> web.StreamResponse:
         """Both endpoints: check the parameters, run the request, answer as one JSON object or as server-sent events."""
         _check_fixed(body)
         try:
             prompt_tokens = len(encode_prompt(self.tokenizer, prompt, False, self.max_seq_len))
             top_k = _field(body, "top_k", "an integer", 0)
-            sampling = SamplingParams(_field(body, "temperature", "a number", 1.0), _field(body, "top_p", "a number", 1.0),
-                                      0 if top_k == -1 else top_k, _field(body, "seed", "an integer"))  # vLLM: top_k -1 = off
+            sampling = SamplingParams(
+                _field(body, "temperature", "a number", 1.0),
+                _field(body, "top_p", "a number", 1.0),
+                0 if top_k == -1 else top_k,
+                _field(body, "seed", "an integer"),
+            )  # vLLM: top_k -1 = off
         except DFlashError as e:
             raise APIError(400, str(e)) from None
         room = self.max_seq_len - prompt_tokens
         if max_tokens is not None and not 1 <= max_tokens <= room:
-            raise APIError(400, f"max_tokens is {max_tokens}, but the prompt takes {prompt_tokens} of the {self.max_seq_len}-token context "
-                                f"window; ask for 1 to {room} tokens.", "max_tokens")
+            raise APIError(
+                400,
+                f"max_tokens is {max_tokens}, but the prompt takes {prompt_tokens} of the {self.max_seq_len}-token context "
+                f"window; ask for 1 to {room} tokens.",
+                "max_tokens",
+            )
         stream = _field(body, "stream", "a boolean", False)
-        include_usage = stream and _field(_field(body, "stream_options", "an object", {}), "include_usage", "a boolean", False)
-        job = CompletionRequest(prompt, room if max_tokens is None else max_tokens, stream, sampling,
-                                _stop_words(body), apply_chat_template=False)
+        include_usage = stream and _field(
+            _field(body, "stream_options", "an object", {}), "include_usage", "a boolean", False
+        )
+        job = CompletionRequest(
+            prompt,
+            room if max_tokens is None else max_tokens,
+            stream,
+            sampling,
+            _stop_words(body),
+            apply_chat_template=False,
+        )
         reply = _Reply(chat, body.get("model") or self.model)
         async with contextlib.aclosing(self._generate(job)) as responses:
             if not stream:
-                async for _, done in responses:
+                async for _, done in responses:  # noqa: B007  (the last response holds the whole answer)
                     pass
                 return web.json_response(reply.whole(done, prompt_tokens))
             first = await anext(responses)  # a rejected request still gets its 400 before the stream opens
@@ -339,28 +408,53 @@ class _Reply:
 
     @staticmethod
     def _usage(done, prompt_tokens: int) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": done.num_tokens, "total_tokens": prompt_tokens + done.num_tokens,
-                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": done.num_tokens,
+            "total_tokens": prompt_tokens + done.num_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+        }
 
     @staticmethod
     def _dflash(done) -> dict:
         """Our extension: how well the draft did (OpenAI clients ignore unknown fields)."""
-        return {"acceptance_length": round(done.acceptance_length, 4), "drafted_tokens": done.drafted_tokens, "accepted_tokens": done.accepted_tokens}
+        return {
+            "acceptance_length": round(done.acceptance_length, 4),
+            "drafted_tokens": done.drafted_tokens,
+            "accepted_tokens": done.accepted_tokens,
+        }
 
     def whole(self, done, prompt_tokens: int) -> dict:
         reason = _finish_reason(done.finish_reason)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None, "finish_reason": reason} if self.chat
-                  else {"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason})
-        return {**self._envelope("chat.completion" if self.chat else "text_completion", [choice]),
-                "usage": self._usage(done, prompt_tokens), "dflash": self._dflash(done)}
+        choice = (
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            if self.chat
+            else {"index": 0, "text": done.text, "logprobs": None, "finish_reason": reason}
+        )
+        return {
+            **self._envelope("chat.completion" if self.chat else "text_completion", [choice]),
+            "usage": self._usage(done, prompt_tokens),
+            "dflash": self._dflash(done),
+        }
 
     def chunk(self, delta, done=None) -> dict:
         """One streamed piece; with `done` it is the last one, carrying the finish reason and the DFlash statistics."""
         reason = None if done is None else _finish_reason(done.finish_reason)
-        choice = ({"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason} if self.chat
-                  else {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason})
+        choice = (
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            if self.chat
+            else {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+        )
         out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
         return out if done is None else {**out, "dflash": self._dflash(done)}
 
     def usage_chunk(self, done, prompt_tokens: int) -> dict:
-        return {**self._envelope("chat.completion.chunk" if self.chat else "text_completion", []), "usage": self._usage(done, prompt_tokens)}
+        return {
+            **self._envelope("chat.completion.chunk" if self.chat else "text_completion", []),
+            "usage": self._usage(done, prompt_tokens),
+        }

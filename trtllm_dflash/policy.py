@@ -65,12 +65,23 @@ class RowCounts:
 
 
 class BlockPolicy:
-    def __init__(self, max_block: int, adaptive: bool = False, ragged: bool = True, ceiling: float = OPTIMISTIC,
-                 short: bool = False):
+    def __init__(
+        self,
+        max_block: int,
+        adaptive: bool = False,
+        ragged: bool = True,
+        ceiling: float = OPTIMISTIC,
+        short: bool = False,
+    ):
         """`ragged`: the target verifies rows of different lengths on one flat axis (else every row is padded to the
         longest, and a step costs n * max(k_i) tokens). `ceiling`: the per-slot acceptance a probe is priced with.
         `short`: the draft drafts a step's blocks over their longest k + 1 slots (DraftConfig.short_blocks), not whole."""
-        self.max_block, self.adaptive, self.ragged, self.ceiling = max_block, adaptive and max_block > 1, ragged, ceiling
+        self.max_block, self.adaptive, self.ragged, self.ceiling = (
+            max_block,
+            adaptive and max_block > 1,
+            ragged,
+            ceiling,
+        )
         self.short = short
         self.verify_cost: dict[int, float] = {}  # tokens verified -> seconds (FALL/RISE average of measurements)
         self.draft_cost: dict[int, float] = {}  # drafting rows * slots drafted per row -> seconds
@@ -83,7 +94,9 @@ class BlockPolicy:
         self._yield = [0.0, 0.0]  # accepted and expected extra tokens of chosen drafting rows (fading sums)
         self._probed = None  # the row the last choice probed
         self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> RowCounts
-        self._lookup_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> RowCounts of its lookups
+        self._lookup_rows: weakref.WeakKeyDictionary = (
+            weakref.WeakKeyDictionary()
+        )  # request -> RowCounts of its lookups
 
     def _new_counts(self, lookup: bool = False) -> RowCounts:
         slots = MAX_GUESSES if lookup else self.max_block - 1
@@ -194,19 +207,27 @@ class BlockPolicy:
         lookup row's block may be longer than the draft's: up to all its guesses."""
         caps = [min(self.max_block, max(r.remaining, 1)) for r in rows]
         looked = [bool(lookup and lookup[i] and cap > 1) for i, cap in enumerate(caps)]
-        caps = [min(max(r.remaining, 1), 1 + lookup[i]) if looked[i] else cap for i, (r, cap) in enumerate(zip(rows, caps))]
+        caps = [
+            min(max(r.remaining, 1), 1 + lookup[i]) if looked[i] else cap for i, (r, cap) in enumerate(zip(rows, caps))
+        ]
         if not self.adaptive or not self.verify_cost or not self.draft_cost:
             return caps, looked
         levels = (self._levels(self.verify_cost), self._levels(self.draft_cost))
-        conditional = [self._conditional(self._lookup_rows.get(r) or self._new_counts(lookup=True), pop=self.lookup_population)
-                       if looked[i] else self._conditional(self._counts(r)) for i, r in enumerate(rows)]
+        conditional = [
+            self._conditional(self._lookup_rows.get(r) or self._new_counts(lookup=True), pop=self.lookup_population)
+            if looked[i]
+            else self._conditional(self._counts(r))
+            for i, r in enumerate(rows)
+        ]
         n, y = len(rows), self.realized
         # of ks: tokens, drafting rows, longest block, longest drafted block
         ks, gain, tokens, drafting, kmax, kdraft = [1] * n, float(n), n, 0, 1, 1
         # y (drafting rows accept less than estimated) is learned from drafting rows; a lookup row is not chosen for a
         # lucky estimate of the draft, so its own counts stand
         yields = [1.0 if lk else y for lk in looked]
-        most = gain + sum(w * (self._tokens(c, cap) - 1) for w, c, cap in zip(yields, conditional, caps))  # every row at its longest block
+        most = gain + sum(
+            w * (self._tokens(c, cap) - 1) for w, c, cap in zip(yields, conditional, caps)
+        )  # every row at its longest block
         nxt = [w * c[0] if cap > 1 else -1.0 for w, c, cap in zip(yields, conditional, caps)]  # expected tokens row i's
         # next slot adds (the product of its conditionals so far); -1: the row is at its cap
         best, best_gain, best_rate = list(ks), gain, gain / self._cost(n, 0, levels)
@@ -230,7 +251,9 @@ class BlockPolicy:
             best[probe[0]] = probe[1]
         return best, [lk and k > 1 for lk, k in zip(looked, best)]
 
-    def _probe(self, rows: list, ks: list[int], gain: float, caps: list[int], levels, looked: list[bool]) -> tuple[int, int] | None:
+    def _probe(
+        self, rows: list, ks: list[int], gain: float, caps: list[int], levels, looked: list[bool]
+    ) -> tuple[int, int] | None:
         """The plain row that is due a probe, and its block, if any: a row never measured (one block in its life tells
         the policy what the population's average cannot: whether this request is one the draft serves), else the one
         longest plain whose share of the plain steps' time covers the probe's expected loss within PROBE_BUDGET. The
@@ -245,7 +268,9 @@ class BlockPolicy:
         base = self._cost(tokens, drafting, levels, self.width(kdraft))
 
         def cost_with(k: int) -> float:  # the step with one more row drafting, at block k
-            return self._cost(tokens + k - 1 if self.ragged else n * max(kmax, k), drafting + 1, levels, self.width(max(kdraft, k)))
+            return self._cost(
+                tokens + k - 1 if self.ragged else n * max(kmax, k), drafting + 1, levels, self.width(max(kdraft, k))
+            )
 
         plans: dict[tuple, tuple[float, int]] = {}  # evidence -> (best case's rate, block): rows never measured all
         # have the same evidence, priced once per cap
@@ -258,21 +283,26 @@ class BlockPolicy:
             rate, k = plans[key]
             if rate <= PROBE_MARGIN * gain / base:
                 continue
-            if c.reached[0] > 0:  # measured before: the probe's cost less what its expected tokens take at the best rate
+            if (
+                c.reached[0] > 0
+            ):  # measured before: the probe's cost less what its expected tokens take at the best rate
                 expected = gain + self.realized * (self._tokens(self._conditional(c), k) - 1)
                 if c.plain_seconds * PROBE_BUDGET < cost_with(k) - expected * base / gain:
                     return None  # the rows after it have less plain time behind them
             return i, k
         return None
 
-    def record_cost(self, tokens: int, draft_seconds: float | None, verify_seconds: float | None,
-                    draft_tokens: int | None = None) -> None:
+    def record_cost(
+        self, tokens: int, draft_seconds: float | None, verify_seconds: float | None, draft_tokens: int | None = None
+    ) -> None:
         """A step that verified `tokens` tokens and drafted `draft_tokens` (rows x slots each; default `tokens`; None:
         not measured). A new size is stored as measured. A known one moves by FALL/RISE, and every other size moves by
         the same factor: what changes a step's cost while requests run (their contexts growing, a busier machine)
         changes all sizes alike, and the sizes not being chosen would otherwise keep their start-up cost and look cheap."""
-        for costs, size, seconds in ((self.verify_cost, tokens, verify_seconds),
-                                     (self.draft_cost, tokens if draft_tokens is None else draft_tokens, draft_seconds)):
+        for costs, size, seconds in (
+            (self.verify_cost, tokens, verify_seconds),
+            (self.draft_cost, tokens if draft_tokens is None else draft_tokens, draft_seconds),
+        ):
             if seconds is None:
                 continue
             old = costs.get(size)
@@ -283,8 +313,17 @@ class BlockPolicy:
             for t in costs:
                 costs[t] *= scale
 
-    def observe(self, rows: list, ks: list[int], accepted: list[int], draft_seconds: float, verify_seconds: float,
-                looked: list[bool] | None = None, beyond: list[bool | None] | None = None, width: int | None = None) -> None:
+    def observe(
+        self,
+        rows: list,
+        ks: list[int],
+        accepted: list[int],
+        draft_seconds: float,
+        verify_seconds: float,
+        looked: list[bool] | None = None,
+        beyond: list[bool | None] | None = None,
+        width: int | None = None,
+    ) -> None:
         """Learn from a finished step: its measured costs and each row's accepted run (`looked[i]`: row i verified
         lookup guesses; `beyond[i]`: where row i's guesses were all accepted, whether its guess for the slot after its
         block was the target's token too, None where not known; `width`: the slots each drafting row drafted, default
@@ -294,17 +333,24 @@ class BlockPolicy:
             return
         looked = looked or [False] * len(rows)
         drafting = sum(k > 1 and not lk for k, lk in zip(ks, looked))
-        chosen = [(r, k, a) for r, k, a, lk in zip(rows, ks, accepted, looked) if k > 1 and not lk and r is not self._probed]
+        chosen = [
+            (r, k, a) for r, k, a, lk in zip(rows, ks, accepted, looked) if k > 1 and not lk and r is not self._probed
+        ]
         self._probed = None  # not kept: a retired request would stay alive until the next choice
         got, expected = self._yield
-        self._yield = [got * YIELD_MEMORY + sum(a for _, _, a in chosen),
-                       expected * YIELD_MEMORY + sum(self.expected_tokens(r, k) - 1 for r, k, _ in chosen)]
+        self._yield = [
+            got * YIELD_MEMORY + sum(a for _, _, a in chosen),
+            expected * YIELD_MEMORY + sum(self.expected_tokens(r, k) - 1 for r, k, _ in chosen),
+        ]
         if self.verify_cost and (self.draft_cost or not drafting):
             f = self._factor(drafting > 0)
-            ratio = (draft_seconds + verify_seconds) / max(self._curve(self.verified_tokens(ks), drafting, width=width), 1e-9)
+            ratio = (draft_seconds + verify_seconds) / max(
+                self._curve(self.verified_tokens(ks), drafting, width=width), 1e-9
+            )
             self.factor[drafting > 0] = min(3.0, max(0.5, f + FACTOR_RATE * (ratio - f)))
-        self.record_cost(self.verified_tokens(ks), draft_seconds if drafting else None, verify_seconds,
-                         draft_tokens=drafting * width)
+        self.record_cost(
+            self.verified_tokens(ks), draft_seconds if drafting else None, verify_seconds, draft_tokens=drafting * width
+        )
         share = (draft_seconds + verify_seconds) / len(rows)
         for i, (r, b, a, lk) in enumerate(zip(rows, ks, accepted, looked)):
             table, pop = (self._lookup_rows, self.lookup_population) if lk else (self._rows, self.population)

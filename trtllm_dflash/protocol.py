@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -106,17 +107,25 @@ class Stat:
 
     name: str
     dtype: str
-    value: Callable[["GenerationStats", "RequestTimes"], object]
+    value: Callable[[GenerationStats, RequestTimes], object]
 
 
-NUMPY = {"TYPE_BOOL": np.bool_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32, "TYPE_STRING": np.object_}
+NUMPY = {
+    "TYPE_BOOL": np.bool_,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP32": np.float32,
+    "TYPE_STRING": np.object_,
+}
 
 STATS = (
     Stat("num_input_tokens", "TYPE_INT32", lambda s, t: s.prompt_tokens),
     Stat("num_output_tokens", "TYPE_INT32", lambda s, t: s.num_tokens),
     Stat("total_draft_tokens", "TYPE_INT32", lambda s, t: s.drafted_tokens),
     Stat("total_accepted_draft_tokens", "TYPE_INT32", lambda s, t: s.accepted_tokens),
-    Stat("acceptance_rate", "TYPE_FP32", lambda s, t: s.accepted_tokens / s.drafted_tokens if s.drafted_tokens else 0.0),
+    Stat(
+        "acceptance_rate", "TYPE_FP32", lambda s, t: s.accepted_tokens / s.drafted_tokens if s.drafted_tokens else 0.0
+    ),
     Stat("acceptance_length", "TYPE_FP32", lambda s, t: s.acceptance_length),
     # true where the engine gave no draft counts (TensorRT-LLM before PR #17082) and the three above are inferred
     Stat("draft_counts_estimated", "TYPE_BOOL", lambda s, t: s.draft_counts_estimated),
@@ -131,7 +140,9 @@ STATS = (
 )
 TEXT, CANCEL_KEY = "output_text", "cancel_key"  # engine outputs besides the statistics
 TEXT_OUTPUT = "text_output"  # the ensemble's text output (from postprocessing)
-ENGINE_OUTPUTS = (Tensor(TEXT, "TYPE_STRING"), Tensor(CANCEL_KEY, "TYPE_STRING")) + tuple(Tensor(s.name, s.dtype) for s in STATS)
+ENGINE_OUTPUTS = (Tensor(TEXT, "TYPE_STRING"), Tensor(CANCEL_KEY, "TYPE_STRING")) + tuple(
+    Tensor(s.name, s.dtype) for s in STATS
+)
 
 
 def _now() -> int:
@@ -168,9 +179,13 @@ class EngineRequest:
 
 
 MAX_STRINGS = 64  # stop_words, bad_words, ... per request: each is matched at every step
-MAX_STRING_CHARS = 1024  # per string: a stop word is held back while it may still match, so it bounds the streaming delay
+MAX_STRING_CHARS = (
+    1024  # per string: a stop word is held back while it may still match, so it bounds the streaming delay
+)
 KINDS = {int: "iub", float: "iuf", bool: "biu"}  # numpy dtype kinds a scalar of each type may arrive as
-CLIENT_NAME = {engine: name for name, engine in ENGINE.items()} | {OUTPUT_LEN: "max_tokens"}  # errors name what the client sent
+CLIENT_NAME = {engine: name for name, engine in ENGINE.items()} | {
+    OUTPUT_LEN: "max_tokens"
+}  # errors name what the client sent
 
 
 def _scalar(get: Getter, name: str, default, kind: type | None = None):
@@ -182,7 +197,9 @@ def _scalar(get: Getter, name: str, default, kind: type | None = None):
     if a.size != 1:
         raise DFlashError(f"{label} must hold one value per request, got shape {list(a.shape)}.")
     if kind is not None and a.dtype.kind not in KINDS[kind]:
-        raise DFlashError(f"{label} must be {'an integer' if kind is int else 'a number' if kind is float else 'a boolean'}, got {a.dtype} data.")
+        raise DFlashError(
+            f"{label} must be {'an integer' if kind is int else 'a number' if kind is float else 'a boolean'}, got {a.dtype} data."
+        )
     value = a.reshape(-1)[0].item()
     return kind(value) if kind is not None else value
 
@@ -199,7 +216,9 @@ def _strings(get: Getter, name: str) -> list[str]:
     except UnicodeDecodeError:
         raise DFlashError(f"{name} is not valid UTF-8.") from None
     if any(len(x) > MAX_STRING_CHARS for x in strings):
-        raise DFlashError(f"{name} holds a string of {max(map(len, strings))} characters; send at most {MAX_STRING_CHARS} per string.")
+        raise DFlashError(
+            f"{name} holds a string of {max(map(len, strings))} characters; send at most {MAX_STRING_CHARS} per string."
+        )
     return strings
 
 
@@ -222,7 +241,11 @@ SCALAR_LIMITS = (
 )
 # Inputs honoured only when absent, empty, empty strings or (weights) zeros.
 EMPTY_LIMITS = (
-    ("decoder_text_input", "it is for encoder-decoder models and DFlash serves a decoder-only target", "leave it empty"),
+    (
+        "decoder_text_input",
+        "it is for encoder-decoder models and DFlash serves a decoder-only target",
+        "leave it empty",
+    ),
     ("bad_words", "the dflash model does not ban words yet", "leave it empty"),
     ("embedding_bias_words", "embedding bias is not implemented by this server", "leave it empty"),
     ("embedding_bias_weights", "embedding bias is not implemented by this server", "leave it empty"),
@@ -275,17 +298,25 @@ def parse_request(get: Getter, *, max_seq_len: int, vocab_rows: int) -> EngineRe
     if ids is None:
         raise DFlashError(f"{INPUT_IDS} is missing; send text_input to the ensemble.")
     if ids.ndim != 2 or ids.shape[0] != 1:
-        raise DFlashError(f"Send one prompt per request (text_input of shape [1, 1]); got a batch of {ids.shape[0] if ids.ndim else 0}.")
+        raise DFlashError(
+            f"Send one prompt per request (text_input of shape [1, 1]); got a batch of {ids.shape[0] if ids.ndim else 0}."
+        )
     if ids.dtype.kind not in "iu" or ids.size == 0:
-        raise DFlashError(f"{INPUT_IDS} must be a non-empty list of integer token ids, got {ids.size} values of {ids.dtype}.")
+        raise DFlashError(
+            f"{INPUT_IDS} must be a non-empty list of integer token ids, got {ids.size} values of {ids.dtype}."
+        )
     if ids.min() < 0 or ids.max() >= vocab_rows:
-        raise DFlashError(f"{INPUT_IDS} must be token ids in 0..{vocab_rows - 1}, got {int(ids.min() if ids.min() < 0 else ids.max())}.")
+        raise DFlashError(
+            f"{INPUT_IDS} must be token ids in 0..{vocab_rows - 1}, got {int(ids.min() if ids.min() < 0 else ids.max())}."
+        )
     max_tokens = _scalar(get, OUTPUT_LEN, 0, int)
     if not 1 <= max_tokens <= max_seq_len:
         raise DFlashError(f"max_tokens must be between 1 and {max_seq_len}, got {max_tokens}.")
     if ids.size + max_tokens > max_seq_len:
-        raise DFlashError(f"The prompt is {ids.size} tokens and max_tokens is {max_tokens}, which exceeds max_seq_len {max_seq_len}; "
-                          f"ask for at most {max(0, max_seq_len - ids.size)} tokens.")
+        raise DFlashError(
+            f"The prompt is {ids.size} tokens and max_tokens is {max_tokens}, which exceeds max_seq_len {max_seq_len}; "
+            f"ask for at most {max(0, max_seq_len - ids.size)} tokens."
+        )
     _check_limits(get)
     end_id = _scalar(get, ENGINE["end_id"], None, int)
     if end_id is not None and not 0 <= end_id < vocab_rows:
@@ -307,7 +338,10 @@ def parse_request(get: Getter, *, max_seq_len: int, vocab_rows: int) -> EngineRe
 
 def response_arrays(text: str, stats: GenerationStats, times: RequestTimes, cancel_key: str) -> dict[str, np.ndarray]:
     """One engine response: the text since the previous response, and running statistics (batch dim first)."""
-    out = {TEXT: np.array([[text.encode("utf-8")]], dtype=np.object_), CANCEL_KEY: np.array([[cancel_key.encode()]], dtype=np.object_)}
+    out = {
+        TEXT: np.array([[text.encode("utf-8")]], dtype=np.object_),
+        CANCEL_KEY: np.array([[cancel_key.encode()]], dtype=np.object_),
+    }
     for s in STATS:
         out[s.name] = np.array([[s.value(stats, times)]], dtype=NUMPY[s.dtype])
     return out
@@ -340,8 +374,19 @@ def pbtxt_values() -> dict[str, str]:
         "engine_output_map": _maps("output_map", [(t.name, "_" + t.name.upper()) for t in ENGINE_OUTPUTS]),
         "postprocessing_inputs": _list(t.pbtxt(post_name(t.name)[0]) for t in ENGINE_OUTPUTS),
         "postprocessing_outputs": _list(
-            Tensor(post_name(t.name)[1], t.dtype, "-1" if t.name == TEXT else t.dims).pbtxt() for t in ENGINE_OUTPUTS if t.name != CANCEL_KEY),
-        "postprocessing_input_map": _maps("input_map", [(post_name(t.name)[0], "_" + t.name.upper()) for t in ENGINE_OUTPUTS]),
-        "postprocessing_output_map": _maps("output_map", [(post_name(t.name)[1], t.name if t.name != TEXT else TEXT_OUTPUT)
-                                                          for t in ENGINE_OUTPUTS if t.name != CANCEL_KEY]),
+            Tensor(post_name(t.name)[1], t.dtype, "-1" if t.name == TEXT else t.dims).pbtxt()
+            for t in ENGINE_OUTPUTS
+            if t.name != CANCEL_KEY
+        ),
+        "postprocessing_input_map": _maps(
+            "input_map", [(post_name(t.name)[0], "_" + t.name.upper()) for t in ENGINE_OUTPUTS]
+        ),
+        "postprocessing_output_map": _maps(
+            "output_map",
+            [
+                (post_name(t.name)[1], t.name if t.name != TEXT else TEXT_OUTPUT)
+                for t in ENGINE_OUTPUTS
+                if t.name != CANCEL_KEY
+            ],
+        ),
     }

@@ -13,10 +13,10 @@ in `benchmarks/bench_engines.py`'s chat set). A first look, not a benchmark (tha
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from .build import BuildOptions, run_build
 from .client import Completion, CompletionRequest, complete
@@ -27,25 +27,31 @@ from .resolve import cache_dir
 from .serve import ServerConfig, TritonServer, stop_all
 
 KINDS = ("chat", "math", "code")
-CHAT_QUESTIONS = ("What are three simple habits that help people sleep better?",
-                  "How do I keep a basil plant healthy on a windowsill?",
-                  "What is a simple way to plan a week of dinners?")
-CODE_STUBS = ('''def running_max(values: list[int]) -> list[int]:
+CHAT_QUESTIONS = (
+    "What are three simple habits that help people sleep better?",
+    "How do I keep a basil plant healthy on a windowsill?",
+    "What is a simple way to plan a week of dinners?",
+)
+CODE_STUBS = (
+    '''def running_max(values: list[int]) -> list[int]:
     """Return a list whose i-th element is the largest of values[0..i].
     >>> running_max([1, 3, 2, 5, 4])
     [1, 3, 3, 5, 5]
     """
-''', '''def second_largest(values: list[int]) -> int:
+''',
+    '''def second_largest(values: list[int]) -> int:
     """Return the second largest distinct value in values.
     >>> second_largest([4, 1, 7, 7, 3])
     4
     """
-''', '''def chunk(items: list[int], size: int) -> list[list[int]]:
+''',
+    '''def chunk(items: list[int], size: int) -> list[list[int]]:
     """Split items into consecutive lists of length size; the last one may be shorter.
     >>> chunk([1, 2, 3, 4, 5], 2)
     [[1, 2], [3, 4], [5]]
     """
-''')
+''',
+)
 
 
 def demo_prompts() -> list[tuple[str, str]]:
@@ -70,6 +76,7 @@ def _pooled(runs: list[Completion]) -> float:
 @dataclass
 class Comparison:
     """One prompt kind's greedy runs on both servers: dflash[i] and baseline[i] answered prompts[i]."""
+
     kind: str
     prompts: list[str]
     dflash: list[Completion]
@@ -122,9 +129,17 @@ def _warm_up(url: str, prompt: str) -> None:
     complete(url, CompletionRequest(prompt, 8))  # the first request pays one-off setup: not timed
 
 
-def run_quickstart(output: Path | None = None, draft: str | None = None, prompt: str | None = None,
-                   max_tokens: int = 96, dtype: str = "auto", compare: bool = True, say: Callable[[str], None] = print,
-                   on_text: Callable[[str], None] = print, rounds: int = 1) -> QuickstartResult:
+def run_quickstart(
+    output: Path | None = None,
+    draft: str | None = None,
+    prompt: str | None = None,
+    max_tokens: int = 96,
+    dtype: str = "auto",
+    compare: bool = True,
+    say: Callable[[str], None] = print,
+    on_text: Callable[[str], None] = print,
+    rounds: int = 1,
+) -> QuickstartResult:
     """Build (or reuse) the DFlash repository, serve it and stream `prompt` (default: `streamed_prompt()`) through
     `on_text`; with `compare`, also build the same repository without a draft (in `<output>-no-draft`), serve both and
     time them on `demo_prompts()`, each `rounds` times."""
@@ -132,7 +147,9 @@ def run_quickstart(output: Path | None = None, draft: str | None = None, prompt:
         raise DFlashError(f"--rounds must be at least 1, got {rounds}.")
     out = Path(output) if output else cache_dir() / "quickstart"
     dtype = resolve_dtype(dtype)
-    result = QuickstartResult(run_build(BuildOptions(output=out, draft=draft, dtype=dtype), progress=say), dtype, rounds)
+    result = QuickstartResult(
+        run_build(BuildOptions(output=out, draft=draft, dtype=dtype), progress=say), dtype, rounds
+    )
     prompts = demo_prompts()
     prompt = prompt or streamed_prompt(prompts)
     with ExitStack() as stack:
@@ -155,11 +172,15 @@ def run_quickstart(output: Path | None = None, draft: str | None = None, prompt:
             _warm_up(url, prompts[0][1])
         _warm_up(urls["baseline"], prompt)  # so both servers hold the streamed prompt in their prefix cache
         rows = {kind: Comparison(kind, [], [], []) for kind in KINDS}
-        say(f"Timing both on {len(prompts)} prompts ({', '.join(KINDS)} taking turns), {max_tokens} tokens each, "
-            f"{rounds} round{'s' if rounds > 1 else ''} (one server then the other, the order alternating)...")
+        say(
+            f"Timing both on {len(prompts)} prompts ({', '.join(KINDS)} taking turns), {max_tokens} tokens each, "
+            f"{rounds} round{'s' if rounds > 1 else ''} (one server then the other, the order alternating)..."
+        )
         for i, (kind, text) in enumerate(prompts * rounds):
-            done = {build: complete(urls[build], CompletionRequest(text, max_tokens))
-                    for build in (("dflash", "baseline") if i % 2 == 0 else ("baseline", "dflash"))}
+            done = {
+                build: complete(urls[build], CompletionRequest(text, max_tokens))
+                for build in (("dflash", "baseline") if i % 2 == 0 else ("baseline", "dflash"))
+            }
             rows[kind].prompts.append(text)
             rows[kind].dflash.append(done["dflash"])
             rows[kind].baseline.append(done["baseline"])
@@ -175,18 +196,32 @@ def comparison_table(result: QuickstartResult) -> str:
     flip a token between the builds)."""
     n = len(result.rows[0].prompts) // result.rounds if result.rows else 0
     runs = f"{n} prompts a kind" + ("" if result.rounds == 1 else f" x {result.rounds} rounds")
-    lines = [f"DFlash vs the same server without a draft ({result.dtype}, batch 1, greedy, {runs}, {cpu_model()}):", "",
-             f"{'prompt':<8}{'DFlash tok/s':>14}{'no draft tok/s':>16}{'speed-up':>10}{'per prompt':>14}{'acceptance':>12}"
-             "  same text", "-" * 84]
+    lines = [
+        f"DFlash vs the same server without a draft ({result.dtype}, batch 1, greedy, {runs}, {cpu_model()}):",
+        "",
+        f"{'prompt':<8}{'DFlash tok/s':>14}{'no draft tok/s':>16}{'speed-up':>10}{'per prompt':>14}{'acceptance':>12}"
+        "  same text",
+        "-" * 84,
+    ]
     for r in result.rows:
-        same = ("yes" if all(d.text == b.text for d, b in zip(r.dflash, r.baseline)) else
-                "no (bf16 near-tie)" if result.dtype == "bf16" else "NO")
+        same = (
+            "yes"
+            if all(d.text == b.text for d, b in zip(r.dflash, r.baseline))
+            else "no (bf16 near-tie)"
+            if result.dtype == "bf16"
+            else "NO"
+        )
         spread = r.prompt_speedups
-        lines.append(f"{r.kind:<8}{r.dflash_tokens_per_second:>14.1f}{r.baseline_tokens_per_second:>16.1f}"
-                     f"{r.speedup:>9.2f}x{f'{min(spread):.2f}-{max(spread):.2f}x':>14}{r.acceptance_length:>12.2f}  {same}")
-    lines += ["", "tok/s: a kind's tokens over its seconds; per prompt: the slowest and fastest prompt's speed-up;",
-              "acceptance: tokens committed per target forward (1.00: the draft never helped).",
-              "Next: `trtdflash chat` talks turn by turn and `trtdflash generate \"...\"` answers once, without a server;",
-              "`trtdflash build --output out/` then `trtdflash serve out/` serves your own build; deploying on GPUs with",
-              "TensorRT-LLM and all measured figures: README.md."]
+        lines.append(
+            f"{r.kind:<8}{r.dflash_tokens_per_second:>14.1f}{r.baseline_tokens_per_second:>16.1f}"
+            f"{r.speedup:>9.2f}x{f'{min(spread):.2f}-{max(spread):.2f}x':>14}{r.acceptance_length:>12.2f}  {same}"
+        )
+    lines += [
+        "",
+        "tok/s: a kind's tokens over its seconds; per prompt: the slowest and fastest prompt's speed-up;",
+        "acceptance: tokens committed per target forward (1.00: the draft never helped).",
+        'Next: `trtdflash chat` talks turn by turn and `trtdflash generate "..."` answers once, without a server;',
+        "`trtdflash build --output out/` then `trtdflash serve out/` serves your own build; deploying on GPUs with",
+        "TensorRT-LLM and all measured figures: README.md.",
+    ]
     return "\n".join(lines)

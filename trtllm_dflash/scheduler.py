@@ -19,7 +19,9 @@ from .generate import Batch, Request
 from .prefix_cache import BLOCK
 
 DONE = object()
-PREFILL_TOKENS = 512  # prompt tokens computed between two steps: a long prompt holds the running rows ~0.5 s at most on a
+PREFILL_TOKENS = (
+    512  # prompt tokens computed between two steps: a long prompt holds the running rows ~0.5 s at most on a
+)
 # 2-core CPU, and one of a few thousand tokens waits a few steps, not one step per 64-token chunk
 
 
@@ -63,7 +65,12 @@ class Handle:
     def put(self, tokens: list[int]) -> None:
         """From the engine thread: new tokens with a copy of the statistics as of them, so the reader's view is consistent."""
         s = self.req.stats
-        self.events.put((tokens, replace(s, accepted_per_position=list(s.accepted_per_position), block_lengths=dict(s.block_lengths))))
+        self.events.put(
+            (
+                tokens,
+                replace(s, accepted_per_position=list(s.accepted_per_position), block_lengths=dict(s.block_lengths)),
+            )
+        )
 
     def tokens(self, poll=None):
         """Yield (token list, statistics as of it) until the request ends; raises its error. `poll()` -> True cancels."""
@@ -95,9 +102,11 @@ class Scheduler:
     def submit(self, req: Request) -> Handle:
         need = len(req.prompt_ids) + req.max_new_tokens + self.batch.block_size
         if need > self.slot_tokens:
-            raise DFlashError(f"This request needs {need} KV-cache positions (prompt {len(req.prompt_ids)} + max_tokens "
-                              f"{req.max_new_tokens} + block {self.batch.block_size}) but a slot holds {self.slot_tokens}; "
-                              "lower max_tokens or shorten the prompt.")
+            raise DFlashError(
+                f"This request needs {need} KV-cache positions (prompt {len(req.prompt_ids)} + max_tokens "
+                f"{req.max_new_tokens} + block {self.batch.block_size}) but a slot holds {self.slot_tokens}; "
+                "lower max_tokens or shorten the prompt."
+            )
         handle = Handle(req)
         with self.cv:
             self.waiting.append(handle)
@@ -150,7 +159,9 @@ class Scheduler:
             while not first and req.prefilled - start + BLOCK <= PREFILL_TOKENS:  # the next chunk still fits
                 first = batch.add(req)
         except Exception as e:  # this request alone fails (a bug or an impossible input); the rest keep running
-            self._finish(handle, e if isinstance(e, DFlashError) else DFlashError(f"internal error: {type(e).__name__}: {e}"))
+            self._finish(
+                handle, e if isinstance(e, DFlashError) else DFlashError(f"internal error: {type(e).__name__}: {e}")
+            )
             return
         if first:
             self.metrics.generated_tokens += len(first)
@@ -174,7 +185,9 @@ class Scheduler:
                 continue
             try:
                 out = batch.step()
-            except Exception as e:  # a failed forward leaves every row of it undefined: they fail, the server keeps serving
+            except (
+                Exception
+            ) as e:  # a failed forward leaves every row of it undefined: they fail, the server keeps serving
                 error = DFlashError(f"internal error: {type(e).__name__}: {e}")
                 for req in rows:
                     self._finish(self.running[req], error)

@@ -66,7 +66,9 @@ def _pytriton_root() -> Path:
 
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise DFlashError("No tritonserver on PATH and nvidia-pytriton is not installed; run `pip install nvidia-pytriton==0.7.0`.")
+        raise DFlashError(
+            "No tritonserver on PATH and nvidia-pytriton is not installed; run `pip install nvidia-pytriton==0.7.0`."
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
 
 
@@ -86,14 +88,22 @@ def locate_tritonserver() -> tuple[Path, Path | None, dict[str, str]]:
     backends = cache_dir() / "triton" / f"backends-py{pyver}-{venv_key}"
     py_backend = backends / "python"
     py_backend.mkdir(parents=True, exist_ok=True)
-    for src in (root / "backends" / "python" / "libtriton_python.so", root / "backends" / "python" / "triton_python_backend_utils.py", stub):
+    for src in (
+        root / "backends" / "python" / "libtriton_python.so",
+        root / "backends" / "python" / "triton_python_backend_utils.py",
+        stub,
+    ):
         link = py_backend / src.name
         if not (link.is_symlink() and os.readlink(link) == str(src)):
             tmp = link.with_name(f".{link.name}.{os.getpid()}")
             tmp.unlink(missing_ok=True)
             tmp.symlink_to(src)
             tmp.replace(link)  # atomic: a concurrent server start never sees a missing file
-    libs = [sysconfig.get_config_var("LIBDIR") or "", str(root.parent.parent / "nvidia_pytriton.libs"), os.environ.get("LD_LIBRARY_PATH", "")]
+    libs = [
+        sysconfig.get_config_var("LIBDIR") or "",
+        str(root.parent.parent / "nvidia_pytriton.libs"),
+        os.environ.get("LD_LIBRARY_PATH", ""),
+    ]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libs if p)
     return root / "bin" / "tritonserver", backends, env
 
@@ -153,39 +163,64 @@ class TritonServer:
     def command(self) -> tuple[list[str], dict[str, str]]:
         binary, backends, env = locate_tritonserver()
         cmd = [
-            str(binary), f"--model-repository={self.repo}",
-            f"--http-address={self.host}", f"--grpc-address={self.host}", f"--metrics-address={self.host}",
-            f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
-            "--disable-auto-complete-config", "--allow-gpu-metrics=false", f"--log-verbose={self.config.log_verbose}",
+            str(binary),
+            f"--model-repository={self.repo}",
+            f"--http-address={self.host}",
+            f"--grpc-address={self.host}",
+            f"--metrics-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--disable-auto-complete-config",
+            "--allow-gpu-metrics=false",
+            f"--log-verbose={self.config.log_verbose}",
         ]
         if backends is not None:
             cmd.append(f"--backend-directory={backends}")
         return cmd, {**os.environ, **server_thread_env(), **env}  # the models' torch threads: see threads.py
 
     def _check_ports(self) -> None:
-        ports = (("--grpc-port", self.grpc_port), ("--http-port", self.http_port), ("--metrics-port", self.metrics_port), ("--openai-port", self.openai_port))
+        ports = (
+            ("--grpc-port", self.grpc_port),
+            ("--http-port", self.http_port),
+            ("--metrics-port", self.metrics_port),
+            ("--openai-port", self.openai_port),
+        )
         for flag, port in ((f, p) for f, p in ports if p is not None):
             with socket.socket() as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is fine, a listener is not
+                sock.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+                )  # as servers do: TIME_WAIT is fine, a listener is not
                 try:
                     sock.bind((self.host, port))
                 except OSError as e:
-                    raise DFlashError(f"Cannot use {self.host}:{port} ({e.strerror}); pick another {flag} or stop what is listening there.") from None
+                    raise DFlashError(
+                        f"Cannot use {self.host}:{port} ({e.strerror}); pick another {flag} or stop what is listening there."
+                    ) from None
 
-    def start(self) -> "TritonServer":
+    def start(self) -> TritonServer:
         self._check_ports()
         cmd, env = self.command()
         self._stopping = False
         with open(self.log_path, "wb") as log:
             # Own session: a Ctrl-C in the terminal reaches us, and we stop the server gracefully.
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=_stop_with_parent)
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_stop_with_parent,
+            )
         try:
             self._wait_ready()
             if self.openai_port is not None:
                 from .openai_server import OpenAIFrontend
 
-                self.frontend = OpenAIFrontend(self.config.build_dir, self.manifest, self.grpc_url, self.host, self.openai_port).start()
+                self.frontend = OpenAIFrontend(
+                    self.config.build_dir, self.manifest, self.grpc_url, self.host, self.openai_port
+                ).start()
         except BaseException:
             self.stop()
             raise
@@ -196,7 +231,9 @@ class TritonServer:
         url = f"http://{self.http_url}/v2/health/ready"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise DFlashError(f"tritonserver exited with code {self.proc.returncode} while starting; see {self.log_path}:\n{self.log_tail()}")
+                raise DFlashError(
+                    f"tritonserver exited with code {self.proc.returncode} while starting; see {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -204,7 +241,9 @@ class TritonServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.25)
-        raise DFlashError(f"tritonserver was not ready after {self.config.startup_timeout:.0f} s; see {self.log_path}:\n{self.log_tail()}")
+        raise DFlashError(
+            f"tritonserver was not ready after {self.config.startup_timeout:.0f} s; see {self.log_path}:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -235,20 +274,24 @@ class TritonServer:
                 self.proc.send_signal(signal.SIGTERM)
                 self._stopping = True
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
     def endpoints(self) -> str:
-        lines = [f"gRPC     {self.grpc_url}  (model '{self.model}', streaming via stream_infer)",
-                 f"HTTP     http://{self.http_url}  (POST /v2/models/{self.model}/generate, /generate_stream)",
-                 f"metrics  {self.metrics_url}"]
+        lines = [
+            f"gRPC     {self.grpc_url}  (model '{self.model}', streaming via stream_infer)",
+            f"HTTP     http://{self.http_url}  (POST /v2/models/{self.model}/generate, /generate_stream)",
+            f"metrics  {self.metrics_url}",
+        ]
         if self.openai_port is not None:
             from .openai_server import model_id
 
-            lines.append(f"OpenAI   {self.openai_url}  (model '{model_id(self.manifest)}': /v1/completions, /v1/chat/completions, /v1/models; /health)")
+            lines.append(
+                f"OpenAI   {self.openai_url}  (model '{model_id(self.manifest)}': /v1/completions, /v1/chat/completions, /v1/models; /health)"
+            )
         return "\n".join(lines + [f"log      {self.log_path}"])
 
 

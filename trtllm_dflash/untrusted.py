@@ -26,19 +26,48 @@ MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 MAX_JSON = 16 << 20  # config.json, index and quantization configs are kilobytes; refuse anything absurd before parsing
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
-    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
 }
 MAX_DIM = 1 << 40
 # Integer config fields: (smallest, largest) allowed. The largest are far above any released model (the biggest
 # have ~130 layers, 262k vocabularies, 25k hidden sizes) and far below what would exhaust memory when building one.
 INT_RANGES = {
-    "hidden_size": (1, 1 << 17), "intermediate_size": (1, 1 << 20), "moe_intermediate_size": (1, 1 << 20),
-    "num_hidden_layers": (1, 1024), "num_attention_heads": (1, 4096), "num_key_value_heads": (1, 4096),
-    "head_dim": (1, 4096), "vocab_size": (1, 1 << 24), "max_position_embeddings": (1, 1 << 27),
-    "num_local_experts": (1, 1 << 14), "num_experts": (1, 1 << 14), "num_experts_per_tok": (1, 1 << 10),
-    "block_size": (1, 4096), "num_target_layers": (1, 1024), "sliding_window": (0, 1 << 27),
+    "hidden_size": (1, 1 << 17),
+    "intermediate_size": (1, 1 << 20),
+    "moe_intermediate_size": (1, 1 << 20),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 4096),
+    "num_key_value_heads": (1, 4096),
+    "head_dim": (1, 4096),
+    "vocab_size": (1, 1 << 24),
+    "max_position_embeddings": (1, 1 << 27),
+    "num_local_experts": (1, 1 << 14),
+    "num_experts": (1, 1 << 14),
+    "num_experts_per_tok": (1, 1 << 10),
+    "block_size": (1, 4096),
+    "num_target_layers": (1, 1024),
+    "sliding_window": (0, 1 << 27),
     "mask_token_id": (0, 1 << 24),
 }
 POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "rope_theta")
@@ -64,8 +93,10 @@ class TensorInfo:
 
 
 def _refuse(path, why: str):
-    raise DFlashError(f"{path} is not a readable safetensors file ({why}); it is truncated or corrupt, so nothing was loaded: "
-                      "export or copy it again.")
+    raise DFlashError(
+        f"{path} is not a readable safetensors file ({why}); it is truncated or corrupt, so nothing was loaded: "
+        "export or copy it again."
+    )
 
 
 def _no_duplicates(pairs):
@@ -91,7 +122,10 @@ def _tensor(name, entry, path) -> TensorInfo:
         _refuse(path, f"gives tensor {name[:80]!r} invalid data offsets")
     bits = math.prod(shape) * DTYPE_BITS[dtype]
     if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
-        _refuse(path, f"says tensor {name[:80]!r} ({dtype} {shape}) takes {offsets[1] - offsets[0]} bytes, which its shape contradicts")
+        _refuse(
+            path,
+            f"says tensor {name[:80]!r} ({dtype} {shape}) takes {offsets[1] - offsets[0]} bytes, which its shape contradicts",
+        )
     return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
 
 
@@ -125,7 +159,9 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
     expected = 0  # tensors must tile the data section: no gaps, no overlaps, nothing after the last
     for name, t in sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)):
         if t.start != expected:
-            _refuse(path, f"has tensor {name[:80]!r} at byte {t.start} where {expected} was expected, a gap or an overlap")
+            _refuse(
+                path, f"has tensor {name[:80]!r} at byte {t.start} where {expected} was expected, a gap or an overlap"
+            )
         expected = t.end
     if expected != size - 8 - n:
         _refuse(path, f"has {size - 8 - n} bytes of tensor data but its header describes {expected}")
@@ -145,7 +181,9 @@ def read_json(path: str | Path, what: str = "config") -> dict:
     try:
         value = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise DFlashError(f"The {what} {path} is not readable JSON ({str(e)[:80]}); re-export the checkpoint.") from None
+        raise DFlashError(
+            f"The {what} {path} is not readable JSON ({str(e)[:80]}); re-export the checkpoint."
+        ) from None
     if not isinstance(value, dict):
         raise DFlashError(f"The {what} {path} is not a JSON object; re-export the checkpoint.")
     return value
@@ -159,15 +197,23 @@ def check_config_values(config: dict, where: str | Path) -> None:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise DFlashError(f"{where} sets {scope}{key} to {json.dumps(value)[:40]}, outside {lo}..{hi}; the config is corrupt.")
+                raise DFlashError(
+                    f"{where} sets {scope}{key} to {json.dumps(value)[:40]}, outside {lo}..{hi}; the config is corrupt."
+                )
         for key in POSITIVE_FLOATS:
             value = cfg.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
-                raise DFlashError(f"{where} sets {scope}{key} to {json.dumps(value)[:40]}; it must be a positive finite number.")
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
+            ):
+                raise DFlashError(
+                    f"{where} sets {scope}{key} to {json.dumps(value)[:40]}; it must be a positive finite number."
+                )
         for key in ("layer_types", "target_layer_ids"):
             value = cfg.get(key)
             if value is not None and (not isinstance(value, list) or len(value) > MAX_LIST):
-                raise DFlashError(f"{where} sets {scope}{key} to something other than a list of at most {MAX_LIST} entries.")
+                raise DFlashError(
+                    f"{where} sets {scope}{key} to something other than a list of at most {MAX_LIST} entries."
+                )
         ids = cfg.get("target_layer_ids") or []
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1024 for i in ids):
             raise DFlashError(f"{where} has {scope}target_layer_ids outside 0..1023; the config is corrupt.")
@@ -178,13 +224,17 @@ def inside(path: str | Path, root: str | Path) -> Path:
     or resolves (through symlinks) outside `root`."""
     root = Path(root).resolve()
     if not isinstance(path, str) or not path or "\0" in path:
-        raise DFlashError(f"A path in the files of {root} is not a non-empty string ({str(path)[:60]!r}); they were edited or are corrupt.")
+        raise DFlashError(
+            f"A path in the files of {root} is not a non-empty string ({str(path)[:60]!r}); they were edited or are corrupt."
+        )
     rel = Path(path)
     if rel.is_absolute() or ".." in rel.parts:
         raise DFlashError(f"The path {path[:120]!r} in the files of {root} leaves that directory; it was refused.")
     full = (root / rel).resolve()
     if not full.is_relative_to(root):
-        raise DFlashError(f"The path {path[:120]!r} in the files of {root} resolves to {full}, outside that directory; it was refused.")
+        raise DFlashError(
+            f"The path {path[:120]!r} in the files of {root} resolves to {full}, outside that directory; it was refused."
+        )
     return root / rel
 
 
@@ -199,11 +249,15 @@ def check_links(model_dir: Path) -> None:
     """Every symlink under the directory resolves inside it (a checkpoint cannot make us read /etc/shadow), and every
     entry is a regular file or a directory (a FIFO or a device named like a weight file would block or never end)."""
     root = link_root(model_dir)
-    for dirpath, dirnames, filenames in os.walk(model_dir):  # followlinks=False: linked directories are checked, not entered
+    for dirpath, dirnames, filenames in os.walk(
+        model_dir
+    ):  # followlinks=False: linked directories are checked, not entered
         for name in dirnames + filenames:
             p = Path(dirpath) / name
             if p.is_symlink() and not p.resolve().is_relative_to(root):
-                raise DFlashError(f"{p} is a symlink to {os.readlink(p)}, outside the model directory {model_dir}; it was refused.")
+                raise DFlashError(
+                    f"{p} is a symlink to {os.readlink(p)}, outside the model directory {model_dir}; it was refused."
+                )
             try:
                 mode = p.stat().st_mode
             except OSError:
@@ -230,7 +284,9 @@ def check_checkpoint_dir(path: str | Path, what: str = "Checkpoint") -> None:
             raise DFlashError(f"The shard index {index} has no weight_map object; re-export the checkpoint.")
         for shard in set(weight_map.values()):
             if not str(shard).endswith(".safetensors") or not inside(shard, path).is_file():
-                raise DFlashError(f"The shard index {index} names {str(shard)[:120]!r}, which is not a safetensors file in {path}.")
+                raise DFlashError(
+                    f"The shard index {index} names {str(shard)[:120]!r}, which is not a safetensors file in {path}."
+                )
             weights.add(path / shard)
     for name in ("hf_quant_config.json", "quantization.json"):
         if (path / name).is_file():
@@ -238,8 +294,10 @@ def check_checkpoint_dir(path: str | Path, what: str = "Checkpoint") -> None:
     if not weights:
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
-            raise DFlashError(f"{what} {path} holds pickle weights ({', '.join(pickles[:3])}); only safetensors are loaded, because "
-                              "pickles can run code: convert it with safetensors.torch.save_file first.")
+            raise DFlashError(
+                f"{what} {path} holds pickle weights ({', '.join(pickles[:3])}); only safetensors are loaded, because "
+                "pickles can run code: convert it with safetensors.torch.save_file first."
+            )
         raise DFlashError(f"{what} {path} has no *.safetensors weights.")
     for w in sorted(weights):
         read_safetensors_header(w)
@@ -253,4 +311,6 @@ def read_hf_config(path: str | Path, what: str = "Target"):
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, *CONFIG_ERRORS) as e:
-        raise DFlashError(f"{what} {path} has a config transformers cannot read without custom code ({one_line(e)}).") from None
+        raise DFlashError(
+            f"{what} {path} has a config transformers cannot read without custom code ({one_line(e)})."
+        ) from None

@@ -8,7 +8,9 @@ from .config import DraftConfig
 from .errors import DFlashError
 
 
-def validate_pair(draft: DraftConfig, *, hidden_size: int, num_layers: int, vocab_rows: int, rope_parameters: dict) -> None:
+def validate_pair(
+    draft: DraftConfig, *, hidden_size: int, num_layers: int, vocab_rows: int, rope_parameters: dict
+) -> None:
     """Raise DFlashError with one sentence for the first mismatch; the target is described by plain facts."""
     if draft.hidden_size != hidden_size:
         raise DFlashError(
@@ -16,12 +18,18 @@ def validate_pair(draft: DraftConfig, *, hidden_size: int, num_layers: int, voca
             "a DFlash draft must be trained for this target (it shares its embedding and LM head)."
         )
     if draft.vocab_size != vocab_rows:
-        raise DFlashError(f"The draft's vocab size {draft.vocab_size} differs from the target's {vocab_rows} embedding rows; use a draft trained for this target.")
+        raise DFlashError(
+            f"The draft's vocab size {draft.vocab_size} differs from the target's {vocab_rows} embedding rows; use a draft trained for this target."
+        )
     bad = [i for i in draft.target_layer_ids if not 0 <= i < num_layers]
     if bad:
-        raise DFlashError(f"The draft taps target layers {bad}, but the target has only layers 0..{num_layers - 1}; use a draft trained for this target.")
+        raise DFlashError(
+            f"The draft taps target layers {bad}, but the target has only layers 0..{num_layers - 1}; use a draft trained for this target."
+        )
     if not 0 <= draft.mask_token_id < vocab_rows:
-        raise DFlashError(f"The draft's mask_token_id {draft.mask_token_id} is not a row of the target's embedding (0..{vocab_rows - 1}).")
+        raise DFlashError(
+            f"The draft's mask_token_id {draft.mask_token_id} is not a row of the target's embedding (0..{vocab_rows - 1})."
+        )
     t_theta = float(rope_parameters.get("rope_theta", 1e4))
     t_type = rope_parameters.get("rope_type", "default")
     d_type = draft.rope_parameters.get("rope_type", "default")
@@ -41,5 +49,7 @@ def validate_block_size(block_size: int | None, draft: DraftConfig | None) -> in
     if block_size < 1:
         raise DFlashError(f"--block-size must be at least 1, got {block_size}.")
     if draft is not None and block_size > draft.block_size:
-        raise DFlashError(f"--block-size {block_size} exceeds the draft's trained block size {draft.block_size}; use at most {draft.block_size}.")
+        raise DFlashError(
+            f"--block-size {block_size} exceeds the draft's trained block size {draft.block_size}; use at most {draft.block_size}."
+        )
     return block_size

@@ -13,11 +13,19 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_cpu_half_passes_every_check(target_dir, tmp_path):
-    rows = run_check(CheckOptions(tmp_path / "check", engine="embedded", target=str(target_dir), draft="smollm2-135m",
-                                  max_tokens=24), progress=lambda m: None)
+    rows = run_check(
+        CheckOptions(
+            tmp_path / "check", engine="embedded", target=str(target_dir), draft="smollm2-135m", max_tokens=24
+        ),
+        progress=lambda m: None,
+    )
     # the local target's one untested combination (KV block reuse) is tried as an opt-in pair, then the default pair
-    assert [(r.variant, r.path) for r in rows] == [("opt-in block-reuse, no draft", "triton"), ("opt-in block-reuse", "triton"),
-                                                  ("default, no draft", "triton"), ("default", "triton")]
+    assert [(r.variant, r.path) for r in rows] == [
+        ("opt-in block-reuse, no draft", "triton"),
+        ("opt-in block-reuse", "triton"),
+        ("default, no draft", "triton"),
+        ("default", "triton"),
+    ]
     assert all(r.passed for r in rows), table(rows)
     dflash = rows[-1]
     assert dflash.checks == {"greedy": True, "tau > 1": True, "counts": True, "finish": True, "cancel": True}

@@ -30,24 +30,39 @@ def container(tmp_path_factory):
     root = tmp_path_factory.mktemp("container")
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pins = [f"{name}=={version(name)}" for name in CONTAINER_PACKAGES] + [f"nvidia-pytriton=={version('nvidia-pytriton')}"]
+    pins = [f"{name}=={version(name)}" for name in CONTAINER_PACKAGES] + [
+        f"nvidia-pytriton=={version('nvidia-pytriton')}"
+    ]
     subprocess.run([str(venv / "bin/pip"), "install", "-q", *pins], check=True, capture_output=True)
-    assert subprocess.run([str(venv / "bin/python"), "-c", "import trtllm_dflash"], cwd=root, capture_output=True).returncode != 0
+    assert (
+        subprocess.run(
+            [str(venv / "bin/python"), "-c", "import trtllm_dflash"], cwd=root, capture_output=True
+        ).returncode
+        != 0
+    )
     pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
     site = venv / f"lib/python{pyver}/site-packages"
     triton = site / "pytriton/tritonserver"
     backends = root / "backends/python"  # laid out as /opt/tritonserver/backends/python in the container
     backends.mkdir(parents=True)
-    for src in (triton / "backends/python/libtriton_python.so", triton / "backends/python/triton_python_backend_utils.py",
-                triton / f"python_backend_stubs/{pyver}/triton_python_backend_stub"):
+    for src in (
+        triton / "backends/python/libtriton_python.so",
+        triton / "backends/python/triton_python_backend_utils.py",
+        triton / f"python_backend_stubs/{pyver}/triton_python_backend_stub",
+    ):
         (backends / src.name).symlink_to(src)
     bin_dir = root / "bin"
     bin_dir.mkdir()
-    libdir = subprocess.run([str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"],
-                            check=True, capture_output=True, text=True).stdout.strip()
+    libdir = subprocess.run(
+        [str(venv / "bin/python"), "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     (bin_dir / "tritonserver").write_text(
         f"#!/bin/sh\nexport LD_LIBRARY_PATH={libdir}:{site / 'nvidia_pytriton.libs'}\n"
-        f"exec {triton / 'bin/tritonserver'} --backend-directory={backends.parent} --allow-gpu-metrics=false \"$@\"\n")
+        f'exec {triton / "bin/tritonserver"} --backend-directory={backends.parent} --allow-gpu-metrics=false "$@"\n'
+    )
     (bin_dir / "tritonserver").chmod(0o755)
     return {"PATH": f"{bin_dir}:{venv / 'bin'}:/usr/bin:/bin", "HOME": str(root)}
 
@@ -55,8 +70,18 @@ def container(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deployment(target_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("deploy") / "smollm2-trtllm"
-    return run_build(BuildOptions(output=out, target=str(target_dir), draft="smollm2-135m", backend="trtllm", block_size=BLOCK,
-                                  max_seq_len=256, max_batch_size=2), progress=lambda m: None)
+    return run_build(
+        BuildOptions(
+            output=out,
+            target=str(target_dir),
+            draft="smollm2-135m",
+            backend="trtllm",
+            block_size=BLOCK,
+            max_seq_len=256,
+            max_batch_size=2,
+        ),
+        progress=lambda m: None,
+    )
 
 
 def test_launch_sh_serves_the_deployment_without_the_package(container, deployment, tmp_path, target_dir):
@@ -64,8 +89,9 @@ def test_launch_sh_serves_the_deployment_without_the_package(container, deployme
     env = {**container, **{k: str(v) for k, v in ports.items()}, "TRTDFLASH_LLM_ENGINE": "embedded"}
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
-        server = subprocess.Popen(["./launch.sh"], cwd=deployment, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            ["./launch.sh"], cwd=deployment, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -82,8 +108,18 @@ def test_launch_sh_serves_the_deployment_without_the_package(container, deployme
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(60)
-    engine = DFlashEngine.load(str(target_dir), "smollm2-135m", dtype="bf16", block_size=BLOCK, speculation="fixed", lookup=False,
-                               progress=lambda m: None)
+    engine = DFlashEngine.load(
+        str(target_dir),
+        "smollm2-135m",
+        dtype="bf16",
+        block_size=BLOCK,
+        speculation="fixed",
+        lookup=False,
+        progress=lambda m: None,
+    )
     reference = engine.generate(PROMPT, max_new_tokens=MAX_TOKENS)
     assert done.text == reference.text and done.num_tokens == reference.stats.num_tokens
-    assert (done.drafted_tokens, done.accepted_tokens) == (reference.stats.drafted_tokens, reference.stats.accepted_tokens)
+    assert (done.drafted_tokens, done.accepted_tokens) == (
+        reference.stats.drafted_tokens,
+        reference.stats.accepted_tokens,
+    )

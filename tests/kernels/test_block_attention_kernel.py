@@ -9,9 +9,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from trtllm_dflash.plugins.block_attention import block_attention as triton_block_attention  # noqa: E402
+from trtllm_dflash.plugins.block_attention import launch_config
 
 from trtllm_dflash.kernels import block_attention_reference  # noqa: E402
-from trtllm_dflash.plugins.block_attention import block_attention as triton_block_attention, launch_config  # noqa: E402
 
 # (label, b, nh, nkv, Q, hd, C, ctx_lens, causal, window)
 CASES = [
@@ -31,8 +32,14 @@ def make(b, nh, nkv, q, hd, c, lens, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     # q as the draft produces it: a transposed (non-contiguous) view, so strides are exercised.
-    return (rnd(b, q, nh, hd).transpose(1, 2), rnd(b, nkv, q, hd), rnd(b, nkv, q, hd), rnd(b, nkv, c, hd), rnd(b, nkv, c, hd),
-            torch.tensor(lens, dtype=torch.int32))
+    return (
+        rnd(b, q, nh, hd).transpose(1, 2),
+        rnd(b, nkv, q, hd),
+        rnd(b, nkv, q, hd),
+        rnd(b, nkv, c, hd),
+        rnd(b, nkv, c, hd),
+        torch.tensor(lens, dtype=torch.int32),
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -59,7 +66,7 @@ def test_bf16_within_the_rounding_bound(case):
     assert out.dtype == torch.bfloat16
     exact = block_attention_reference(*(a.float() if a.is_floating_point() else a for a in args), causal, window)
     v_max = max(args[2].float().abs().max(), args[4].float().abs().max())
-    bound = 2.0 ** -8 * (exact.abs() + v_max) + 1e-3
+    bound = 2.0**-8 * (exact.abs() + v_max) + 1e-3
     assert ((out.float() - exact).abs() <= bound).all()
     ref_bf16 = block_attention_reference(*args, causal, window).float()
     assert ((ref_bf16 - exact).abs() <= bound).all()
@@ -87,7 +94,7 @@ def test_split_context_in_bf16_within_the_rounding_bound():
     out = triton_block_attention(*args, causal, window or 0, num_splits=3)
     exact = block_attention_reference(*(a.float() if a.is_floating_point() else a for a in args), causal, window)
     v_max = max(args[2].float().abs().max(), args[4].float().abs().max())
-    assert ((out.float() - exact).abs() <= 2.0 ** -8 * (exact.abs() + v_max) + 1e-3).all()
+    assert ((out.float() - exact).abs() <= 2.0**-8 * (exact.abs() + v_max) + 1e-3).all()
 
 
 def test_rows_past_their_length_ignore_the_cache_tail():
@@ -96,8 +103,12 @@ def test_rows_past_their_length_ignore_the_cache_tail():
     ck[0, :, 10:], cv[0, :, 10:] = float("nan"), float("nan")
     out = triton_block_attention(q, k, v, ck, cv, lens, False, 0)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out[:1], block_attention_reference(q[:1], k[:1], v[:1], ck[:1, :, :10], cv[:1, :, :10], lens[:1]),
-                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out[:1],
+        block_attention_reference(q[:1], k[:1], v[:1], ck[:1, :, :10], cv[:1, :, :10], lens[:1]),
+        atol=2e-5,
+        rtol=1e-5,
+    )
 
 
 def test_tiles_respect_tl_dot_minimums():

@@ -17,9 +17,14 @@ from trtllm_dflash.runtime import DFlashEngine
 
 def inputs(b=3, nh=6, nkv=2, q=8, hd=64, c=40, lens=(0, 17, 40)):
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(b, q, nh, hd, generator=g).transpose(1, 2), torch.randn(b, nkv, q, hd, generator=g),
-            torch.randn(b, nkv, q, hd, generator=g), torch.randn(b, nkv, c, hd, generator=g), torch.randn(b, nkv, c, hd, generator=g),
-            torch.tensor(lens))
+    return (
+        torch.randn(b, q, nh, hd, generator=g).transpose(1, 2),
+        torch.randn(b, nkv, q, hd, generator=g),
+        torch.randn(b, nkv, q, hd, generator=g),
+        torch.randn(b, nkv, c, hd, generator=g),
+        torch.randn(b, nkv, c, hd, generator=g),
+        torch.tensor(lens),
+    )
 
 
 class OpCalls(TorchDispatchMode):
@@ -37,7 +42,9 @@ class OpCalls(TorchDispatchMode):
 @pytest.mark.parametrize("causal,window", [(False, None), (True, 5), (False, 100)])
 def test_cpu_op_is_the_reference(causal, window):
     args = inputs()
-    assert torch.equal(kernels.block_attention(*args, causal, window), kernels.block_attention_reference(*args, causal, window))
+    assert torch.equal(
+        kernels.block_attention(*args, causal, window), kernels.block_attention_reference(*args, causal, window)
+    )
 
 
 def test_op_registration_passes_opcheck_and_compiles():
@@ -45,19 +52,24 @@ def test_op_registration_passes_opcheck_and_compiles():
     args = inputs()
     result = torch.library.opcheck(torch.ops.trtdflash.block_attention.default, (*args, True, 7))
     assert set(result.values()) == {"SUCCESS"}, result
-    compiled = torch.compile(lambda *a: kernels.block_attention(*a, causal=True, window=7), fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(
+        lambda *a: kernels.block_attention(*a, causal=True, window=7), fullgraph=True, backend="aot_eager"
+    )
     torch.testing.assert_close(compiled(*args), kernels.block_attention_reference(*args, True, 7))
     with torch._subclasses.FakeTensorMode() as mode:
         fake = torch.ops.trtdflash.block_attention(*(mode.from_tensor(a) for a in args), False, 0)
     assert fake.shape == args[0].shape
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda a: (a[0][:, :5],) + a[1:], "not a multiple"),
-    (lambda a: a[:3] + (a[3][..., :32],) + a[4:], "ctx_k"),
-    (lambda a: a[:5] + (a[5].float(),), "ctx_lens"),
-    (lambda a: (a[0].double(),) + a[1:], "one dtype"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: (a[0][:, :5],) + a[1:], "not a multiple"),
+        (lambda a: a[:3] + (a[3][..., :32],) + a[4:], "ctx_k"),
+        (lambda a: a[:5] + (a[5].float(),), "ctx_lens"),
+        (lambda a: (a[0].double(),) + a[1:], "one dtype"),
+    ],
+)
 def test_bad_shapes_are_one_clear_error(change, message):
     with pytest.raises(DFlashError, match=message):
         kernels.block_attention(*change(inputs()))
@@ -78,11 +90,29 @@ class ComposedDraft(DFlashDraftModel):
             q_pos = torch.arange(n, n + q_len)[None]
             k_pos = torch.arange(n + q_len)[None]
             k_block = torch.cat([torch.full((n,), -1), torch.zeros(q_len, dtype=torch.long)])[None]
-            masks = [None if not (c.layer_is_causal(j) or c.layer_window(j)) else dflash_attention_mask(
-                q_pos, torch.full_like(q_pos, n), torch.zeros_like(q_pos), k_pos, k_block, c.layer_is_causal(j), c.layer_window(j))
-                for j in range(c.num_hidden_layers)]
-            rows.append(self.forward(noise_embedding[i : i + 1], positions[i : i + 1], ctx_k[:, i : i + 1, :, :n],
-                                     ctx_v[:, i : i + 1, :, :n], masks))
+            masks = [
+                None
+                if not (c.layer_is_causal(j) or c.layer_window(j))
+                else dflash_attention_mask(
+                    q_pos,
+                    torch.full_like(q_pos, n),
+                    torch.zeros_like(q_pos),
+                    k_pos,
+                    k_block,
+                    c.layer_is_causal(j),
+                    c.layer_window(j),
+                )
+                for j in range(c.num_hidden_layers)
+            ]
+            rows.append(
+                self.forward(
+                    noise_embedding[i : i + 1],
+                    positions[i : i + 1],
+                    ctx_k[:, i : i + 1, :, :n],
+                    ctx_v[:, i : i + 1, :, :n],
+                    masks,
+                )
+            )
         return torch.cat(rows)
 
 
@@ -113,7 +143,9 @@ def test_ragged_draft_block_matches_the_composed_path(shipped):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("prompt,chat", [("Write a Python function that reverses a string.", True), ("The capital of France is", False)])
+@pytest.mark.parametrize(
+    "prompt,chat", [("Write a Python function that reverses a string.", True), ("The capital of France is", False)]
+)
 def test_greedy_dflash_through_the_op_is_token_identical(target, shipped, prompt, chat):
     """Same tokens and the same acceptance at every draft position, i.e. the same draft proposals each step."""
     draft, composed = shipped
@@ -122,8 +154,13 @@ def test_greedy_dflash_through_the_op_is_token_identical(target, shipped, prompt
     for model in (draft, composed):
         stats = GenerationStats()
         with OpCalls() as seen:
-            tokens = [t for chunk in speculative_stream(target, model, ids, 40, model.config.block_size, SamplingParams(),
-                                                        frozenset(), stats) for t in chunk]
+            tokens = [
+                t
+                for chunk in speculative_stream(
+                    target, model, ids, 40, model.config.block_size, SamplingParams(), frozenset(), stats
+                )
+                for t in chunk
+            ]
         runs.append((tokens, list(stats.accepted_per_position), stats.steps, seen.calls))
     (tokens, accepted, steps, calls), (ref_tokens, ref_accepted, ref_steps, ref_calls) = runs
     assert tokens == ref_tokens and len(tokens) == 40

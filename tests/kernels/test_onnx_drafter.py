@@ -6,8 +6,8 @@ import sys
 
 import onnx
 import torch
-
 from conftest import make_random_draft
+
 from trtllm_dflash import kernels
 from trtllm_dflash.build import draft_engine as de
 from trtllm_dflash.models.checkpoint import load_draft
@@ -19,8 +19,12 @@ def check_graph(path, config):
     assert len(nodes) == config.num_hidden_layers and all(n.domain == "trtdflash" for n in nodes)
     for i, n in enumerate(nodes):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-        assert attrs == {"causal": int(config.layer_is_causal(i)), "window": config.layer_window(i) or 0,
-                         "plugin_namespace": b"trtdflash", "plugin_version": b"1"}
+        assert attrs == {
+            "causal": int(config.layer_is_causal(i)),
+            "window": config.layer_window(i) or 0,
+            "plugin_namespace": b"trtdflash",
+            "plugin_version": b"1",
+        }
 
 
 def logit_error(drafter, session, batch, lens, cap, seed):
@@ -28,8 +32,13 @@ def logit_error(drafter, session, batch, lens, cap, seed):
     g = torch.Generator().manual_seed(seed)
     lens = torch.tensor(lens)
     shape = (c.num_hidden_layers, batch, c.num_key_value_heads, cap, c.head_dim)
-    args = (torch.randn(batch, c.block_size, c.hidden_size, generator=g), lens[:, None] + torch.arange(c.block_size),
-            torch.randn(shape, generator=g), torch.randn(shape, generator=g), lens)
+    args = (
+        torch.randn(batch, c.block_size, c.hidden_size, generator=g),
+        lens[:, None] + torch.arange(c.block_size),
+        torch.randn(shape, generator=g),
+        torch.randn(shape, generator=g),
+        lens,
+    )
     return de.max_abs_error(drafter, session, args)
 
 
@@ -48,8 +57,14 @@ def test_shipped_drafter_round_trips_through_onnxruntime(target_dir, tmp_path):
 
 def test_sliding_window_drafter_carries_its_rules(target, target_dir, tmp_path):
     """A draft with a causal sliding-window layer: the node's attributes carry the rule and the logits still match."""
-    path = make_random_draft(target, tmp_path / "swa", num_layers=2, block_size=8,
-                             layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    path = make_random_draft(
+        target,
+        tmp_path / "swa",
+        num_layers=2,
+        block_size=8,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=6,
+    )
     out = tmp_path / "draft_engine"
     de.write_drafter(path, target_dir, out, 8, progress=lambda m: None)
     drafter = de.Drafter(load_draft(path), de.load_lm_head(target_dir)).eval()
@@ -60,12 +75,36 @@ def test_sliding_window_drafter_carries_its_rules(target, target_dir, tmp_path):
 
 def test_build_draft_engine_without_tensorrt_writes_the_onnx_only(tmp_path):
     """The CLI plans the export step and, with no TensorRT here, says the engine is built on a GPU host."""
-    out = subprocess.run([sys.executable, "-m", "trtllm_dflash.cli", "build", "--output", str(tmp_path / "b"), "--draft-engine",
-                          "--dry-run"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trtllm_dflash.cli",
+            "build",
+            "--output",
+            str(tmp_path / "b"),
+            "--draft-engine",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     assert "draft_onnx" in out.stderr and "TensorRT or a GPU is missing here" in out.stderr
-    bad = subprocess.run([sys.executable, "-m", "trtllm_dflash.cli", "build", "--output", str(tmp_path / "c"), "--draft-engine",
-                          "--no-draft"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trtllm_dflash.cli",
+            "build",
+            "--output",
+            str(tmp_path / "c"),
+            "--draft-engine",
+            "--no-draft",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "--draft-engine" in bad.stderr and "Traceback" not in bad.stderr
 
 

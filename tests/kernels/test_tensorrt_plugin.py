@@ -6,7 +6,6 @@ import sys
 from importlib.metadata import version
 
 import pytest
-
 import trt_standin  # beside this file (pytest puts the folder on sys.path)
 
 PLUGIN_MODULE = "trtllm_dflash.plugins.tensorrt_plugin"

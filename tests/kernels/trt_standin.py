@@ -57,16 +57,35 @@ def install() -> types.ModuleType:
     trt = types.ModuleType("tensorrt")
     trt.__path__ = [folder]
     trt.DataType = _enum("DataType", "FLOAT HALF INT8 INT32 BOOL UINT8 FP8 BF16 INT64 INT4 FP4 E8M0")
-    trt.TensorFormat = _enum("TensorFormat", "LINEAR CHW2 HWC8 CHW4 CHW16 CHW32 DHWC8 CDHW32 HWC DLA_LINEAR DLA_HWC4 HWC16 DHWC")
+    trt.TensorFormat = _enum(
+        "TensorFormat", "LINEAR CHW2 HWC8 CHW4 CHW16 CHW32 DHWC8 CDHW32 HWC DLA_LINEAR DLA_HWC4 HWC16 DHWC"
+    )
     trt.DimensionOperation = _enum("DimensionOperation", "SUM PROD MAX MIN SUB EQUAL LESS FLOOR_DIV CEIL_DIV")
-    trt.PluginFieldType = _enum("PluginFieldType", "FLOAT16 FLOAT32 FLOAT64 INT8 INT16 INT32 CHAR DIMS UNKNOWN BF16 INT64 FP8 INT4 FP4")
+    trt.PluginFieldType = _enum(
+        "PluginFieldType", "FLOAT16 FLOAT32 FLOAT64 INT8 INT16 INT32 CHAR DIMS UNKNOWN BF16 INT64 FP8 INT4 FP4"
+    )
     trt.TensorRTPhase = _enum("TensorRTPhase", "BUILD RUNTIME")
-    trt.QuickPluginCreationRequest = _enum("QuickPluginCreationRequest", "UNKNOWN PREFER_JIT PREFER_AOT STRICT_JIT STRICT_AOT")
-    for name in ("IPluginV3", "IPluginV3QuickCore", "IPluginV3QuickBuild", "IPluginV3QuickRuntime", "IPluginV3QuickAOTBuild",
-                 "IPluginCreatorV3Quick", "ISymExpr", "IDimensionExpr", "ITensor", "PluginTensorDesc", "DynamicPluginTensorDesc"):
+    trt.QuickPluginCreationRequest = _enum(
+        "QuickPluginCreationRequest", "UNKNOWN PREFER_JIT PREFER_AOT STRICT_JIT STRICT_AOT"
+    )
+    for name in (
+        "IPluginV3",
+        "IPluginV3QuickCore",
+        "IPluginV3QuickBuild",
+        "IPluginV3QuickRuntime",
+        "IPluginV3QuickAOTBuild",
+        "IPluginCreatorV3Quick",
+        "ISymExpr",
+        "IDimensionExpr",
+        "ITensor",
+        "PluginTensorDesc",
+        "DynamicPluginTensorDesc",
+    ):
         setattr(trt, name, type(name, (), {"__init__": lambda self, *a, **k: None}))
     trt.Logger, trt.Dims, trt.PluginField, trt.PluginFieldCollection = Logger, Dims, PluginField, list
-    trt.float32, trt.float16, trt.bfloat16, trt.int32, trt.int64 = (trt.DataType[n] for n in ("FLOAT", "HALF", "BF16", "INT32", "INT64"))
+    trt.float32, trt.float16, trt.bfloat16, trt.int32, trt.int64 = (
+        trt.DataType[n] for n in ("FLOAT", "HALF", "BF16", "INT32", "INT64")
+    )
     registry = PluginRegistry()
     trt.get_plugin_registry = lambda: registry
     for name in [n for n in sys.modules if n == "tensorrt" or n.startswith("tensorrt.")]:

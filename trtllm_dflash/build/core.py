@@ -26,17 +26,19 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
 
 from ..atomic import locked, recover, replace_dir
 from ..config import DTYPE_CHOICES, SPECULATION, rope_of
 from ..errors import DFlashError
 from ..models.checkpoint import CARD_FILE, check_draft
-from ..models.draft_ngram import FILE as NGRAM_FILE, read_draft_ngram
-from ..models.draft_vocab import FILE as VOCAB_FILE, read_draft_vocab
+from ..models.draft_ngram import FILE as NGRAM_FILE
+from ..models.draft_ngram import read_draft_ngram
+from ..models.draft_vocab import FILE as VOCAB_FILE
+from ..models.draft_vocab import read_draft_vocab
 from ..prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from ..repository import TEMPLATE_DIR, RepoParams, emit_repository, template_files
 from ..resolve import PRESETS, preset_for, resolve_draft, resolve_target, sha256_file
@@ -47,10 +49,24 @@ BACKENDS = ("torch", "trtllm")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
-CONFIG_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
-                "hf_quant_config.json", "quantization.json")  # the last two: a ModelOpt export (trtdflash convert)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "hf_quant_config.json",
+    "quantization.json",
+)  # the last two: a ModelOpt export (trtdflash convert)
 RUNTIME_OVERHEAD = 600 << 20  # torch + tritonserver + 3 python backend stubs, measured RSS on CPU (rounded up)
 TORCH_MAX_BATCH = 8  # concurrent generations of the embedded backend by default
 CALIB_SAMPLES = 64  # ModelOpt calibration prompts when the build quantizes the target
@@ -81,9 +97,13 @@ class BuildOptions:
     prefix_cache_tokens: int = PREFIX_CACHE_TOKENS  # torch backend: prompt tokens kept for prompts that start alike
     chat_template: bool = True
     force: bool = False  # write a TensorRT-LLM plan that does not fit the GPUs
-    draft_engine: bool = False  # also the ONNX drafter (attention = TensorRT plugin node) and, with TensorRT, its engine
+    draft_engine: bool = (
+        False  # also the ONNX drafter (attention = TensorRT plugin node) and, with TensorRT, its engine
+    )
     trtllm_version: str | None = None  # trtllm: the TensorRT-LLM release whose fields and validators the options meet
-    opt_in: tuple[str, ...] = ()  # trtllm: combinations upstream has not tested with DFlash, taken anyway (recipes.OPT_INS)
+    opt_in: tuple[
+        str, ...
+    ] = ()  # trtllm: combinations upstream has not tested with DFlash, taken anyway (recipes.OPT_INS)
 
     @property
     def resolved_backend(self) -> str:
@@ -121,14 +141,25 @@ class BuildOptions:
 
             release(self.trtllm_version)  # one sentence naming the releases there are
         if self.resolved_backend == "torch":
-            gpu_flags = [f for f, v in (("--gpu", self.gpu), ("--recipe", self.recipe), ("--ep", self.ep),
-                                        ("--trtllm-version", self.trtllm_version)) if v] + (
-                ["--tp"] if (self.tp or 1) > 1 else [])
+            gpu_flags = [
+                f
+                for f, v in (
+                    ("--gpu", self.gpu),
+                    ("--recipe", self.recipe),
+                    ("--ep", self.ep),
+                    ("--trtllm-version", self.trtllm_version),
+                )
+                if v
+            ] + (["--tp"] if (self.tp or 1) > 1 else [])
             if gpu_flags:
-                raise DFlashError(f"The torch backend runs one model copy on one CPU device; {gpu_flags[0]} needs "
-                                  "--backend trtllm (or drop it).")
+                raise DFlashError(
+                    f"The torch backend runs one model copy on one CPU device; {gpu_flags[0]} needs "
+                    "--backend trtllm (or drop it)."
+                )
             if self.quant == "mxfp4":
-                raise DFlashError("The torch backend runs fp8 and nvfp4 checkpoints; for MXFP4 use --backend trtllm (gpt-oss ships it).")
+                raise DFlashError(
+                    "The torch backend runs fp8 and nvfp4 checkpoints; for MXFP4 use --backend trtllm (gpt-oss ships it)."
+                )
 
 
 @dataclass
@@ -173,7 +204,11 @@ class Step:
     def outputs(self, tmp: Path) -> list[PlannedFile]:
         if self.writes is None:
             return self.files
-        return [PlannedFile(str(f.relative_to(tmp)), f.stat().st_size) for f in sorted((tmp / self.writes).rglob("*")) if f.is_file()]
+        return [
+            PlannedFile(str(f.relative_to(tmp)), f.stat().st_size)
+            for f in sorted((tmp / self.writes).rglob("*"))
+            if f.is_file()
+        ]
 
 
 @dataclass
@@ -198,12 +233,21 @@ class Plan:
         s = self.sources
         kv = s.kv_bytes_per_token * s.max_seq_len * self.max_batch_size
         prefix = s.kv_bytes_per_token * self.options.prefix_cache_tokens
-        return {"weights": (s.target_params + s.draft_params) * b, "kv_cache": kv, "prefix_cache": prefix, "runtime": RUNTIME_OVERHEAD,
-                "total": (s.target_params + s.draft_params) * b + kv + prefix + RUNTIME_OVERHEAD}
+        return {
+            "weights": (s.target_params + s.draft_params) * b,
+            "kv_cache": kv,
+            "prefix_cache": prefix,
+            "runtime": RUNTIME_OVERHEAD,
+            "total": (s.target_params + s.draft_params) * b + kv + prefix + RUNTIME_OVERHEAD,
+        }
 
     @property
     def max_batch_size(self) -> int:
-        return self.deployment.recipe.max_batch_size if self.deployment else (self.options.max_batch_size or TORCH_MAX_BATCH)
+        return (
+            self.deployment.recipe.max_batch_size
+            if self.deployment
+            else (self.options.max_batch_size or TORCH_MAX_BATCH)
+        )
 
 
 def _progress_bar(total: int, desc: str):
@@ -250,7 +294,7 @@ def _safetensors_facts(files: list[Path]) -> tuple[int, dict[str, tuple[int, ...
     for f in files:
         try:
             with safe_open(f, "pt") as st:
-                for name in st.keys():
+                for name in st:
                     shape = tuple(st.get_slice(name).get_shape())
                     shapes[name] = shape
                     n += math.prod(shape)
@@ -264,11 +308,15 @@ def resolve_sources(opts: BuildOptions, progress: Callable[[str], None]) -> Sour
     target_dir = resolve_target(opts.target, progress)
     weights = sorted(target_dir.glob("*.safetensors"))
     if not weights:
-        raise DFlashError(f"Target {target_dir} has no *.safetensors weights; only safetensors checkpoints are built (pickles can run code).")
+        raise DFlashError(
+            f"Target {target_dir} has no *.safetensors weights; only safetensors checkpoints are built (pickles can run code)."
+        )
     tok_files = [target_dir / n for n in TOKENIZER_FILES if (target_dir / n).is_file()]
     names = {p.name for p in tok_files}
     if not ({"tokenizer.json", "tokenizer.model"} & names or {"vocab.json", "merges.txt"} <= names):
-        raise DFlashError(f"Target {target_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json + merges.txt); add it to the folder.")
+        raise DFlashError(
+            f"Target {target_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json + merges.txt); add it to the folder."
+        )
     config = read_hf_config(target_dir)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     target_params, shapes = _safetensors_facts(weights)
@@ -297,20 +345,41 @@ def resolve_sources(opts: BuildOptions, progress: Callable[[str], None]) -> Sour
         # guides the server's probes; the other two are checked here, so a bad one fails the build, not the server
         read_draft_vocab(draft_dir, vocab_rows)
         read_draft_ngram(draft_dir, vocab_rows)
-        draft_files = [draft_dir / "config.json"] + draft_weights + [draft_dir / n for n in ("model.safetensors.index.json", CARD_FILE, VOCAB_FILE, NGRAM_FILE)
-                                                              if (draft_dir / n).is_file()]
+        draft_files = (
+            [draft_dir / "config.json"]
+            + draft_weights
+            + [
+                draft_dir / n
+                for n in ("model.safetensors.index.json", CARD_FILE, VOCAB_FILE, NGRAM_FILE)
+                if (draft_dir / n).is_file()
+            ]
+        )
         draft_params, _ = _safetensors_facts(draft_weights)
-        validate_pair(draft_cfg, hidden_size=hidden, num_layers=n_layers, vocab_rows=vocab_rows, rope_parameters=rope_of(text))
+        validate_pair(
+            draft_cfg, hidden_size=hidden, num_layers=n_layers, vocab_rows=vocab_rows, rope_parameters=rope_of(text)
+        )
         kv_per_token += 2 * draft_cfg.num_hidden_layers * draft_cfg.num_key_value_heads * draft_cfg.head_dim * b
     if opts.block_size is not None and opts.block_size > 1 and draft_cfg is None:
         raise DFlashError(f"--block-size {opts.block_size} needs a draft; drop --no-draft or use --block-size 1.")
     block = validate_block_size(opts.block_size, draft_cfg)
     max_seq_len = opts.max_seq_len or max_positions
     if max_seq_len > max_positions:
-        raise DFlashError(f"--max-seq-len {max_seq_len} exceeds the target's context window {max_positions}; use at most {max_positions}.")
+        raise DFlashError(
+            f"--max-seq-len {max_seq_len} exceeds the target's context window {max_positions}; use at most {max_positions}."
+        )
     target_files = [target_dir / n for n in CONFIG_FILES if (target_dir / n).is_file()] + weights + tok_files
-    return Sources(target_dir, draft_dir, target_files, tok_files, draft_files, block, max_seq_len,
-                   target_params, draft_params, kv_per_token)
+    return Sources(
+        target_dir,
+        draft_dir,
+        target_files,
+        tok_files,
+        draft_files,
+        block,
+        max_seq_len,
+        target_params,
+        draft_params,
+        kv_per_token,
+    )
 
 
 def stage_step(name: str, description: str, dest: str, files: list[Path], hashes: dict[str, str]) -> Step:
@@ -329,7 +398,8 @@ def template_step(params: RepoParams) -> Step:
     templates = template_files(params.models())
     template_hashes = {str(t): sha256_file(TEMPLATE_DIR / t) for t in templates}
     return Step(
-        "triton_repo", f"fill the Triton model repository ({', '.join(params.models())})",
+        "triton_repo",
+        f"fill the Triton model repository ({', '.join(params.models())})",
         [PlannedFile(f"triton_repo/{t}", (TEMPLATE_DIR / t).stat().st_size) for t in templates],
         {"values": params.values(), "templates": template_hashes},  # values include the tensor lists of protocol.py
         lambda tmp, progress: emit_repository(tmp / "triton_repo", params),
@@ -339,6 +409,7 @@ def template_step(params: RepoParams) -> Step:
 
 def text_step(name: str, description: str, files: dict[str, str], executable: tuple[str, ...] = ()) -> Step:
     """Generated text files, rendered at plan time (so --dry-run shows their sizes and the key covers their content)."""
+
     def run(tmp: Path, progress):
         for rel, text in files.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -352,30 +423,78 @@ def text_step(name: str, description: str, files: dict[str, str], executable: tu
 def target_steps(src: Sources, quant: str | None, hashes: dict[str, str]) -> list[Step]:
     """checkpoints/target (staged, or quantized with ModelOpt when `quant` asks for a format it is not in) + tokenizer."""
     if quant is None:
-        first = stage_step("target_checkpoint", "stage the target HF checkpoint (hard links)", "checkpoints/target", src.target_files, hashes)
+        first = stage_step(
+            "target_checkpoint",
+            "stage the target HF checkpoint (hard links)",
+            "checkpoints/target",
+            src.target_files,
+            hashes,
+        )
     else:
+
         def run(tmp: Path, progress):
             from ..convert import ConvertOptions, convert_checkpoint
 
-            convert_checkpoint(ConvertOptions(model=str(src.target_dir), quant=quant, output=tmp / "checkpoints/target",
-                                              calib_samples=CALIB_SAMPLES), progress)
+            convert_checkpoint(
+                ConvertOptions(
+                    model=str(src.target_dir),
+                    quant=quant,
+                    output=tmp / "checkpoints/target",
+                    calib_samples=CALIB_SAMPLES,
+                ),
+                progress,
+            )
 
-        first = Step("quantize_target", f"quantize the target to {quant} with ModelOpt (trtdflash convert; {CALIB_SAMPLES} GSM8K "
-                     "calibration samples)", [], {"sources": {str(p): hashes[str(p)] for p in src.target_files}, "quant": quant,
-                                                  "calib_samples": CALIB_SAMPLES, "versions": _versions()}, run, writes="checkpoints/target")
-    return [first, stage_step("tokenizer", "stage the tokenizer for pre/postprocessing", "tokenizer", src.tokenizer_files, hashes)]
+        first = Step(
+            "quantize_target",
+            f"quantize the target to {quant} with ModelOpt (trtdflash convert; {CALIB_SAMPLES} GSM8K "
+            "calibration samples)",
+            [],
+            {
+                "sources": {str(p): hashes[str(p)] for p in src.target_files},
+                "quant": quant,
+                "calib_samples": CALIB_SAMPLES,
+                "versions": _versions(),
+            },
+            run,
+            writes="checkpoints/target",
+        )
+    return [
+        first,
+        stage_step("tokenizer", "stage the tokenizer for pre/postprocessing", "tokenizer", src.tokenizer_files, hashes),
+    ]
 
 
 def _torch_steps(opts: BuildOptions, src: Sources, hashes: dict[str, str]) -> list[Step]:
     steps = target_steps(src, opts.quant if opts.quant not in (None, "none") else None, hashes)
     if src.draft_dir is not None:
-        steps.append(stage_step("draft_checkpoint", "stage the DFlash draft (z-lab format)", "checkpoints/draft", src.draft_files, hashes))
-    steps.append(template_step(RepoParams(
-        max_batch_size=opts.max_batch_size or TORCH_MAX_BATCH, max_seq_len=src.max_seq_len, block_size=src.block_size, dtype=opts.dtype,
-        target_dir="../../checkpoints/target", draft_dir="../../checkpoints/draft" if src.draft_dir else "",
-        tokenizer_dir="../../tokenizer", apply_chat_template=opts.chat_template, speculation=opts.speculation,
-        lookup=opts.lookup, int8_draft=opts.int8_draft, prefix_cache_tokens=opts.prefix_cache_tokens,
-    )))
+        steps.append(
+            stage_step(
+                "draft_checkpoint",
+                "stage the DFlash draft (z-lab format)",
+                "checkpoints/draft",
+                src.draft_files,
+                hashes,
+            )
+        )
+    steps.append(
+        template_step(
+            RepoParams(
+                max_batch_size=opts.max_batch_size or TORCH_MAX_BATCH,
+                max_seq_len=src.max_seq_len,
+                block_size=src.block_size,
+                dtype=opts.dtype,
+                target_dir="../../checkpoints/target",
+                draft_dir="../../checkpoints/draft" if src.draft_dir else "",
+                tokenizer_dir="../../tokenizer",
+                apply_chat_template=opts.chat_template,
+                speculation=opts.speculation,
+                lookup=opts.lookup,
+                int8_draft=opts.int8_draft,
+                prefix_cache_tokens=opts.prefix_cache_tokens,
+            )
+        )
+    )
     return steps
 
 
@@ -400,19 +519,31 @@ def make_plan(opts: BuildOptions, progress: Callable[[str], None] = print) -> Pl
         deployment, src = trtllm_backend.plan_deployment(opts, progress, resolve_sources)
         hashes = _hash_sources(src, progress)
         steps = trtllm_backend.steps(opts, deployment, src, hashes)
-        return Plan(opts, src, steps + _draft_engine_steps(opts, src, hashes, deployment.recipe.max_batch_size, progress), hashes, deployment)
+        return Plan(
+            opts,
+            src,
+            steps + _draft_engine_steps(opts, src, hashes, deployment.recipe.max_batch_size, progress),
+            hashes,
+            deployment,
+        )
     if not Path(opts.target).expanduser().is_dir() and preset_for(opts.target) is None:
         from .recipes import presets
 
-        raise DFlashError(f"Unknown target {opts.target!r}: it is neither a local directory, an embedded preset ({', '.join(PRESETS)}) "
-                          f"nor a GPU preset ({', '.join(presets())}); models are never downloaded at build time.")
+        raise DFlashError(
+            f"Unknown target {opts.target!r}: it is neither a local directory, an embedded preset ({', '.join(PRESETS)}) "
+            f"nor a GPU preset ({', '.join(presets())}); models are never downloaded at build time."
+        )
     src = resolve_sources(opts, progress)
     hashes = _hash_sources(src, progress)
-    steps = _torch_steps(opts, src, hashes) + _draft_engine_steps(opts, src, hashes, opts.max_batch_size or TORCH_MAX_BATCH, progress)
+    steps = _torch_steps(opts, src, hashes) + _draft_engine_steps(
+        opts, src, hashes, opts.max_batch_size or TORCH_MAX_BATCH, progress
+    )
     return Plan(opts, src, steps, hashes)
 
 
-def _draft_engine_steps(opts: BuildOptions, src: Sources | None, hashes: dict[str, str], max_batch: int, progress) -> list[Step]:
+def _draft_engine_steps(
+    opts: BuildOptions, src: Sources | None, hashes: dict[str, str], max_batch: int, progress
+) -> list[Step]:
     if not opts.draft_engine:
         return []
     from . import draft_engine
@@ -422,7 +553,15 @@ def _draft_engine_steps(opts: BuildOptions, src: Sources | None, hashes: dict[st
 
 def _versions() -> dict[str, str]:
     out = {}
-    for pkg in ("trtllm-dflash", "torch", "transformers", "tokenizers", "safetensors", "nvidia-pytriton", "tritonclient"):
+    for pkg in (
+        "trtllm-dflash",
+        "torch",
+        "transformers",
+        "tokenizers",
+        "safetensors",
+        "nvidia-pytriton",
+        "tritonclient",
+    ):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -446,14 +585,17 @@ def _header(plan: Plan) -> list[str]:
         return [
             f"Build plan -> {o.output} (backend trtllm, recipe {r.id}: {r.num_gpus} x {r.gpu.upper()}, tp {p.tp}, pp {p.pp}, "
             f"ep {p.ep}, attention-dp {'on' if p.attention_dp else 'off'}, quant {r.quant}, KV cache {r.kv_cache_dtype})",
-            f"  target  {r.weights if not d.local else s.target_dir}" + ("" if d.local else "  (fetched on the GPU host)"),
-            f"  draft   {d.draft_ref or 'none (autoregressive)'}" + (f", {r.max_draft_len} draft tokens per step" if d.draft_ref else ""),
+            f"  target  {r.weights if not d.local else s.target_dir}"
+            + ("" if d.local else "  (fetched on the GPU host)"),
+            f"  draft   {d.draft_ref or 'none (autoregressive)'}"
+            + (f", {r.max_draft_len} draft tokens per step" if d.draft_ref else ""),
             f"  max_batch_size {r.max_batch_size}, max_seq_len {r.max_seq_len}, max_num_tokens {r.max_num_tokens}",
         ]
     return [
         f"Build plan -> {o.output} (backend torch, dtype {o.dtype})",
         f"  target  {s.target_dir} ({s.target_params / 1e6:.1f}M params)",
-        f"  draft   {s.draft_dir or 'none (autoregressive)'}" + (f" ({s.draft_params / 1e6:.1f}M params)" if s.draft_dir else ""),
+        f"  draft   {s.draft_dir or 'none (autoregressive)'}"
+        + (f" ({s.draft_params / 1e6:.1f}M params)" if s.draft_dir else ""),
         f"  block size {s.block_size}, max_seq_len {s.max_seq_len}, max_batch_size {plan.max_batch_size}",
     ]
 
@@ -461,8 +603,11 @@ def _header(plan: Plan) -> list[str]:
 def describe(plan: Plan) -> str:
     """Human-readable plan for --dry-run."""
     s = plan.sources
-    what = "target, draft and tokenizer fit together" if plan.deployment is None else \
-        "recipe, parallel layout, draft vs target, memory plan and every LLM-API option"
+    what = (
+        "target, draft and tokenizer fit together"
+        if plan.deployment is None
+        else "recipe, parallel layout, draft vs target, memory plan and every LLM-API option"
+    )
     lines = _header(plan) + ["Steps:", f"  1. resolve_and_validate: {what} (done)"]
     for i, step in enumerate(plan.steps, 2):
         lines.append(f"  {i}. {step.name}: {step.description} [{_fmt(sum(f.size for f in step.files))}]")
@@ -487,18 +632,32 @@ def _sources_manifest(plan: Plan) -> dict:
         return {"target": {"hf_id": d.target_ref}, "draft": None if d.draft_ref is None else {"hf_id": d.draft_ref}}
     return {
         "target": {"path": str(s.target_dir), "files": {p.name: plan.hashes[str(p)] for p in s.target_files}},
-        "draft": None if s.draft_dir is None else {"path": str(s.draft_dir), "files": {p.name: plan.hashes[str(p)] for p in s.draft_files}},
+        "draft": None
+        if s.draft_dir is None
+        else {"path": str(s.draft_dir), "files": {p.name: plan.hashes[str(p)] for p in s.draft_files}},
     }
 
 
 def _resolved(plan: Plan) -> dict:
     if plan.deployment is None:
         s = plan.sources
-        return {"block_size": s.block_size, "max_seq_len": s.max_seq_len, "memory_estimate_bytes": plan.memory_estimate()}
+        return {
+            "block_size": s.block_size,
+            "max_seq_len": s.max_seq_len,
+            "memory_estimate_bytes": plan.memory_estimate(),
+        }
     r, m = plan.deployment.recipe, plan.deployment.memory
-    return {"recipe": r.id, "gpu": r.gpu, "num_gpus": r.num_gpus, "block_size": r.max_draft_len + 1, "max_seq_len": r.max_seq_len,
-            "max_batch_size": r.max_batch_size, "memory_plan_bytes_per_gpu": plan.memory_estimate(), "fits": m.fits,
-            "max_batch_size_that_fits": m.max_batch_size_that_fits}
+    return {
+        "recipe": r.id,
+        "gpu": r.gpu,
+        "num_gpus": r.num_gpus,
+        "block_size": r.max_draft_len + 1,
+        "max_seq_len": r.max_seq_len,
+        "max_batch_size": r.max_batch_size,
+        "memory_plan_bytes_per_gpu": plan.memory_estimate(),
+        "fits": m.fits,
+        "max_batch_size_that_fits": m.max_batch_size_that_fits,
+    }
 
 
 def _read_manifest(out: Path) -> dict | None:
@@ -513,16 +672,24 @@ def _read_manifest(out: Path) -> dict | None:
         raise DFlashError(f"{out / MANIFEST} is damaged or was edited ({why}); delete {out} and build it again.")
 
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        damaged(f"format {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {MANIFEST_FORMAT}")
+        damaged(
+            f"format {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {MANIFEST_FORMAT}"
+        )
     serve, steps = manifest.get("serve"), manifest.get("steps")
     resolved, options = manifest.get("resolved"), manifest.get("options")
     if not isinstance(serve, dict) or not isinstance(serve.get("model"), str):
         damaged("serve.model is missing")
-    if not (isinstance(resolved, dict) and isinstance(resolved.get("max_seq_len"), int)
-            and isinstance(options, dict) and isinstance(options.get("target"), str)):
+    if not (
+        isinstance(resolved, dict)
+        and isinstance(resolved.get("max_seq_len"), int)
+        and isinstance(options, dict)
+        and isinstance(options.get("target"), str)
+    ):
         damaged("resolved.max_seq_len or options.target is missing")
     inside(serve.get("model_repository"), out)
-    if not isinstance(steps, dict) or not all(isinstance(s, dict) and isinstance(s.get("outputs"), dict) for s in steps.values()):
+    if not isinstance(steps, dict) or not all(
+        isinstance(s, dict) and isinstance(s.get("outputs"), dict) for s in steps.values()
+    ):
         damaged("steps are malformed")
     for step in steps.values():
         for rel, meta in step["outputs"].items():
@@ -537,8 +704,9 @@ def _reusable(step: Step, old: dict | None, out: Path) -> bool:
     prev = (old or {}).get("steps", {}).get(step.name)
     if not prev or prev.get("key") != step.key:
         return False
-    return all((out / rel).is_file() and (out / rel).stat().st_size == meta["size"] for rel, meta in prev["outputs"].items()) and all(
-        (out / rel).is_dir() for rel in step.dirs)
+    return all(
+        (out / rel).is_file() and (out / rel).stat().st_size == meta["size"] for rel, meta in prev["outputs"].items()
+    ) and all((out / rel).is_dir() for rel in step.dirs)
 
 
 def run_build(opts: BuildOptions, progress: Callable[[str], None] = print, dry_run: bool = False) -> Path:
@@ -561,14 +729,24 @@ def run_build(opts: BuildOptions, progress: Callable[[str], None] = print, dry_r
 def _build(opts: BuildOptions, out: Path, progress: Callable[[str], None], dry_run: bool) -> Path:
     old = _read_manifest(out) if out.is_dir() else None
     if out.is_dir() and old is None and any(out.iterdir()):
-        raise DFlashError(f"--output {out} exists and is not a trtdflash build (no {MANIFEST}); pick a new directory or remove it.")
+        raise DFlashError(
+            f"--output {out} exists and is not a trtdflash build (no {MANIFEST}); pick a new directory or remove it."
+        )
     plan = make_plan(opts, progress)
     if dry_run:
         progress(describe(plan))
         return out
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(plan.options).items()} | {"output": str(out), "backend": plan.backend}
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(plan.options).items()} | {
+        "output": str(out),
+        "backend": plan.backend,
+    }
     reuse = {step.name: _reusable(step, old, out) for step in plan.steps}
-    if old and all(reuse.values()) and {s.name for s in plan.steps} == set(old.get("steps", {})) and old.get("options") == options:
+    if (
+        old
+        and all(reuse.values())
+        and {s.name for s in plan.steps} == set(old.get("steps", {}))
+        and old.get("options") == options
+    ):
         progress(f"{out} is up to date (same inputs, outputs intact); nothing to do.")
         return out
 
@@ -608,7 +786,9 @@ def _build(opts: BuildOptions, out: Path, progress: Callable[[str], None], dry_r
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    progress(f"Built {out} ({len(plan.steps)} steps, {sum(not r for r in reuse.values())} run, {sum(reuse.values())} reused).")
+    progress(
+        f"Built {out} ({len(plan.steps)} steps, {sum(not r for r in reuse.values())} run, {sum(reuse.values())} reused)."
+    )
     return out
 
 
@@ -617,5 +797,7 @@ def read_build(out: Path) -> dict:
     out = Path(out).expanduser()
     manifest = _read_manifest(out)
     if manifest is None:
-        raise DFlashError(f"{out} is not a trtdflash build output (no readable {MANIFEST}); run `trtdflash build --output {out}` first.")
+        raise DFlashError(
+            f"{out} is not a trtdflash build output (no readable {MANIFEST}); run `trtdflash build --output {out}` first."
+        )
     return manifest

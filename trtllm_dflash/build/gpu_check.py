@@ -27,9 +27,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ..errors import DFlashError
 from .core import BuildOptions, make_plan, run_build
@@ -74,12 +74,23 @@ class Row:
 def host_gpu() -> tuple[str, int]:
     """(our name of this host's GPU, how many) from nvidia-smi."""
     try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=True, capture_output=True,
-                               text=True, timeout=60).stdout.split("\n")
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.split("\n")
     except (OSError, subprocess.SubprocessError):
-        raise DFlashError("nvidia-smi finds no GPU here; run the GPU check on a GPU host, or pass --engine embedded.") from None
+        raise DFlashError(
+            "nvidia-smi finds no GPU here; run the GPU check on a GPU host, or pass --engine embedded."
+        ) from None
     names = [n.strip().lower() for n in names if n.strip()]
-    known = [g for g in sorted(GPUS, key=len, reverse=True) if g in names[0].replace(" ", "").replace("-", "")] if names else []
+    known = (
+        [g for g in sorted(GPUS, key=len, reverse=True) if g in names[0].replace(" ", "").replace("-", "")]
+        if names
+        else []
+    )
     if not known:
         raise DFlashError(f"The GPU check knows no recipe GPU in {names[0] if names else 'nothing'!r}; pass --gpu.")
     return known[0], len(names)
@@ -100,7 +111,13 @@ def _pairs(opts: CheckOptions, base: BuildOptions) -> list[tuple[str, BuildOptio
     for label, opt_in in [(f"opt-in {name}", (name,)) for name in replaced] + [("default", ())]:
         folder = opts.output / label.replace(" ", "-")
         dflash = BuildOptions(**{**asdict(base), "output": folder / "dflash", "opt_in": opt_in})
-        pairs.append((label, dflash, BuildOptions(**{**asdict(dflash), "output": folder / "no-draft", "draft": None, "no_draft": True})))
+        pairs.append(
+            (
+                label,
+                dflash,
+                BuildOptions(**{**asdict(dflash), "output": folder / "no-draft", "draft": None, "no_draft": True}),
+            )
+        )
     return pairs
 
 
@@ -114,14 +131,22 @@ class Launched:
         self.log = deployment / f"{path}.log"
         with open(self.log, "wb") as log:
             args = ["./launch.sh"] + (["openai"] if path == "openai" else [])
-            self.proc = subprocess.Popen(args, cwd=deployment, env={**env, **{k: str(v) for k, v in self.ports.items()}},
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                args,
+                cwd=deployment,
+                env={**env, **{k: str(v) for k, v in self.ports.items()}},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         health = "/health" if path == "openai" else "/v2/health/ready"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()
-                raise DFlashError(f"{deployment.name}: `{shlex.join(args)}` exited with {self.proc.returncode}; see {self.log}.")
+                raise DFlashError(
+                    f"{deployment.name}: `{shlex.join(args)}` exited with {self.proc.returncode}; see {self.log}."
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['HTTP_PORT']}{health}", timeout=2) as r:
                     if r.status == 200:
@@ -148,7 +173,7 @@ class Launched:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
-    def __enter__(self) -> "Launched":
+    def __enter__(self) -> Launched:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -167,12 +192,19 @@ def _triton_row(row: Row, server: Launched, opts: CheckOptions, reference: dict 
     verifies = sum((d.num_tokens - 1) / d.acceptance_length for d in done if d.acceptance_length)
     row.tau = decoded / verifies if verifies else 0.0  # pooled: every prompt's tokens over every prompt's verifies
     row.checks["tau > 1"] = row.tau > 1 if drafting else None
-    row.checks["counts"] = all(not d.draft_counts_estimated and d.drafted_tokens > 0 for d in done) if drafting else None
+    row.checks["counts"] = (
+        all(not d.draft_counts_estimated and d.drafted_tokens > 0 for d in done) if drafting else None
+    )
     row.tokens_per_second = sum(d.num_tokens for d in done) / max(sum(d.wall_time for d in done), 1e-9)
     short = complete(server.url, CompletionRequest(opts.prompts[0], 4, True), timeout=600)
     stop_word = texts[1].split()[1] if len(texts[1].split()) > 1 else None
-    stopped = complete(server.url, CompletionRequest(opts.prompts[1], opts.max_tokens, True, stop_words=(stop_word,)),
-                       timeout=600) if stop_word else None
+    stopped = (
+        complete(
+            server.url, CompletionRequest(opts.prompts[1], opts.max_tokens, True, stop_words=(stop_word,)), timeout=600
+        )
+        if stop_word
+        else None
+    )
     row.checks["finish"] = short.finish_reason == "length" and (stopped is None or stopped.finish_reason == "stop")
     left = run_load(server.url, [Job(opts.prompts[2], opts.max_tokens, leave_after=1)], 1).outcomes[0]
     again = complete(server.url, CompletionRequest(opts.prompts[2], opts.max_tokens, True), timeout=600)
@@ -208,9 +240,13 @@ def _environment(opts: CheckOptions) -> dict[str, str]:
     shim.parent.mkdir(parents=True, exist_ok=True)
     flags = f" --backend-directory={shlex.quote(str(backends))}" if backends else ""
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in extra.items() if k != "PATH")
-    shim.write_text(f"#!/bin/sh\n{exports}exec {shlex.quote(str(binary))}{flags} --allow-gpu-metrics=false \"$@\"\n")
+    shim.write_text(f'#!/bin/sh\n{exports}exec {shlex.quote(str(binary))}{flags} --allow-gpu-metrics=false "$@"\n')
     shim.chmod(0o755)
-    return {**env, ENGINE_ENV: "embedded", "PATH": os.pathsep.join((str(shim.parent), str(Path(sys.executable).parent), env["PATH"]))}
+    return {
+        **env,
+        ENGINE_ENV: "embedded",
+        "PATH": os.pathsep.join((str(shim.parent), str(Path(sys.executable).parent), env["PATH"])),
+    }
 
 
 def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> list[Row]:
@@ -218,7 +254,9 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
     if opts.engine not in ("trtllm", "embedded"):
         raise DFlashError(f"--engine must be trtllm or embedded, got {opts.engine!r}.")
     if opts.engine == "embedded" and not (opts.target and (Path(opts.target).expanduser() / "config.json").is_file()):
-        raise DFlashError("--engine embedded needs --target DIR, a local checkpoint: the embedded engine runs it on CPU.")
+        raise DFlashError(
+            "--engine embedded needs --target DIR, a local checkpoint: the embedded engine runs it on CPU."
+        )
     if opts.engine == "trtllm":
         gpu, _ = host_gpu()
         preset, recipe_gpu = pick_target(gpu)
@@ -227,8 +265,15 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
     else:
         target, gpu, paths = opts.target, opts.gpu, ("triton",)
     opts.output.mkdir(parents=True, exist_ok=True)
-    base = BuildOptions(output=opts.output / "dflash", target=target, draft=opts.draft, backend="trtllm", gpu=gpu,
-                        max_batch_size=4 if opts.engine == "embedded" else None, max_seq_len=1024 if opts.engine == "embedded" else None)
+    base = BuildOptions(
+        output=opts.output / "dflash",
+        target=target,
+        draft=opts.draft,
+        backend="trtllm",
+        gpu=gpu,
+        max_batch_size=4 if opts.engine == "embedded" else None,
+        max_seq_len=1024 if opts.engine == "embedded" else None,
+    )
     env, rows = _environment(opts), []
     for label, dflash, twin in _pairs(opts, base):
         reference = None
@@ -246,17 +291,34 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
                     row.checks["started"], row.note = False, str(e)
                 rows.append(row)
             reference = texts
-    (opts.output / "gpu-check.json").write_text(json.dumps({
-        "target": target, "gpu": gpu, "engine": opts.engine, "passed": all(r.passed for r in rows),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    (opts.output / "gpu-check.json").write_text(
+        json.dumps(
+            {
+                "target": target,
+                "gpu": gpu,
+                "engine": opts.engine,
+                "passed": all(r.passed for r in rows),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "rows": [asdict(r) for r in rows],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return rows
 
 
 def table(rows: list[Row]) -> str:
     names = list(dict.fromkeys(k for r in rows for k in r.checks))
     mark = {True: "ok", False: "FAIL", None: "-"}
-    lines = [f"{'deployment':<30} {'path':<7} " + " ".join(f"{n:>8}" for n in names) + f" {'tau':>6} {'tok/s':>8}  verdict"]
+    lines = [
+        f"{'deployment':<30} {'path':<7} " + " ".join(f"{n:>8}" for n in names) + f" {'tau':>6} {'tok/s':>8}  verdict"
+    ]
     for r in rows:
-        lines.append(f"{r.variant:<30} {r.path:<7} " + " ".join(f"{mark[r.checks.get(n)]:>8}" for n in names)
-                     + f" {r.tau:>6.2f} {r.tokens_per_second:>8.1f}  {'PASS' if r.passed else 'FAIL'}" + (f"  {r.note}" if r.note else ""))
+        lines.append(
+            f"{r.variant:<30} {r.path:<7} "
+            + " ".join(f"{mark[r.checks.get(n)]:>8}" for n in names)
+            + f" {r.tau:>6.2f} {r.tokens_per_second:>8.1f}  {'PASS' if r.passed else 'FAIL'}"
+            + (f"  {r.note}" if r.note else "")
+        )
     return "\n".join(lines)

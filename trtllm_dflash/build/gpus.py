@@ -35,15 +35,18 @@ class GPUSpec:
         return self.sm >= 90
 
 
-GPUS: dict[str, GPUSpec] = {g.name: g for g in (
-    GPUSpec("a100", 80 * GB, "ampere", 80, fp8=False, nvfp4=False, mxfp4_mxfp8=False),
-    GPUSpec("l40s", 48 * GB, "ada", 89, fp8=True, nvfp4=False, mxfp4_mxfp8=False),
-    GPUSpec("h100", 80 * GB, "hopper", 90, fp8=True, nvfp4=False, mxfp4_mxfp8=False),
-    GPUSpec("h200", 141 * GB, "hopper", 90, fp8=True, nvfp4=False, mxfp4_mxfp8=False),
-    GPUSpec("b200", 180 * GB, "blackwell", 100, fp8=True, nvfp4=True, mxfp4_mxfp8=True),
-    GPUSpec("gb200", 186 * GB, "blackwell", 100, fp8=True, nvfp4=True, mxfp4_mxfp8=True),
-    GPUSpec("b300", 288 * GB, "blackwell", 103, fp8=True, nvfp4=True, mxfp4_mxfp8=True),
-)}
+GPUS: dict[str, GPUSpec] = {
+    g.name: g
+    for g in (
+        GPUSpec("a100", 80 * GB, "ampere", 80, fp8=False, nvfp4=False, mxfp4_mxfp8=False),
+        GPUSpec("l40s", 48 * GB, "ada", 89, fp8=True, nvfp4=False, mxfp4_mxfp8=False),
+        GPUSpec("h100", 80 * GB, "hopper", 90, fp8=True, nvfp4=False, mxfp4_mxfp8=False),
+        GPUSpec("h200", 141 * GB, "hopper", 90, fp8=True, nvfp4=False, mxfp4_mxfp8=False),
+        GPUSpec("b200", 180 * GB, "blackwell", 100, fp8=True, nvfp4=True, mxfp4_mxfp8=True),
+        GPUSpec("gb200", 186 * GB, "blackwell", 100, fp8=True, nvfp4=True, mxfp4_mxfp8=True),
+        GPUSpec("b300", 288 * GB, "blackwell", 103, fp8=True, nvfp4=True, mxfp4_mxfp8=True),
+    )
+}
 
 
 def gpu_spec(name: str) -> GPUSpec:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from ..errors import DFlashError
 from .gpus import GPUSpec, gpu_spec
-from .recipes import (DraftFacts, ModelFacts, Parallelism, Recipe, attention_params, gated_mlp_params)
+from .recipes import DraftFacts, ModelFacts, Parallelism, Recipe, attention_params, gated_mlp_params
 
 GRAPH_BYTES = 200 * 10**6
 RUNTIME_BYTES = 2**30
@@ -76,8 +76,10 @@ class MemoryPlan:
         lines.append(f"  {'total':<{width}}{self.total_bytes / 1e9:9.2f} GB")
         lines.append(f"  {'KV pool available':<{width}}{self.kv_pool_bytes / 1e9:9.2f} GB")
         verdict = "fits" if self.fits else "does NOT fit"
-        lines.append(f"  max_batch_size {self.max_batch_size} {verdict}; the largest that fits is "
-                     f"{self.max_batch_size_that_fits}.")
+        lines.append(
+            f"  max_batch_size {self.max_batch_size} {verdict}; the largest that fits is "
+            f"{self.max_batch_size_that_fits}."
+        )
         return "\n".join(lines)
 
 
@@ -95,8 +97,9 @@ def _weight_rows(m: ModelFacts, d: DraftFacts | None, p: Parallelism, quant: str
     vocab_rows = m.vocab_size / attn_shard
     tables = 1 if (m.tie_word_embeddings or p.pp > 1) else 2  # a pp stage holds the embedding or the head
     linear_quant = "none" if quant == "mxfp4" else quant  # mxfp4 is experts-only (gpt-oss as shipped)
-    attn = attention_params(m.hidden_size, m.head_dim, m.num_heads // attn_shard,
-                            _local_kv_heads(m.num_kv_heads, attn_shard))
+    attn = attention_params(
+        m.hidden_size, m.head_dim, m.num_heads // attn_shard, _local_kv_heads(m.num_kv_heads, attn_shard)
+    )
     if m.is_moe:
         mlp = m.num_experts // p.ep * gated_mlp_params(m.hidden_size, m.intermediate_size) / p.moe_tp
         mlp_label, mlp_linears = "target experts", 3 * m.num_experts // p.ep
@@ -112,8 +115,9 @@ def _weight_rows(m: ModelFacts, d: DraftFacts | None, p: Parallelism, quant: str
         ("target norms + routers", (layers * small + m.hidden_size) * 2),
     ]
     if d is not None:
-        d_attn = attention_params(d.hidden_size, d.head_dim, d.num_heads // attn_shard,
-                                  _local_kv_heads(d.num_kv_heads, attn_shard))
+        d_attn = attention_params(
+            d.hidden_size, d.head_dim, d.num_heads // attn_shard, _local_kv_heads(d.num_kv_heads, attn_shard)
+        )
         d_layer = d_attn + gated_mlp_params(d.hidden_size, d.intermediate_size) / attn_shard + 2 * d.hidden_size
         fc = len(d.target_layer_ids) * d.hidden_size * d.hidden_size
         rows.append(("draft weights (bf16)", (d.num_layers * d_layer + fc + 2 * d.hidden_size) * 2))
@@ -133,8 +137,16 @@ def _kv_bytes(m: ModelFacts, p: Parallelism, kv_dtype: str, batch: int, seq: int
     return batch * (full + sliding) / p.pp * per_token_layer
 
 
-def _runtime_rows(m: ModelFacts, d: DraftFacts | None, p: Parallelism, batch: int, seq: int, num_tokens: int,
-                  draft_len: int, graphs: int) -> list[tuple[str, float]]:
+def _runtime_rows(
+    m: ModelFacts,
+    d: DraftFacts | None,
+    p: Parallelism,
+    batch: int,
+    seq: int,
+    num_tokens: int,
+    draft_len: int,
+    graphs: int,
+) -> list[tuple[str, float]]:
     attn_shard = 1 if p.attention_dp else p.tp
     rows = []
     if d is not None:
@@ -156,10 +168,22 @@ def _runtime_rows(m: ModelFacts, d: DraftFacts | None, p: Parallelism, batch: in
     return rows
 
 
-def plan_memory(model: ModelFacts, draft: DraftFacts | None, parallel: Parallelism, quant: str,
-                kv_cache_dtype: str, max_batch_size: int, max_seq_len: int, gpu: str | GPUSpec, num_gpus: int, *,
-                max_num_tokens: int, max_draft_len: int, cuda_graph_batch_sizes: tuple[int, ...] = (),
-                free_gpu_memory_fraction: float = 0.9) -> MemoryPlan:
+def plan_memory(
+    model: ModelFacts,
+    draft: DraftFacts | None,
+    parallel: Parallelism,
+    quant: str,
+    kv_cache_dtype: str,
+    max_batch_size: int,
+    max_seq_len: int,
+    gpu: str | GPUSpec,
+    num_gpus: int,
+    *,
+    max_num_tokens: int,
+    max_draft_len: int,
+    cuda_graph_batch_sizes: tuple[int, ...] = (),
+    free_gpu_memory_fraction: float = 0.9,
+) -> MemoryPlan:
     """The per-GPU plan for these limits, and the largest max_batch_size that would fit."""
     spec = gpu if isinstance(gpu, GPUSpec) else gpu_spec(gpu)
     if quant not in _QUANT_BYTES or kv_cache_dtype not in _KV_BYTES:
@@ -168,8 +192,9 @@ def plan_memory(model: ModelFacts, draft: DraftFacts | None, parallel: Paralleli
 
     def at(batch: int) -> tuple[list[tuple[str, float]], float, float]:
         graphs = sum(b <= batch for b in cuda_graph_batch_sizes)
-        rows = weights + _runtime_rows(model, draft, parallel, batch, max_seq_len, max_num_tokens,
-                                       max_draft_len, graphs)
+        rows = weights + _runtime_rows(
+            model, draft, parallel, batch, max_seq_len, max_num_tokens, max_draft_len, graphs
+        )
         fixed = sum(b for _, b in rows)
         kv = _kv_bytes(model, parallel, kv_cache_dtype, batch, max_seq_len, max_draft_len)
         pool = max(spec.memory_bytes - fixed, 0) * free_gpu_memory_fraction
@@ -204,9 +229,17 @@ def plan_memory(model: ModelFacts, draft: DraftFacts | None, parallel: Paralleli
 def plan_recipe(recipe: Recipe) -> MemoryPlan:
     """plan_memory with a recipe's settings."""
     return plan_memory(
-        recipe.model_facts, recipe.draft_facts, recipe.parallel, recipe.quant, recipe.kv_cache_dtype,
-        recipe.max_batch_size, recipe.max_seq_len, recipe.gpu, recipe.num_gpus,
-        max_num_tokens=recipe.max_num_tokens, max_draft_len=recipe.max_draft_len,
+        recipe.model_facts,
+        recipe.draft_facts,
+        recipe.parallel,
+        recipe.quant,
+        recipe.kv_cache_dtype,
+        recipe.max_batch_size,
+        recipe.max_seq_len,
+        recipe.gpu,
+        recipe.num_gpus,
+        max_num_tokens=recipe.max_num_tokens,
+        max_draft_len=recipe.max_draft_len,
         cuda_graph_batch_sizes=recipe.cuda_graph_batch_sizes,
         free_gpu_memory_fraction=recipe.free_gpu_memory_fraction,
     )

@@ -14,9 +14,10 @@ split over tp unless attention-DP, and KV heads replicated when there are fewer 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
@@ -63,8 +64,16 @@ class ModelFacts:
 
     def __post_init__(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "max_position_embeddings"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise DFlashError(f"The target's {name} must be a positive integer, got {getattr(self, name)!r}.")
         if len(self.layer_types) != self.num_layers:
@@ -75,8 +84,9 @@ class ModelFacts:
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise DFlashError("The target has sliding-attention layers but no sliding_window size.")
         if self.num_heads % self.num_kv_heads:
-            raise DFlashError(f"The target's {self.num_heads} attention heads are not a multiple of its "
-                              f"{self.num_kv_heads} KV heads.")
+            raise DFlashError(
+                f"The target's {self.num_heads} attention heads are not a multiple of its {self.num_kv_heads} KV heads."
+            )
         if self.num_experts < 0 or not 0 <= self.experts_per_token <= self.num_experts:
             raise DFlashError(f"The target routes {self.experts_per_token} of {self.num_experts} experts per token.")
         if self.num_experts and not self.experts_per_token:
@@ -127,8 +137,16 @@ class DraftFacts:
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
         object.__setattr__(self, "layer_types", tuple(self.layer_types) or ("full_attention",) * self.num_layers)
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "block_size"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "block_size",
+        ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise DFlashError(f"The draft's {name} must be a positive integer, got {getattr(self, name)!r}.")
         if not self.target_layer_ids:
@@ -139,8 +157,11 @@ class DraftFacts:
     @property
     def param_count(self) -> int:
         """Draft layers + `fc` (concatenated target features -> hidden) + hidden_norm + final norm."""
-        per_layer = (attention_params(self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads)
-                     + gated_mlp_params(self.hidden_size, self.intermediate_size) + 2 * self.hidden_size)
+        per_layer = (
+            attention_params(self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads)
+            + gated_mlp_params(self.hidden_size, self.intermediate_size)
+            + 2 * self.hidden_size
+        )
         fc = len(self.target_layer_ids) * self.hidden_size * self.hidden_size
         return self.num_layers * per_layer + fc + 2 * self.hidden_size
 
@@ -204,21 +225,40 @@ class Recipe:
     def gpu_spec(self) -> GPUSpec:
         return gpu_spec(self.gpu)
 
-    def with_overrides(self, *, tp: int | None = None, pp: int | None = None, ep: int | None = None,
-                       attention_dp: bool | None = None, quant: str | None = None,
-                       kv_cache_dtype: str | None = None, max_batch_size: int | None = None,
-                       max_seq_len: int | None = None, max_num_tokens: int | None = None,
-                       max_draft_len: int | None = None) -> "Recipe":
+    def with_overrides(
+        self,
+        *,
+        tp: int | None = None,
+        pp: int | None = None,
+        ep: int | None = None,
+        attention_dp: bool | None = None,
+        quant: str | None = None,
+        kv_cache_dtype: str | None = None,
+        max_batch_size: int | None = None,
+        max_seq_len: int | None = None,
+        max_num_tokens: int | None = None,
+        max_draft_len: int | None = None,
+    ) -> Recipe:
         """This recipe with the CLI's flags applied; changing tp or pp changes the GPU count to tp x pp."""
         given = {k: v for k, v in dict(tp=tp, pp=pp, ep=ep, attention_dp=attention_dp).items() if v is not None}
         parallel = dataclasses.replace(self.parallel, **given)
-        changes = {k: v for k, v in dict(
-            quant=quant, kv_cache_dtype=kv_cache_dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-            max_num_tokens=max_num_tokens, max_draft_len=max_draft_len).items() if v is not None}
+        changes = {
+            k: v
+            for k, v in dict(
+                quant=quant,
+                kv_cache_dtype=kv_cache_dtype,
+                max_batch_size=max_batch_size,
+                max_seq_len=max_seq_len,
+                max_num_tokens=max_num_tokens,
+                max_draft_len=max_draft_len,
+            ).items()
+            if v is not None
+        }
         num_gpus = parallel.tp * parallel.pp if (tp or pp) else self.num_gpus
-        graphs = tuple(b for b in self.cuda_graph_batch_sizes if b <= changes.get("max_batch_size", self.max_batch_size))
-        return dataclasses.replace(self, parallel=parallel, num_gpus=num_gpus, cuda_graph_batch_sizes=graphs,
-                                   **changes)
+        graphs = tuple(
+            b for b in self.cuda_graph_batch_sizes if b <= changes.get("max_batch_size", self.max_batch_size)
+        )
+        return dataclasses.replace(self, parallel=parallel, num_gpus=num_gpus, cuda_graph_batch_sizes=graphs, **changes)
 
 
 def _check_limits(r: Recipe) -> None:
@@ -226,20 +266,25 @@ def _check_limits(r: Recipe) -> None:
         if not isinstance(getattr(r, name), int) or getattr(r, name) < 1:
             raise DFlashError(f"{r.id}: {name} must be a positive integer, got {getattr(r, name)!r}.")
     if r.max_seq_len > r.model_facts.max_position_embeddings:
-        raise DFlashError(f"{r.id}: max_seq_len {r.max_seq_len} exceeds the target's "
-                          f"{r.model_facts.max_position_embeddings} positions.")
+        raise DFlashError(
+            f"{r.id}: max_seq_len {r.max_seq_len} exceeds the target's "
+            f"{r.model_facts.max_position_embeddings} positions."
+        )
     if not 0 < r.free_gpu_memory_fraction <= 1:
         raise DFlashError(f"{r.id}: free_gpu_memory_fraction must be in (0, 1], got {r.free_gpu_memory_fraction}.")
-    if r.cuda_graph_batch_sizes and (r.cuda_graph_batch_sizes[0] < 1
-                                     or r.cuda_graph_batch_sizes[-1] > r.max_batch_size):
+    if r.cuda_graph_batch_sizes and (
+        r.cuda_graph_batch_sizes[0] < 1 or r.cuda_graph_batch_sizes[-1] > r.max_batch_size
+    ):
         raise DFlashError(f"{r.id}: CUDA-graph batch sizes must lie in 1..max_batch_size ({r.max_batch_size}).")
 
 
 def _check_layout(r: Recipe) -> None:
     p, m, d = r.parallel, r.model_facts, r.draft_facts
     if p.tp * p.pp != r.num_gpus:
-        raise DFlashError(f"{r.id}: tp {p.tp} x pp {p.pp} = {p.tp * p.pp} GPUs, but the recipe runs on "
-                          f"{r.num_gpus}; choose tp x pp = {r.num_gpus}.")
+        raise DFlashError(
+            f"{r.id}: tp {p.tp} x pp {p.pp} = {p.tp * p.pp} GPUs, but the recipe runs on "
+            f"{r.num_gpus}; choose tp x pp = {r.num_gpus}."
+        )
     if p.pp > m.num_layers:
         raise DFlashError(f"{r.id}: pp {p.pp} is more than the target's {m.num_layers} layers.")
     if p.attention_dp and p.tp == 1:
@@ -248,8 +293,10 @@ def _check_layout(r: Recipe) -> None:
         shapes = [("target", m.num_heads, m.num_kv_heads)] + ([("draft", d.num_heads, d.num_kv_heads)] if d else [])
         for who, heads, kv in shapes:
             if heads % p.tp:
-                raise DFlashError(f"{r.id}: tp {p.tp} does not divide the {who}'s {heads} attention heads; "
-                                  f"use a tp that divides {heads}.")
+                raise DFlashError(
+                    f"{r.id}: tp {p.tp} does not divide the {who}'s {heads} attention heads; "
+                    f"use a tp that divides {heads}."
+                )
             if kv % p.tp and p.tp % kv:
                 raise DFlashError(f"{r.id}: the {who}'s {kv} KV heads and tp {p.tp} must divide one another.")
     if not m.is_moe:
@@ -276,20 +323,27 @@ def _check_quant(r: Recipe) -> None:
         raise DFlashError(f"{r.id}: NVFP4 needs Blackwell; use --quant {hopper_hint} on {g.name.upper()}.")
     if r.quant == "mxfp4":
         if not m.is_moe or m.shipped_quant != "mxfp4":
-            raise DFlashError(f"{r.id}: MXFP4 here means gpt-oss's experts as shipped; {r.model} does not ship "
-                              f"MXFP4 experts, use --quant fp8 or nvfp4.")
+            raise DFlashError(
+                f"{r.id}: MXFP4 here means gpt-oss's experts as shipped; {r.model} does not ship "
+                f"MXFP4 experts, use --quant fp8 or nvfp4."
+            )
         if not g.mxfp4_weight_only:
             raise DFlashError(f"{r.id}: MXFP4 experts need Hopper or Blackwell; {g.name} cannot run them.")
     if r.kv_cache_dtype == "fp8" and not g.fp8:
-        raise DFlashError(f"{r.id}: an FP8 KV cache needs Ada, Hopper or Blackwell; use kv_cache_dtype auto on {g.name}.")
+        raise DFlashError(
+            f"{r.id}: an FP8 KV cache needs Ada, Hopper or Blackwell; use kv_cache_dtype auto on {g.name}."
+        )
     if r.kv_cache_dtype == "nvfp4" and not g.nvfp4:
-        raise DFlashError(f"{r.id}: an NVFP4 KV cache needs Blackwell; use kv_cache_dtype {'fp8' if g.fp8 else 'auto'} on "
-                          f"{g.name.upper()}.")
+        raise DFlashError(
+            f"{r.id}: an NVFP4 KV cache needs Blackwell; use kv_cache_dtype {'fp8' if g.fp8 else 'auto'} on "
+            f"{g.name.upper()}."
+        )
     if r.moe_backend is not None and not m.is_moe:
         raise DFlashError(f"{r.id}: moe_backend is set but {r.model} has no experts.")
     if r.moe_backend == "TRTLLM" and g.architecture != "blackwell":
-        raise DFlashError(f"{r.id}: the TRTLLM MoE backend (trtllm-gen kernels) needs Blackwell; use TRITON on "
-                          f"{g.name.upper()}.")
+        raise DFlashError(
+            f"{r.id}: the TRTLLM MoE backend (trtllm-gen kernels) needs Blackwell; use TRITON on {g.name.upper()}."
+        )
 
 
 def _check_draft(r: Recipe) -> None:
@@ -299,27 +353,37 @@ def _check_draft(r: Recipe) -> None:
             raise DFlashError(f"{r.id}: max_draft_len is {r.max_draft_len} but the recipe has no DFlash draft.")
         return
     if not 1 <= r.max_draft_len <= d.block_size - 1:
-        raise DFlashError(f"{r.id}: max_draft_len must be in 1..{d.block_size - 1} (the draft's block size "
-                          f"{d.block_size} minus the anchor), got {r.max_draft_len}.")
+        raise DFlashError(
+            f"{r.id}: max_draft_len must be in 1..{d.block_size - 1} (the draft's block size "
+            f"{d.block_size} minus the anchor), got {r.max_draft_len}."
+        )
     if d.hidden_size != m.hidden_size:
-        raise DFlashError(f"{r.id}: the draft's hidden size {d.hidden_size} differs from the target's "
-                          f"{m.hidden_size}; they share embeddings and LM head, so they must match.")
+        raise DFlashError(
+            f"{r.id}: the draft's hidden size {d.hidden_size} differs from the target's "
+            f"{m.hidden_size}; they share embeddings and LM head, so they must match."
+        )
     if d.vocab_size != m.vocab_size:
-        raise DFlashError(f"{r.id}: the draft's vocabulary ({d.vocab_size}) differs from the target's "
-                          f"({m.vocab_size}); it uses the target's LM head, so they must match.")
+        raise DFlashError(
+            f"{r.id}: the draft's vocabulary ({d.vocab_size}) differs from the target's "
+            f"({m.vocab_size}); it uses the target's LM head, so they must match."
+        )
     bad = [i for i in d.target_layer_ids if not 0 <= i < m.num_layers]
     if bad:
-        raise DFlashError(f"{r.id}: draft target layer id {bad[0]} is outside the target's layers "
-                          f"0..{m.num_layers - 1}.")
+        raise DFlashError(
+            f"{r.id}: draft target layer id {bad[0]} is outside the target's layers 0..{m.num_layers - 1}."
+        )
     if d.mask_token_id is not None and not 0 <= d.mask_token_id < m.vocab_size:
-        raise DFlashError(f"{r.id}: the draft's mask token id {d.mask_token_id} is outside the target's "
-                          f"vocabulary of {m.vocab_size}.")
+        raise DFlashError(
+            f"{r.id}: the draft's mask token id {d.mask_token_id} is outside the target's vocabulary of {m.vocab_size}."
+        )
 
 
 # ---------------------------------------------------------------- reading facts from checkpoints
 
-def model_facts_from_hf_config(config: Mapping[str, Any],
-                               safetensors_shapes: Mapping[str, Sequence[int]] | None = None) -> ModelFacts:
+
+def model_facts_from_hf_config(
+    config: Mapping[str, Any], safetensors_shapes: Mapping[str, Sequence[int]] | None = None
+) -> ModelFacts:
     """ModelFacts from a Hugging Face config.json (nested text_config honoured) and, if given, tensor shapes."""
     cfg = dict(config.get("text_config") or config)
 
@@ -352,8 +416,9 @@ def model_facts_from_hf_config(config: Mapping[str, Any],
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
-        intermediate_size=int(need("moe_intermediate_size", "intermediate_size") if experts
-                              else need("intermediate_size")),
+        intermediate_size=int(
+            need("moe_intermediate_size", "intermediate_size") if experts else need("intermediate_size")
+        ),
         vocab_size=int(need("vocab_size")),
         max_position_embeddings=int(need("max_position_embeddings")),
         layer_types=tuple(layer_types),
@@ -370,10 +435,18 @@ def model_facts_from_hf_config(config: Mapping[str, Any],
 def draft_facts_from_config(cfg: DraftConfig) -> DraftFacts:
     """DraftFacts from our validated DraftConfig (z-lab config.json format)."""
     return DraftFacts(
-        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-        vocab_size=cfg.vocab_size, block_size=cfg.block_size, target_layer_ids=tuple(cfg.target_layer_ids),
-        mask_token_id=cfg.mask_token_id, layer_types=tuple(cfg.layer_types), sliding_window=cfg.sliding_window,
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        vocab_size=cfg.vocab_size,
+        block_size=cfg.block_size,
+        target_layer_ids=tuple(cfg.target_layer_ids),
+        mask_token_id=cfg.mask_token_id,
+        layer_types=tuple(cfg.layer_types),
+        sliding_window=cfg.sliding_window,
     )
 
 
@@ -381,9 +454,22 @@ def draft_facts_from_config(cfg: DraftConfig) -> DraftFacts:
 
 MODEL_FILE = "model.yaml"
 _MODEL_KEYS = {"hf_id", "defaults", "target", "draft"}
-_DEPLOYMENT_KEYS = {"checkpoint", "num_gpus", "parallel", "quant", "kv_cache_dtype", "max_batch_size", "max_seq_len",
-                    "max_num_tokens", "max_draft_len", "free_gpu_memory_fraction", "cuda_graph_batch_sizes",
-                    "attn_backend", "moe_backend", "llm_args"}
+_DEPLOYMENT_KEYS = {
+    "checkpoint",
+    "num_gpus",
+    "parallel",
+    "quant",
+    "kv_cache_dtype",
+    "max_batch_size",
+    "max_seq_len",
+    "max_num_tokens",
+    "max_draft_len",
+    "free_gpu_memory_fraction",
+    "cuda_graph_batch_sizes",
+    "attn_backend",
+    "moe_backend",
+    "llm_args",
+}
 
 
 def recipes_root() -> Path:
@@ -460,11 +546,13 @@ def load_recipe(model: str, gpu: str | None = None, profile: str | None = None) 
         elif defaults.get("profile") in on_gpu:
             profile = defaults["profile"]
         else:
-            raise DFlashError(f"{model} on {gpu} has several profiles; choose one of: "
-                              f"{', '.join(p for p in on_gpu if p)}.")
+            raise DFlashError(
+                f"{model} on {gpu} has several profiles; choose one of: {', '.join(p for p in on_gpu if p)}."
+            )
     if profile not in on_gpu:
-        raise DFlashError(f"{model} on {gpu} has no {profile!r} profile; available: "
-                          f"{', '.join(p or '(default)' for p in on_gpu)}.")
+        raise DFlashError(
+            f"{model} on {gpu} has no {profile!r} profile; available: {', '.join(p or '(default)' for p in on_gpu)}."
+        )
     stem = on_gpu[profile]
     path = deployments[stem]
     dep = _read_yaml(path, _DEPLOYMENT_KEYS)

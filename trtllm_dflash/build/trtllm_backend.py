@@ -23,9 +23,9 @@ import dataclasses
 import json
 import shlex
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -35,7 +35,15 @@ from ..models.checkpoint import check_draft
 from ..repository import RepoParams
 from ..resolve import resolve_draft
 from .memory import MemoryPlan, plan_recipe
-from .recipes import Parallelism, Recipe, conservative, draft_facts_from_config, load_recipe, model_facts_from_hf_config, presets
+from .recipes import (
+    Parallelism,
+    Recipe,
+    conservative,
+    draft_facts_from_config,
+    load_recipe,
+    model_facts_from_hf_config,
+    presets,
+)
 
 ENGINE_MODEL = "tensorrt_llm"
 CARRIED = "python"  # the folder beside triton_repo/ whose trtllm_dflash the Triton models put first on sys.path
@@ -85,8 +93,13 @@ class Deployment:
     def options(self) -> dict:
         from ..backends.trtllm.options import llm_options
 
-        return llm_options(self.recipe, model=self.target_ref, draft=self.draft_ref, where=MODEL_YAML,
-                           trtllm_version=self.trtllm_version)
+        return llm_options(
+            self.recipe,
+            model=self.target_ref,
+            draft=self.draft_ref,
+            where=MODEL_YAML,
+            trtllm_version=self.trtllm_version,
+        )
 
     def serve_options(self) -> dict:
         from ..backends.trtllm.options import serve_options
@@ -101,31 +114,51 @@ def _check_weights(recipe: Recipe) -> None:
         raise DFlashError(
             f"{recipe.id}: --quant {recipe.quant} needs a {recipe.quant} checkpoint, but {recipe.hf_id} is {shipped if shipped != 'none' else 'unquantized'} "
             f"and TensorRT-LLM does not quantize at load time; build from its weights with --target DIR --quant {recipe.quant} "
-            f"(the build quantizes local weights with ModelOpt), or choose --quant {shipped}.")
+            f"(the build quantizes local weights with ModelOpt), or choose --quant {shipped}."
+        )
 
 
 def _overrides(opts, recipe: Recipe, block_size: int | None) -> Recipe:
     draft_len = None if block_size is None else block_size - 1
     if opts.quant is not None and opts.quant != recipe.quant:
         recipe = dataclasses.replace(recipe, checkpoint=None)  # the recipe's quantized checkpoint is for its own quant
-    return recipe.with_overrides(tp=opts.tp, ep=opts.ep, quant=opts.quant, max_batch_size=opts.max_batch_size,
-                                 max_seq_len=opts.max_seq_len, max_draft_len=draft_len)
+    return recipe.with_overrides(
+        tp=opts.tp,
+        ep=opts.ep,
+        quant=opts.quant,
+        max_batch_size=opts.max_batch_size,
+        max_seq_len=opts.max_seq_len,
+        max_draft_len=draft_len,
+    )
 
 
 def _local_recipe(opts, sources) -> Recipe:
     """A recipe for a local checkpoint: its own facts, the CLI's GPU and layout, defaults for the limits."""
     config = json.loads((sources.target_dir / "config.json").read_text())
     fp32 = config.get("torch_dtype", config.get("dtype")) == "float32"
-    facts = model_facts_from_hf_config({**config, "torch_dtype": "bfloat16"} if fp32 else config)  # fp32 is served in bf16
+    facts = model_facts_from_hf_config(
+        {**config, "torch_dtype": "bfloat16"} if fp32 else config
+    )  # fp32 is served in bf16
     draft = draft_facts_from_config(check_draft(sources.draft_dir)) if sources.draft_dir else None
     gpu = (opts.gpu or LOCAL_GPU).lower()
     tp = opts.tp or 1
     batch = opts.max_batch_size or LOCAL_LIMITS["max_batch_size"]
     return Recipe(
-        id=f"{sources.target_dir.name}/{gpu}", model=sources.target_dir.name, hf_id=str(sources.target_dir), model_facts=facts,
-        draft_hf_id=None, draft_facts=draft, gpu=gpu, num_gpus=tp, parallel=Parallelism(tp=tp, ep=opts.ep or 1),
-        quant=opts.quant or facts.shipped_quant, kv_cache_dtype="auto", max_batch_size=batch, max_seq_len=sources.max_seq_len,
-        max_num_tokens=LOCAL_LIMITS["max_num_tokens"], max_draft_len=(sources.block_size - 1) if draft else 0,
+        id=f"{sources.target_dir.name}/{gpu}",
+        model=sources.target_dir.name,
+        hf_id=str(sources.target_dir),
+        model_facts=facts,
+        draft_hf_id=None,
+        draft_facts=draft,
+        gpu=gpu,
+        num_gpus=tp,
+        parallel=Parallelism(tp=tp, ep=opts.ep or 1),
+        quant=opts.quant or facts.shipped_quant,
+        kv_cache_dtype="auto",
+        max_batch_size=batch,
+        max_seq_len=sources.max_seq_len,
+        max_num_tokens=LOCAL_LIMITS["max_num_tokens"],
+        max_draft_len=(sources.block_size - 1) if draft else 0,
         cuda_graph_batch_sizes=tuple(2**i for i in range(batch.bit_length()) if 2**i <= batch),
         llm_args={"dtype": "bfloat16"} if fp32 else {},
     )
@@ -141,36 +174,66 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
         draft_dir = resolve_draft(opts.draft, opts.target) if opts.draft else None
         if draft_dir is not None:  # a local draft for a preset target: checked against the preset's target facts
             facts = draft_facts_from_config(check_draft(draft_dir))
-            recipe = dataclasses.replace(recipe, draft_facts=facts, max_draft_len=min(recipe.max_draft_len, facts.block_size - 1))
+            recipe = dataclasses.replace(
+                recipe, draft_facts=facts, max_draft_len=min(recipe.max_draft_len, facts.block_size - 1)
+            )
         recipe = _overrides(opts, recipe, opts.block_size)
         _check_weights(recipe)
         recipe, tested = conservative(recipe, opts.opt_in)
         draft_files = (draft_dir / "config.json", *sorted(draft_dir.glob("*.safetensors"))) if draft_dir else ()
         hub_draft = recipe.draft_hf_id if recipe.draft_facts is not None and not draft_dir else None
-        dep = Deployment(recipe, plan_recipe(recipe), recipe.weights, "../../../checkpoints/draft" if draft_dir else hub_draft,
-                         recipe.weights, "checkpoints/draft" if draft_dir else hub_draft, recipe.weights, local=False, draft_files=draft_files,
-                         trtllm_version=opts.trtllm_version, replaced=tested)
-        progress(f"Recipe {recipe.id}: the target's weights are not local; the GPU host fetches {recipe.weights}"
-                 + (f" and {hub_draft}" if hub_draft else "") + ".")
+        dep = Deployment(
+            recipe,
+            plan_recipe(recipe),
+            recipe.weights,
+            "../../../checkpoints/draft" if draft_dir else hub_draft,
+            recipe.weights,
+            "checkpoints/draft" if draft_dir else hub_draft,
+            recipe.weights,
+            local=False,
+            draft_files=draft_files,
+            trtllm_version=opts.trtllm_version,
+            replaced=tested,
+        )
+        progress(
+            f"Recipe {recipe.id}: the target's weights are not local; the GPU host fetches {recipe.weights}"
+            + (f" and {hub_draft}" if hub_draft else "")
+            + "."
+        )
     else:
         if opts.recipe:
-            raise DFlashError(f"--recipe applies to GPU presets ({', '.join(presets())}); a local target takes --gpu, --tp and --ep.")
+            raise DFlashError(
+                f"--recipe applies to GPU presets ({', '.join(presets())}); a local target takes --gpu, --tp and --ep."
+            )
         sources = resolve_sources(opts, progress)
         recipe, tested = conservative(_local_recipe(opts, sources), opts.opt_in)
         has_draft = sources.draft_dir is not None
         shipped = recipe.model_facts.shipped_quant
         quantize = None if recipe.quant in ("none", shipped) else CONVERT_FORMAT.get(recipe.quant, recipe.quant)
-        dep = Deployment(recipe, plan_recipe(recipe), "../../../checkpoints/target", "../../../checkpoints/draft" if has_draft else None,
-                         "checkpoints/target", "checkpoints/draft" if has_draft else None, "../../tokenizer", local=True, quantize=quantize,
-                         trtllm_version=opts.trtllm_version, replaced=tested)
+        dep = Deployment(
+            recipe,
+            plan_recipe(recipe),
+            "../../../checkpoints/target",
+            "../../../checkpoints/draft" if has_draft else None,
+            "checkpoints/target",
+            "checkpoints/draft" if has_draft else None,
+            "../../tokenizer",
+            local=True,
+            quantize=quantize,
+            trtllm_version=opts.trtllm_version,
+            replaced=tested,
+        )
     if dep.replaced:
-        progress(f"Untested upstream with DFlash, so not taken: {'; '.join(dep.replaced.values())} (--opt-in to take them).")
+        progress(
+            f"Untested upstream with DFlash, so not taken: {'; '.join(dep.replaced.values())} (--opt-in to take them)."
+        )
     if not dep.memory.fits and not opts.force:
         m = dep.memory
         raise DFlashError(
             f"The plan does not fit: {m.num_gpus} x {m.gpu} leaves {m.kv_pool_bytes / 1e9:.1f} GB per GPU for a KV cache that needs "
             f"{m.kv_cache_bytes / 1e9:.1f} GB at --max-batch-size {m.max_batch_size}; use --max-batch-size "
-            f"{m.max_batch_size_that_fits} or less, a shorter --max-seq-len, more GPUs, or --force.")
+            f"{m.max_batch_size_that_fits} or less, a shorter --max-seq-len, more GPUs, or --force."
+        )
     dep.options()  # validate both files now, before anything is written
     dep.serve_options()
     return dep, sources
@@ -181,13 +244,17 @@ def _yaml(data: dict) -> str:
 
 
 def model_yaml(dep: Deployment) -> str:
-    return ("# tensorrt_llm.LLM(**these keys) in the Triton `tensorrt_llm` model; written and validated by trtdflash build.\n"
-            "# Relative paths are relative to this folder.\n" + _yaml(dep.options()))
+    return (
+        "# tensorrt_llm.LLM(**these keys) in the Triton `tensorrt_llm` model; written and validated by trtdflash build.\n"
+        "# Relative paths are relative to this folder.\n" + _yaml(dep.options())
+    )
 
 
 def serve_yaml(dep: Deployment) -> str:
-    return (f"# trtllm-serve {dep.serve_target} --config {SERVE_YAML}   (run from this folder; written by trtdflash build)\n"
-            + _yaml(dep.serve_options()))
+    return (
+        f"# trtllm-serve {dep.serve_target} --config {SERVE_YAML}   (run from this folder; written by trtdflash build)\n"
+        + _yaml(dep.serve_options())
+    )
 
 
 def launch_sh(dep: Deployment) -> str:
@@ -238,14 +305,25 @@ esac
 def deploy_md(dep: Deployment) -> str:
     r, m, rel = dep.recipe, dep.memory, dep.release
     p = r.parallel
-    weights = ("staged in `checkpoints/` (hard links or copies of the local weights)" if dep.local
-               else f"not in this folder: the GPU host fetches `{r.weights}`" + (f" and `{dep.draft_ref}`" if dep.draft_ref else "")
-               + " from Hugging Face on first start (set `HF_TOKEN` for gated models)")
-    draft = (f"DFlash draft `{dep.draft_ref}`, {r.max_draft_len} draft tokens per step (block {r.draft_facts.block_size})"
-             if r.draft_facts else "no draft (plain autoregressive decoding)")
-    tested = (f"**Tested choices.** Upstream has no DFlash test of these recipe choices, so this build took the tested "
-              f"one instead: {'; '.join(dep.replaced.values())}. `trtdflash build --opt-in NAME` ({', '.join(dep.replaced)}) "
-              f"takes the recipe's own; `trtdflash gpu-check` tries each.\n\n" if dep.replaced else "")
+    weights = (
+        "staged in `checkpoints/` (hard links or copies of the local weights)"
+        if dep.local
+        else f"not in this folder: the GPU host fetches `{r.weights}`"
+        + (f" and `{dep.draft_ref}`" if dep.draft_ref else "")
+        + " from Hugging Face on first start (set `HF_TOKEN` for gated models)"
+    )
+    draft = (
+        f"DFlash draft `{dep.draft_ref}`, {r.max_draft_len} draft tokens per step (block {r.draft_facts.block_size})"
+        if r.draft_facts
+        else "no draft (plain autoregressive decoding)"
+    )
+    tested = (
+        f"**Tested choices.** Upstream has no DFlash test of these recipe choices, so this build took the tested "
+        f"one instead: {'; '.join(dep.replaced.values())}. `trtdflash build --opt-in NAME` ({', '.join(dep.replaced)}) "
+        f"takes the recipe's own; `trtdflash gpu-check` tries each.\n\n"
+        if dep.replaced
+        else ""
+    )
     return f"""# Deploying `{r.id}`
 
 Generated by `trtdflash build`. The options were validated against {rel.label}'s LLM-API fields and validators
@@ -254,7 +332,7 @@ Generated by `trtdflash build`. The options were validated against {rel.label}'s
 
 - **Target**: `{r.weights}`, quantization `{r.quant}`, KV cache `{r.kv_cache_dtype}`; {draft}.
 - **GPUs**: {r.num_gpus} x {r.gpu.upper()}; tensor parallel {p.tp}, pipeline parallel {p.pp}, expert parallel {p.ep},
-  attention data parallel {'on' if p.attention_dp else 'off'}.
+  attention data parallel {"on" if p.attention_dp else "off"}.
 - **Limits**: max_batch_size {r.max_batch_size}, max_seq_len {r.max_seq_len}, max_num_tokens {r.max_num_tokens}.
 - **Weights**: {weights}.
 
@@ -297,8 +375,11 @@ so use an image that has both (unconfirmed: we know of no published tag).
 def carried_files() -> list[Path]:
     """This package's source files, relative to the package folder: what `python/trtllm_dflash/` holds."""
     root = Path(__file__).resolve().parents[1]
-    return sorted(rel for rel in (p.relative_to(root) for p in root.rglob("*") if p.is_file())
-                  if rel.suffix in CARRIED_SUFFIXES and rel.parts[0] not in CARRIED_SKIP and "__pycache__" not in rel.parts)
+    return sorted(
+        rel
+        for rel in (p.relative_to(root) for p in root.rglob("*") if p.is_file())
+        if rel.suffix in CARRIED_SUFFIXES and rel.parts[0] not in CARRIED_SKIP and "__pycache__" not in rel.parts
+    )
 
 
 def carried_package_step(hashes: dict[str, str]):
@@ -315,8 +396,13 @@ def carried_package_step(hashes: dict[str, str]):
             (tmp / f.rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f.source, tmp / f.rel)  # a copy, not a link: the deployment outlives this install
 
-    return core.Step("package", f"carry trtllm_dflash's code into {CARRIED}/ (the Triton models import it)", planned,
-                     {f.rel: hashes[str(f.source)] for f in planned}, run)
+    return core.Step(
+        "package",
+        f"carry trtllm_dflash's code into {CARRIED}/ (the Triton models import it)",
+        planned,
+        {f.rel: hashes[str(f.source)] for f in planned},
+        run,
+    )
 
 
 def steps(opts, dep: Deployment, sources, hashes: dict[str, str]) -> list:
@@ -330,16 +416,37 @@ def steps(opts, dep: Deployment, sources, hashes: dict[str, str]) -> list:
     else:
         hashes.update({str(p): core.sha256_file(p) for p in draft_files})
     if draft_files:
-        out.append(core.stage_step("draft_checkpoint", "stage the DFlash draft (z-lab format)", "checkpoints/draft", draft_files, hashes))
+        out.append(
+            core.stage_step(
+                "draft_checkpoint", "stage the DFlash draft (z-lab format)", "checkpoints/draft", draft_files, hashes
+            )
+        )
     params = RepoParams(
-        max_batch_size=dep.recipe.max_batch_size, max_seq_len=dep.recipe.max_seq_len, block_size=dep.recipe.max_draft_len + 1,
-        dtype="auto", target_dir="", draft_dir="", tokenizer_dir=dep.tokenizer_ref, apply_chat_template=opts.chat_template,
+        max_batch_size=dep.recipe.max_batch_size,
+        max_seq_len=dep.recipe.max_seq_len,
+        block_size=dep.recipe.max_draft_len + 1,
+        dtype="auto",
+        target_dir="",
+        draft_dir="",
+        tokenizer_dir=dep.tokenizer_ref,
+        apply_chat_template=opts.chat_template,
         engine_model=ENGINE_MODEL,
     )
     out.append(core.template_step(params))
     out.append(carried_package_step(hashes))
-    out.append(core.text_step("engine_options", "write the LLM-API options: model.yaml (Triton) and trtllm-serve.yaml",
-                              {MODEL_YAML: model_yaml(dep), SERVE_YAML: serve_yaml(dep)}))
-    out.append(core.text_step("launch", "write launch.sh and DEPLOY.md for the GPU host",
-                              {"launch.sh": launch_sh(dep), "DEPLOY.md": deploy_md(dep)}, executable=("launch.sh",)))
+    out.append(
+        core.text_step(
+            "engine_options",
+            "write the LLM-API options: model.yaml (Triton) and trtllm-serve.yaml",
+            {MODEL_YAML: model_yaml(dep), SERVE_YAML: serve_yaml(dep)},
+        )
+    )
+    out.append(
+        core.text_step(
+            "launch",
+            "write launch.sh and DEPLOY.md for the GPU host",
+            {"launch.sh": launch_sh(dep), "DEPLOY.md": deploy_md(dep)},
+            executable=("launch.sh",),
+        )
+    )
     return out

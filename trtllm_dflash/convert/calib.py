@@ -23,8 +23,24 @@ CHAT_QUESTIONS = (
     "Suggest a simple weekly budget plan for a student.",
     "How do I remove a coffee stain from a shirt?",
 )
-CODE_MODULES = ("heapq", "bisect", "textwrap", "functools", "fractions", "statistics", "colorsys", "difflib",
-                "shlex", "graphlib", "queue", "string", "calendar", "fnmatch", "glob", "base64")
+CODE_MODULES = (
+    "heapq",
+    "bisect",
+    "textwrap",
+    "functools",
+    "fractions",
+    "statistics",
+    "colorsys",
+    "difflib",
+    "shlex",
+    "graphlib",
+    "queue",
+    "string",
+    "calendar",
+    "fnmatch",
+    "glob",
+    "base64",
+)
 CODE_CHARS = 2000  # one prompt = the first characters of one module: a few functions with docstrings
 
 
@@ -36,13 +52,19 @@ def calibration_texts(source: str, samples: int) -> list[str]:
         texts = [f"{r['question']}\n{r['answer']}" for r in gsm8k_records()]
     elif source == "code":
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        texts = [(stdlib / f"{m}.py").read_text(encoding="utf-8")[:CODE_CHARS] for m in CODE_MODULES if (stdlib / f"{m}.py").is_file()]
+        texts = [
+            (stdlib / f"{m}.py").read_text(encoding="utf-8")[:CODE_CHARS]
+            for m in CODE_MODULES
+            if (stdlib / f"{m}.py").is_file()
+        ]
     elif source == "chat":
         texts = list(CHAT_QUESTIONS)
     else:
         texts = _file_texts(Path(source))
     if not texts:
-        raise DFlashError(f"Calibration data '{source}' holds no text; pass gsm8k, code, chat or a non-empty .txt/.jsonl file.")
+        raise DFlashError(
+            f"Calibration data '{source}' holds no text; pass gsm8k, code, chat or a non-empty .txt/.jsonl file."
+        )
     return [texts[i % len(texts)] for i in range(samples)] if len(texts) < samples else texts[:samples]
 
 
@@ -60,8 +82,21 @@ def _file_texts(path: Path) -> list[str]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            raise DFlashError(f"Calibration file {path} line {n} is not JSON; use one JSON object per line in a .jsonl file.") from None
-        text = rec if isinstance(rec, str) else next((rec[k] for k in ("text", "prompt", "question", "content") if isinstance(rec, dict) and isinstance(rec.get(k), str)), None)
+            raise DFlashError(
+                f"Calibration file {path} line {n} is not JSON; use one JSON object per line in a .jsonl file."
+            ) from None
+        text = (
+            rec
+            if isinstance(rec, str)
+            else next(
+                (
+                    rec[k]
+                    for k in ("text", "prompt", "question", "content")
+                    if isinstance(rec, dict) and isinstance(rec.get(k), str)
+                ),
+                None,
+            )
+        )
         if text is None:
             raise DFlashError(f"Calibration file {path} line {n} has no text, prompt, question or content string.")
         texts.append(text)

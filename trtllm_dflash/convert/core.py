@@ -9,9 +9,9 @@ import os
 import resource
 import shutil
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -29,8 +29,18 @@ CARD = "quantization.json"
 CALIB_MAX_TOKENS = 256  # per sample: enough context for activation ranges, cheap on CPU
 DRAFT_ANCHORS = 4  # draft blocks per calibration sample
 # Everything a runtime needs besides config + weights; ModelOpt's export writes neither tokenizer nor chat template.
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-              "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json", "generation_config.json")
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
@@ -51,39 +61,55 @@ class ConvertOptions:
     calib_data: str = "gsm8k"
     calib_samples: int = 64
     exclude: tuple[str, ...] = ()
-    target: str | None = None  # a draft's target (features + embedding for calibration); default from training.json / preset
+    target: str | None = (
+        None  # a draft's target (features + embedding for calibration); default from training.json / preset
+    )
     offload: bool | None = None  # target layer by layer from disk; None: when the fp32 model would not fit in RAM
 
     def __post_init__(self):
         if self.quant not in FORMATS:
             raise DFlashError(f"Unknown --quant '{self.quant}'; choose one of {', '.join(FORMATS)}.")
         if self.kv_cache_quant not in KV_CACHE_FORMATS:
-            raise DFlashError(f"Unknown --kv-cache-quant '{self.kv_cache_quant}'; choose one of {', '.join(KV_CACHE_FORMATS)}.")
+            raise DFlashError(
+                f"Unknown --kv-cache-quant '{self.kv_cache_quant}'; choose one of {', '.join(KV_CACHE_FORMATS)}."
+            )
         if self.role not in (None, *ROLES):
             raise DFlashError(f"Unknown --role '{self.role}'; choose target or draft.")
         if self.calib_samples < 1:
             raise DFlashError(f"--calib-samples must be at least 1 (got {self.calib_samples}).")
         if self.calib_data not in CALIB_SOURCES and not Path(self.calib_data).is_file():
-            raise DFlashError(f"--calib-data '{self.calib_data}' is neither {', '.join(CALIB_SOURCES)} nor an existing file.")
+            raise DFlashError(
+                f"--calib-data '{self.calib_data}' is neither {', '.join(CALIB_SOURCES)} nor an existing file."
+            )
         object.__setattr__(self, "output", Path(self.output).expanduser())
         object.__setattr__(self, "exclude", tuple(self.exclude))
         path = Path(self.model).expanduser()
         if not path.is_dir() and preset_for(self.model) is None:
-            raise DFlashError(f"--model '{self.model}' is neither a local directory nor a preset ({', '.join(PRESETS)}).")
+            raise DFlashError(
+                f"--model '{self.model}' is neither a local directory nor a preset ({', '.join(PRESETS)})."
+            )
         if path.is_dir() and not (path / "config.json").is_file():
-            raise DFlashError(f"--model {path} has no config.json; pass a Hugging Face model folder, a DFlash draft folder or a preset.")
+            raise DFlashError(
+                f"--model {path} has no config.json; pass a Hugging Face model folder, a DFlash draft folder or a preset."
+            )
         if path.is_dir():
             is_draft = DRAFT_ARCHITECTURE in (_read_config(path).get("architectures") or [])
             if self.role is None:
                 object.__setattr__(self, "role", "draft" if is_draft else "target")
             elif (self.role == "draft") != is_draft:
-                raise DFlashError(f"--model {path} is {'a DFlash draft' if is_draft else 'not a DFlash draft'}, but --role is {self.role}.")
+                raise DFlashError(
+                    f"--model {path} is {'a DFlash draft' if is_draft else 'not a DFlash draft'}, but --role is {self.role}."
+                )
             if path.resolve() == self.output.resolve():
-                raise DFlashError(f"--output {self.output} is the source model itself; write the quantized checkpoint elsewhere.")
+                raise DFlashError(
+                    f"--output {self.output} is the source model itself; write the quantized checkpoint elsewhere."
+                )
         elif self.role is None:
             object.__setattr__(self, "role", "target")
         if self.role == "draft" and self.kv_cache_quant != "none":
-            raise DFlashError("--kv-cache-quant is for targets: the draft's attention has no KV-cache quantizer to calibrate yet.")
+            raise DFlashError(
+                "--kv-cache-quant is for targets: the draft's attention has no KV-cache quantizer to calibrate yet."
+            )
         if self.role == "draft" and self.offload:
             raise DFlashError("--offload is for targets: a draft is a few layers and is always converted whole.")
         if self.role == "draft" and not path.is_dir() and preset_for(self.model).default_draft is None:
@@ -94,7 +120,9 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-OFFLOAD_RAM_FACTOR = 1.5  # the whole-model path peaked at 1.3x the fp32 weights (8.8 GB for Qwen2.5-Coder-1.5B's 6.7 GB)
+OFFLOAD_RAM_FACTOR = (
+    1.5  # the whole-model path peaked at 1.3x the fp32 weights (8.8 GB for Qwen2.5-Coder-1.5B's 6.7 GB)
+)
 
 
 def _available_ram() -> int:
@@ -152,7 +180,7 @@ def _read_blocks(f: Path, name: str, shape: tuple[int, ...]) -> Iterable[torch.T
     step = max(1, CHECK_CHUNK_BYTES // (8 * math.prod(shape[1:])))  # 8 bytes: the widest element
     for start in range(0, shape[0], step):
         with safe_open(f, framework="pt") as st:
-            yield st.get_slice(name)[start:start + step]
+            yield st.get_slice(name)[start : start + step]
 
 
 def check_source_tensors(path: Path) -> dict[str, tuple[int, ...]]:
@@ -161,12 +189,14 @@ def check_source_tensors(path: Path) -> dict[str, tuple[int, ...]]:
     for f in _weight_files(path):
         try:
             with safe_open(f, framework="pt") as st:
-                found = {name: tuple(st.get_slice(name).get_shape()) for name in st.keys()}
+                found = {name: tuple(st.get_slice(name).get_shape()) for name in st}
             for name, shape in found.items():
                 for t in _read_blocks(f, name, shape):
                     if t.is_floating_point() and not torch.isfinite(t).all():
                         bad = (~torch.isfinite(t)).sum().item()
-                        raise DFlashError(f"Source tensor {name} in {f.name} has {bad} NaN/Inf values; fix the checkpoint before quantizing.")
+                        raise DFlashError(
+                            f"Source tensor {name} in {f.name} has {bad} NaN/Inf values; fix the checkpoint before quantizing."
+                        )
                 shapes[name] = shape
         except (SafetensorError, OSError) as e:
             raise DFlashError(f"{f} is not a readable safetensors file ({e}).") from None
@@ -196,7 +226,10 @@ def _quant_cfg(fmt: QuantFormat, kv: str, exclude: Iterable[str], layerwise: boo
     entries += [{"quantizer_name": f"{p}.*", "enable": False} for p in exclude]
     # "max" also for the MXFP4 presets (algorithm None): W4A8 needs a calibrated static FP8 input_scale.
     if layerwise:
-        return {"quant_cfg": entries, "algorithm": {"method": "max", "layerwise": {"enable": True, "calib_mutates_weights": False}}}
+        return {
+            "quant_cfg": entries,
+            "algorithm": {"method": "max", "layerwise": {"enable": True, "calib_mutates_weights": False}},
+        }
     return {"quant_cfg": entries, "algorithm": "max"}
 
 
@@ -204,11 +237,15 @@ def _linear_names(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
-def _check_exclude_and_shapes(model: torch.nn.Module, fmt: QuantFormat, exclude: tuple[str, ...], always_excluded: tuple[str, ...]) -> None:
+def _check_exclude_and_shapes(
+    model: torch.nn.Module, fmt: QuantFormat, exclude: tuple[str, ...], always_excluded: tuple[str, ...]
+) -> None:
     names = _linear_names(model)
     for p in exclude:
         if not any(fnmatch.fnmatchcase(n, p) for n in names):
-            raise DFlashError(f"--exclude '{p}' matches no Linear module (they are named like {names[0]!r}); fix the pattern.")
+            raise DFlashError(
+                f"--exclude '{p}' matches no Linear module (they are named like {names[0]!r}); fix the pattern."
+            )
     if fmt.group_size is None:
         return
     for n in names:
@@ -231,12 +268,17 @@ def _agreement(model, batches, reference: list[torch.Tensor], run) -> float:
         hits += (out.argmax(-1) == ref.argmax(-1)).sum().item()
         total += ref.shape[:-1].numel()
         if not torch.isfinite(out).all():
-            raise DFlashError("The quantized model produces NaN/Inf on the calibration data; exclude the offending layers.")
+            raise DFlashError(
+                "The quantized model produces NaN/Inf on the calibration data; exclude the offending layers."
+            )
     return hits / total
 
 
-def convert_checkpoint(opts: ConvertOptions, progress: Callable[[str], None] = print,
-                       track: Callable[[Iterable, str], Iterable] = lambda it, desc: it) -> Path:
+def convert_checkpoint(
+    opts: ConvertOptions,
+    progress: Callable[[str], None] = print,
+    track: Callable[[Iterable, str], Iterable] = lambda it, desc: it,
+) -> Path:
     """Quantize `opts.model` into `opts.output`; `track(iterable, desc)` wraps the calibration loop (a progress bar)."""
     started = time.time()
     fmt = FORMATS[opts.quant]
@@ -252,7 +294,9 @@ def convert_checkpoint(opts: ConvertOptions, progress: Callable[[str], None] = p
     job.check(shapes)
     offload = _offload(opts, shapes)
     opts.output.parent.mkdir(parents=True, exist_ok=True)
-    offload_dir = opts.output.with_name(f".{opts.output.name}.offload{os.getpid()}")  # next to the output: never a tmpfs
+    offload_dir = opts.output.with_name(
+        f".{opts.output.name}.offload{os.getpid()}"
+    )  # next to the output: never a tmpfs
     with locked(opts.output, "conversion"):  # a second conversion into the same output is refused, not interleaved
         if leftovers := recover(opts.output):
             progress(f"Cleaned up after an interrupted conversion into {opts.output}: {', '.join(leftovers)}.")
@@ -276,11 +320,13 @@ def _convert(opts, job, fmt: QuantFormat, offload: bool, offload_dir: Path, star
 
     import modelopt.torch.quantization as mtq
 
-    progress(f"Calibrating {fmt.name} on {len(batches)} {opts.calib_data} samples (CPU, fp32{', layer by layer' if offload else ''})...")
+    progress(
+        f"Calibrating {fmt.name} on {len(batches)} {opts.calib_data} samples (CPU, fp32{', layer by layer' if offload else ''})..."
+    )
     exclude = (*opts.exclude, *job.always_excluded)
 
     def forward_loop(m):  # layer by layer, ModelOpt replays it per layer and shows its own progress bar
-        for b in (batches if offload else track(batches, "calibrating")):
+        for b in batches if offload else track(batches, "calibrating"):
             (job.feed if offload else job.run)(m, b)
 
     model = mtq.quantize(model, _quant_cfg(fmt, opts.kv_cache_quant, exclude, layerwise=offload), forward_loop)
@@ -302,8 +348,12 @@ def _convert(opts, job, fmt: QuantFormat, offload: bool, offload_dir: Path, star
             "kv_cache_quant_algo": hf_quant["quantization"].get("kv_cache_quant_algo"),
             "role": opts.role,
             "source": {"model": opts.model, "path": str(job.source.resolve())},
-            "calibration": {"data": opts.calib_data, "samples": len(batches), "max_tokens": CALIB_MAX_TOKENS,
-                            "top1_agreement_fake_quant": round(agreement, 4)},
+            "calibration": {
+                "data": opts.calib_data,
+                "samples": len(batches),
+                "max_tokens": CALIB_MAX_TOKENS,
+                "top1_agreement_fake_quant": round(agreement, 4),
+            },
             "excluded_modules": hf_quant["quantization"].get("exclude_modules", []),
             "exclude_patterns": list(opts.exclude),
             "offload": offload,
@@ -317,5 +367,7 @@ def _convert(opts, job, fmt: QuantFormat, offload: bool, offload_dir: Path, star
         replace_dir(tmp, opts.output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    progress(f"Wrote {fmt.quant_algo} checkpoint to {opts.output} (top-1 agreement {agreement:.3f}, peak RSS {card['peak_rss_mb']:.0f} MB).")
+    progress(
+        f"Wrote {fmt.quant_algo} checkpoint to {opts.output} (top-1 agreement {agreement:.3f}, peak RSS {card['peak_rss_mb']:.0f} MB)."
+    )
     return opts.output

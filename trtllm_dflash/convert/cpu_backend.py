@@ -35,7 +35,10 @@ def _fake_quant(inputs: torch.Tensor, quantizer) -> torch.Tensor:
 
 def register() -> str:
     """Register once per process; returns the backend name to put in a quantizer config."""
-    from modelopt.torch.quantization.nn.modules.tensor_quantizer import is_registered_quant_backend, register_quant_backend
+    from modelopt.torch.quantization.nn.modules.tensor_quantizer import (
+        is_registered_quant_backend,
+        register_quant_backend,
+    )
 
     if not is_registered_quant_backend(BACKEND):
         register_quant_backend(BACKEND, _fake_quant)

@@ -33,8 +33,10 @@ class CalibDraft(DFlashDraftModel):
 
     def get_dummy_inputs(self) -> dict:
         c = self.config
-        return {"target_hidden": torch.zeros(1, 2, self.fc.in_features, device=self.device),
-                "noise_embedding": torch.zeros(1, c.block_size, c.hidden_size, device=self.device)}
+        return {
+            "target_hidden": torch.zeros(1, 2, self.fc.in_features, device=self.device),
+            "noise_embedding": torch.zeros(1, c.block_size, c.hidden_size, device=self.device),
+        }
 
     def forward(self, target_hidden, noise_embedding):
         start, b = target_hidden.shape[1], noise_embedding.shape[1]
@@ -58,7 +60,9 @@ class DraftJob:
         self.side_files_dir = self.source
         target = opts.target or self._recorded_target(path)
         if target is None:
-            raise DFlashError(f"Draft {self.source} does not name its target (no training.json); pass --target PRESET_OR_DIR for calibration.")
+            raise DFlashError(
+                f"Draft {self.source} does not name its target (no training.json); pass --target PRESET_OR_DIR for calibration."
+            )
         self.target_dir = resolve_target(target, progress=progress)
 
     def _recorded_target(self, path: Path) -> str | None:
@@ -76,7 +80,9 @@ class DraftJob:
     def load(self):
         self.target = TargetModel.load(self.target_dir)
         if self.target.hidden_size != self.config.hidden_size:
-            raise DFlashError(f"Draft hidden size {self.config.hidden_size} does not match target {self.target_dir} ({self.target.hidden_size}); pass its own --target.")
+            raise DFlashError(
+                f"Draft hidden size {self.config.hidden_size} does not match target {self.target_dir} ({self.target.hidden_size}); pass its own --target."
+            )
         model = CalibDraft(self.config)
         model.load_state_dict(load_draft(self.source).state_dict())
         return model.eval().requires_grad_(False)
@@ -106,7 +112,9 @@ class DraftJob:
         for a in anchors:
             block = torch.full((1, c.block_size), c.mask_token_id)
             block[0, 0] = ids[0, a]
-            hidden = model(target_hidden=feats[:, :a], noise_embedding=model.embed_block(self.target.embed_tokens, block))
+            hidden = model(
+                target_hidden=feats[:, :a], noise_embedding=model.embed_block(self.target.embed_tokens, block)
+            )
             logits.append(model.compute_logits(hidden, self.target.lm_head)[0])
         return torch.stack(logits)
 
@@ -118,7 +126,10 @@ class DraftJob:
         dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"))
         state, hf_quant = _export_transformers_checkpoint(model, dtype)
         # Calibration ran in fp32; high-precision tensors go back to the draft's own dtype, scales stay fp32.
-        state = {k: (v.to(dtype) if v.dtype == torch.float32 and not k.endswith(SCALE_SUFFIXES) else v).contiguous() for k, v in state.items()}
+        state = {
+            k: (v.to(dtype) if v.dtype == torch.float32 and not k.endswith(SCALE_SUFFIXES) else v).contiguous()
+            for k, v in state.items()
+        }
         save_file(state, out / "model.safetensors", metadata={"format": "pt"})
         raw["quantization_config"] = convert_hf_quant_config_format(hf_quant)
         (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")

@@ -35,7 +35,9 @@ class TargetJob:
             with init_empty_weights():
                 return AutoModelForCausalLM.from_config(config)
         except (ValueError, OSError, KeyError) as e:
-            raise DFlashError(f"Target {self.source} is not a causal LM transformers can build ({str(e).splitlines()[0]}).") from None
+            raise DFlashError(
+                f"Target {self.source} is not a causal LM transformers can build ({str(e).splitlines()[0]})."
+            ) from None
 
     def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Names and shapes against the architecture built from config.json (on the meta device: no memory)."""
@@ -44,10 +46,14 @@ class TargetJob:
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
         missing = sorted(set(expected) - set(shapes) - tied)
         if missing:
-            raise DFlashError(f"Target {self.source} is missing tensors its config implies: {missing[:4]}; the checkpoint is incomplete.")
+            raise DFlashError(
+                f"Target {self.source} is missing tensors its config implies: {missing[:4]}; the checkpoint is incomplete."
+            )
         for name, shape in shapes.items():
             if name in expected and expected[name] != shape:
-                raise DFlashError(f"Target tensor {name} has shape {shape} but config.json implies {expected[name]}; the checkpoint and config disagree.")
+                raise DFlashError(
+                    f"Target tensor {name} has shape {shape} but config.json implies {expected[name]}; the checkpoint and config disagree."
+                )
 
     def load(self, offload_dir: Path | None = None):
         """Whole in fp32, or (`offload_dir`) with every weight on accelerate's disk offload: a module's weights are read
@@ -70,7 +76,9 @@ class TargetJob:
         model = self._meta_model()
         layers = LayerActivationCollector.get_decoder_layers(model)
         if layers is None:
-            raise DFlashError(f"ModelOpt finds no decoder layers in {type(model).__name__}; convert it without --offload.")
+            raise DFlashError(
+                f"ModelOpt finds no decoder layers in {type(model).__name__}; convert it without --offload."
+            )
         names = {id(m): n for n, m in model.named_modules()}
         layer_names = [names[id(m)] for m in layers]
         parents = {n.rpartition(".")[0] for n in layer_names}
@@ -85,13 +93,18 @@ class TargetJob:
                 if any(p == full or p.startswith(full + ".") for p in parents):
                     walk(f"{full}.", child)
                 else:  # parameter-free modules (rotary inv_freq) stay too
-                    device_map[full] = "cpu" if id(child) in resident or not any(True for _ in child.parameters()) else "disk"
+                    device_map[full] = (
+                        "cpu" if id(child) in resident or not any(True for _ in child.parameters()) else "disk"
+                    )
 
         walk("", model)
         return device_map
 
     def calibration_batches(self, texts: list[str]) -> list[torch.Tensor]:
-        return [self.tokenizer(t, return_tensors="pt", truncation=True, max_length=CALIB_MAX_TOKENS).input_ids for t in texts]
+        return [
+            self.tokenizer(t, return_tensors="pt", truncation=True, max_length=CALIB_MAX_TOKENS).input_ids
+            for t in texts
+        ]
 
     @staticmethod
     @torch.inference_mode()

@@ -15,7 +15,9 @@ import gzip
 import json
 from importlib import resources
 
-CODE_COMPLETE_TEMPLATE = "Complete the following Python function:\n```python\n{code}```"  # code prompts: training, eval, demo
+CODE_COMPLETE_TEMPLATE = (
+    "Complete the following Python function:\n```python\n{code}```"  # code prompts: training, eval, demo
+)
 GSM8K_HOLDOUT = 200  # the last 200 train records are our unseen math eval set: never train on them
 
 

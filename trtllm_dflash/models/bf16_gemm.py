@@ -49,7 +49,15 @@ VARIANTS = {  # name -> (kernel source, compiler flags)
     "avx2": ("bf16_gemm_avx2.cpp", ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DTRTDFLASH_INT8"]),
 }
 BINDINGS = "bindings.cpp"  # every variant's Python module, compiled beside its kernel source (kernels.h: why)
-HEADERS = ("kernels.h", "bf16_blocks.h", "slot_attention.h", "rms_norm.h", "activation.h", "argmax.h", "decoder_layer.h")
+HEADERS = (
+    "kernels.h",
+    "bf16_blocks.h",
+    "slot_attention.h",
+    "rms_norm.h",
+    "activation.h",
+    "argmax.h",
+    "decoder_layer.h",
+)
 # what every variant compiles in: the entry points, the layout and loop, a step's attention, RMSNorm, the MLP's
 # activation, argmax, a decoder layer's step in one call
 ENV = "TRTDFLASH_BF16_KERNEL"  # "off": keep the library kernels (A/B timing, or a compiler that misbehaves)
@@ -90,7 +98,12 @@ def unpack_int8(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def fits(weight: torch.Tensor) -> bool:
     """A weight this kernel can multiply: bf16, [N, K] with N a multiple of 32 and K even."""
-    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % BLOCK == 0 and weight.shape[1] % 2 == 0
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[0] % BLOCK == 0
+        and weight.shape[1] % 2 == 0
+    )
 
 
 @functools.cache
@@ -148,8 +161,12 @@ def kernel():
     filename, flags = VARIANTS[name]
     module_name = f"trtdflash_bf16_gemm_{name}"
     package = resources.files(__package__)
-    text = b"".join((package / f).read_bytes() for f in (filename, BINDINGS, *HEADERS))  # the headers: beside the sources
-    build = cache_dir() / "kernels" / f"bf16_gemm_{name}-{hashlib.sha256(text + ' '.join(flags).encode()).hexdigest()[:16]}"
+    text = b"".join(
+        (package / f).read_bytes() for f in (filename, BINDINGS, *HEADERS)
+    )  # the headers: beside the sources
+    build = (
+        cache_dir() / "kernels" / f"bf16_gemm_{name}-{hashlib.sha256(text + ' '.join(flags).encode()).hexdigest()[:16]}"
+    )
     built = build / f"{module_name}.so"
     if built.is_file() and not (build / "lock").exists():  # built from this very source, and no build under way (the
         # lock is cpp_extension's): import it directly, as cpp_extension's checks take a second
@@ -157,13 +174,25 @@ def kernel():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    print(f"trtllm_dflash: building the bf16 matrix kernel for this CPU ({name}; once, about 10 s) in {build}", file=sys.stderr)
+    print(
+        f"trtllm_dflash: building the bf16 matrix kernel for this CPU ({name}; once, about 10 s) in {build}",
+        file=sys.stderr,
+    )
     try:
         build.mkdir(parents=True, exist_ok=True)
         with resources.as_file(package / filename) as source, resources.as_file(package / BINDINGS) as bindings:
-            return load(name=module_name, sources=[str(source), str(bindings)], build_directory=str(build), extra_cflags=flags,
-                        extra_ldflags=["-fopenmp"], verbose=False)
+            return load(
+                name=module_name,
+                sources=[str(source), str(bindings)],
+                build_directory=str(build),
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, a read-only cache: the library kernels still work
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"trtllm_dflash: the bf16 matrix kernel could not be built ({reason[:200]}); using the library's.", file=sys.stderr)
+        print(
+            f"trtllm_dflash: the bf16 matrix kernel could not be built ({reason[:200]}); using the library's.",
+            file=sys.stderr,
+        )
         return None

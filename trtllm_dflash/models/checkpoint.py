@@ -22,13 +22,17 @@ from .quantized import load_quantized_draft, quantized_shapes, read_quant_spec
 def read_draft_config(path: Path) -> DraftConfig:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
-        raise DFlashError(f"Draft checkpoint {path} has no config.json; pass a DFlash draft directory (config.json + model.safetensors).")
+        raise DFlashError(
+            f"Draft checkpoint {path} has no config.json; pass a DFlash draft directory (config.json + model.safetensors)."
+        )
     check_links(Path(path))  # a config.json linked to a file elsewhere is never read
     raw = read_json(cfg_file, "draft config")
     check_config_values(raw, cfg_file)
     archs = raw.get("architectures") or []
     if archs and (not isinstance(archs, list) or DRAFT_ARCHITECTURE not in archs):
-        raise DFlashError(f"{cfg_file} describes {str(archs)[:80]}, not a {DRAFT_ARCHITECTURE}; pass a DFlash draft checkpoint.")
+        raise DFlashError(
+            f"{cfg_file} describes {str(archs)[:80]}, not a {DRAFT_ARCHITECTURE}; pass a DFlash draft checkpoint."
+        )
     try:
         return DraftConfig.from_dict(raw)
     except CONFIG_ERRORS as e:
@@ -73,9 +77,11 @@ def check_draft(path: str | Path) -> DraftConfig:
     for f in _weight_files(path):
         try:
             with safe_open(f, framework="pt") as st:
-                shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+                shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st})
         except (SafetensorError, OSError) as e:
-            raise DFlashError(f"Draft weights {f} are not a readable safetensors file ({e}); re-export the draft.") from None
+            raise DFlashError(
+                f"Draft weights {f} are not a readable safetensors file ({e}); re-export the draft."
+            ) from None
     spec = read_quant_spec(path)
     _check_names_and_shapes(path, quantized_shapes(shapes, spec) if spec is not None else shapes, config)
     return config
@@ -91,7 +97,7 @@ def held_out_tau(path: str | Path) -> float | None:
         tau = json.loads((Path(path) / CARD_FILE).read_text())["final_metrics"]["val_tau"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return float(tau) if isinstance(tau, (int, float)) and 1.0 <= tau else None
+    return float(tau) if isinstance(tau, (int, float)) and tau >= 1.0 else None
 
 
 def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
@@ -107,7 +113,12 @@ def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDr
     return model.to(dtype).eval()
 
 
-def save_draft(model: DFlashDraftModel, path: str | Path, dtype: torch.dtype = torch.bfloat16, extra_files: dict[str, str] | None = None) -> None:
+def save_draft(
+    model: DFlashDraftModel,
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    extra_files: dict[str, str] | None = None,
+) -> None:
     """Write atomically: a sibling temp directory renamed into place, so readers never see half a checkpoint."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

@@ -54,8 +54,11 @@ class RotaryEmbedding(nn.Module):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         hf = Qwen3Config(
-            hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads, head_dim=config.head_dim,
-            max_position_embeddings=config.max_position_embeddings, rope_parameters=dict(config.rope_parameters),
+            hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            head_dim=config.head_dim,
+            max_position_embeddings=config.max_position_embeddings,
+            rope_parameters=dict(config.rope_parameters),
         )
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
@@ -106,8 +109,12 @@ class DFlashAttention(nn.Module):
         projections are dropped. The outputs are the separate ones' (every output row is the same dot product)."""
         nkv = self.k_proj.out_features // self.head_dim
         self.qkv_proj = fused_linear(self.q_proj, self.k_proj, self.v_proj)
-        self.qk_norm_weight = torch.cat([self.q_norm.weight.detach()[None].expand(self.num_heads, -1),
-                                         self.k_norm.weight.detach()[None].expand(nkv, -1)])
+        self.qk_norm_weight = torch.cat(
+            [
+                self.q_norm.weight.detach()[None].expand(self.num_heads, -1),
+                self.k_norm.weight.detach()[None].expand(nkv, -1),
+            ]
+        )
         del self.q_proj, self.k_proj, self.v_proj
 
     def project(self, x, cos, sin, norm=rms_norm):
@@ -127,7 +134,9 @@ class DFlashAttention(nn.Module):
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
         """Training form: ctx_k/ctx_v [b, nkv, C, hd] context K/V (normed, roped); mask [b|1, 1, Q, C+Q] bool or None."""
         q, k, v = self.project(x, cos, sin)
-        out = F.scaled_dot_product_attention(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), attn_mask=mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), attn_mask=mask, enable_gqa=True
+        )
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
@@ -153,7 +162,9 @@ class DFlashMLP(nn.Module):
 def fused_linear(*linears: nn.Linear) -> nn.Linear:
     """One linear computing `linears` side by side (outputs concatenated in order)."""
     bias = linears[0].bias is not None
-    out = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears), bias=bias, dtype=linears[0].weight.dtype)
+    out = nn.Linear(
+        linears[0].in_features, sum(m.out_features for m in linears), bias=bias, dtype=linears[0].weight.dtype
+    )
     out.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
     if bias:
         out.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
@@ -207,7 +218,9 @@ class DraftKVCache:
         shape = (config.num_hidden_layers, slots, config.num_key_value_heads, capacity, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.features = torch.zeros(slots, capacity, len(config.target_layer_ids) * config.hidden_size, dtype=dtype, device=device)
+        self.features = torch.zeros(
+            slots, capacity, len(config.target_layer_ids) * config.hidden_size, dtype=dtype, device=device
+        )
         self.lengths = [0] * slots
 
     def reserve(self, length: int) -> None:
@@ -216,7 +229,9 @@ class DraftKVCache:
             grow = max(length, 2 * capacity) - capacity
             self.k = torch.cat([self.k, self.k.new_zeros(*self.k.shape[:3], grow, self.k.shape[4])], dim=3)
             self.v = torch.cat([self.v, self.v.new_zeros(*self.v.shape[:3], grow, self.v.shape[4])], dim=3)
-            self.features = torch.cat([self.features, self.features.new_zeros(self.features.shape[0], grow, self.features.shape[2])], dim=1)
+            self.features = torch.cat(
+                [self.features, self.features.new_zeros(self.features.shape[0], grow, self.features.shape[2])], dim=1
+            )
 
     def stage(self, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor) -> None:
         """features [N, n_sel*H] of N committed tokens, token n at (slots[n], positions[n])."""
@@ -253,11 +268,15 @@ class DFlashDraftModel(nn.Module):
         self.output_multiplier = float(dflash.get("output_multiplier", 1.0))
         self.final_logit_softcapping = float(dflash.get("final_logit_softcapping") or 0.0)
         self._stacked = None  # stacked context K/V projection of all layers: (linear callable, k_norm weights [L, hd])
-        self._vocab = None  # inference-time draft vocabulary (models/draft_vocab.py): (token ids [N], head over their rows)
+        self._vocab = (
+            None  # inference-time draft vocabulary (models/draft_vocab.py): (token ids [N], head over their rows)
+        )
         self.ngram = None  # inference-time n-gram prior on greedy guesses (models/draft_ngram.py)
         self.packed = False
         self.int8 = False  # packed with int8 weights (`pack`, where our kernel takes them)
-        self._kernel = None  # our bf16 kernel module for RMSNorm and the MLP's activation at inference (`pack`), or None:
+        self._kernel = (
+            None  # our bf16 kernel module for RMSNorm and the MLP's activation at inference (`pack`), or None:
+        )
         # the torch ops
 
     def pack(self, int8: bool = False) -> None:
@@ -275,7 +294,12 @@ class DFlashDraftModel(nn.Module):
         self._stacked = (self.ctx_kv_proj, k_norm)
         self.packed = True
         c = self.config
-        if k_norm.dtype == torch.bfloat16 and c.hidden_size % 16 == 0 and c.head_dim % 16 == 0 and c.intermediate_size % 16 == 0:
+        if (
+            k_norm.dtype == torch.bfloat16
+            and c.hidden_size % 16 == 0
+            and c.head_dim % 16 == 0
+            and c.intermediate_size % 16 == 0
+        ):
             self._kernel = bf16_gemm.kernel()
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -303,7 +327,11 @@ class DFlashDraftModel(nn.Module):
             return self._stacked
         attns = [layer.self_attn for layer in self.layers]
         weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
-        bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]) if self.config.attention_bias else None
+        bias = (
+            torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)])
+            if self.config.attention_bias
+            else None
+        )
         stacked = (lambda x: F.linear(x, weight, bias)), torch.stack([a.k_norm.weight for a in attns])
         if not self.training:
             self._stacked = stacked
@@ -326,8 +354,11 @@ class DFlashDraftModel(nn.Module):
         project, k_norm = self._context_projection()
         kv = project(ctx).view(b, t, L, 2, nkv, c.head_dim)
         if self._kernel is not None:  # every layer's K heads in one call, each with its layer's norm
-            k = self._kernel.rms_norm(kv[:, :, :, 0].reshape(b, t, L * nkv, c.head_dim),
-                                      k_norm[:, None].expand(L, nkv, c.head_dim).reshape(L * nkv, c.head_dim), c.rms_norm_eps)
+            k = self._kernel.rms_norm(
+                kv[:, :, :, 0].reshape(b, t, L * nkv, c.head_dim),
+                k_norm[:, None].expand(L, nkv, c.head_dim).reshape(L * nkv, c.head_dim),
+                c.rms_norm_eps,
+            )
             k = k.view(b, t, L, nkv, c.head_dim).permute(2, 0, 3, 1, 4)  # [L, b, nkv, T, hd]
             cos, sin = self.rotary_emb(positions, ctx.dtype)
             return apply_rope(k, cos, sin), kv.permute(2, 3, 0, 4, 1, 5)[:, 1]
@@ -374,7 +405,11 @@ class DFlashDraftModel(nn.Module):
         head.weight = nn.Parameter(lm_head.weight.detach()[token_ids].clone(), requires_grad=False)
         if lm_head.bias is not None:
             head.bias = nn.Parameter(lm_head.bias.detach()[token_ids].clone(), requires_grad=False)
-        self._vocab = (token_ids, PackedLinear(head, int8=self.int8) if packs(head.weight) else head, lm_head.out_features)
+        self._vocab = (
+            token_ids,
+            PackedLinear(head, int8=self.int8) if packs(head.weight) else head,
+            lm_head.out_features,
+        )
 
     @property
     def vocab_token_ids(self) -> torch.Tensor | None:

@@ -53,11 +53,21 @@ MEMO = 4096  # contexts whose probabilities are remembered (tens of MB at most: 
 class NgramPrior:
     """The counts of one file, and the greedy choice they re-weight."""
 
-    def __init__(self, tables: dict[int, tuple[np.ndarray, ...]], vocab_rows: int, weight: float = WEIGHT,
-                 floor: float = FLOOR, smoothing: float = SMOOTHING, own: float = OWN):
+    def __init__(
+        self,
+        tables: dict[int, tuple[np.ndarray, ...]],
+        vocab_rows: int,
+        weight: float = WEIGHT,
+        floor: float = FLOOR,
+        smoothing: float = SMOOTHING,
+        own: float = OWN,
+    ):
         self.tables, self.vocab_rows = tables, vocab_rows
         # per context: its count and the weight its own counts get against the shorter context's
-        self.totals = {n: np.add.reduceat(c, o[:-1]).astype(np.float64) if len(k) else np.zeros(0) for n, (k, o, _, c) in tables.items()}
+        self.totals = {
+            n: np.add.reduceat(c, o[:-1]).astype(np.float64) if len(k) else np.zeros(0)
+            for n, (k, o, _, c) in tables.items()
+        }
         self.trust = {n: t / (t + smoothing * np.diff(tables[n][1])) for n, t in self.totals.items()}
         self.weight, self.floor, self.smoothing, self.own = weight, floor, smoothing, own
         self.columns: np.ndarray | None = None  # full token id -> column of the draft's vocabulary (-1: not in it)
@@ -109,7 +119,7 @@ class NgramPrior:
             p[tokens.searchsorted(t)] += w * q
         return None if tokens is None else (tokens, p)
 
-    def mixed(self, context: list[int], history: "RequestCounts | None") -> tuple[np.ndarray, np.ndarray] | None:
+    def mixed(self, context: list[int], history: RequestCounts | None) -> tuple[np.ndarray, np.ndarray] | None:
         """(tokens, p) after `context`: the answers' probabilities, with the request's own taking an `own` share where
         they know the context (alone, that share of them). The request's few tokens are merged in without a sort."""
         hit = self.probabilities(context)
@@ -127,7 +137,7 @@ class NgramPrior:
             return tokens, p
         return np.concatenate([tokens, own_tokens[~known]]), np.concatenate([p, self.own * q[~known]])
 
-    def greedy(self, logits: torch.Tensor, history: "RequestCounts", token_ids: torch.Tensor | None) -> list[int]:
+    def greedy(self, logits: torch.Tensor, history: RequestCounts, token_ids: torch.Tensor | None) -> list[int]:
         """Guesses for consecutive slots from their draft logits [k, N] (N: the draft vocabulary's columns, in
         `token_ids` order, or the whole vocabulary) after the request's committed tokens, each slot's prior
         conditioned on the guesses before it. In numpy: a handful of small operations a slot, where each torch call
@@ -192,8 +202,12 @@ def count_ngrams(answers: list[list[int]], vocab_rows: int) -> dict[int, tuple[n
         items = sorted(pairs.items())
         keys = np.array([k for (k, _), _ in items], dtype=np.int64)
         starts = np.r_[True, keys[1:] != keys[:-1]] if len(keys) else np.zeros(0, dtype=bool)
-        tables[n] = (keys[starts], np.r_[np.flatnonzero(starts), len(keys)].astype(np.int64),
-                     np.array([t for (_, t), _ in items], dtype=np.int64), np.array([c for _, c in items], dtype=np.int64))
+        tables[n] = (
+            keys[starts],
+            np.r_[np.flatnonzero(starts), len(keys)].astype(np.int64),
+            np.array([t for (_, t), _ in items], dtype=np.int64),
+            np.array([c for _, c in items], dtype=np.int64),
+        )
     return tables
 
 
@@ -202,12 +216,27 @@ def write_draft_ngram(path: str | Path, answers: list[list[int]], vocab_rows: in
     tables = count_ngrams(answers, vocab_rows)
     arrays = {}
     for n, (keys, offsets, tokens, counts) in tables.items():
-        arrays |= {f"n{n}.keys": keys, f"n{n}.offsets": offsets, f"n{n}.tokens": tokens.astype(np.int32),
-                   f"n{n}.counts": counts.astype(np.int32)}
-    stats = {"answers": len(answers), "answer_tokens": sum(map(len, answers)),
-             "contexts": {str(n): len(t[0]) for n, t in tables.items()}, "entries": {str(n): len(t[2]) for n, t in tables.items()}}
-    meta = {"format": FORMAT, "vocab_rows": vocab_rows, "weight": WEIGHT, "floor": FLOOR, "smoothing": SMOOTHING,
-            "own": OWN, "source": {**source, **stats}}
+        arrays |= {
+            f"n{n}.keys": keys,
+            f"n{n}.offsets": offsets,
+            f"n{n}.tokens": tokens.astype(np.int32),
+            f"n{n}.counts": counts.astype(np.int32),
+        }
+    stats = {
+        "answers": len(answers),
+        "answer_tokens": sum(map(len, answers)),
+        "contexts": {str(n): len(t[0]) for n, t in tables.items()},
+        "entries": {str(n): len(t[2]) for n, t in tables.items()},
+    }
+    meta = {
+        "format": FORMAT,
+        "vocab_rows": vocab_rows,
+        "weight": WEIGHT,
+        "floor": FLOOR,
+        "smoothing": SMOOTHING,
+        "own": OWN,
+        "source": {**source, **stats},
+    }
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
@@ -224,16 +253,32 @@ def read_draft_ngram(draft_dir: str | Path, vocab_rows: int) -> NgramPrior | Non
     try:
         with np.load(path, allow_pickle=False) as f:
             meta = json.loads(str(f["meta"]))
-            tables = {n: tuple(f[f"n{n}.{name}"].astype(np.int64) for name in ("keys", "offsets", "tokens", "counts"))
-                      for n in range(1, CONTEXT + 1)}
-        rows, weight, floor, smoothing = int(meta["vocab_rows"]), float(meta["weight"]), float(meta["floor"]), float(meta["smoothing"])
+            tables = {
+                n: tuple(f[f"n{n}.{name}"].astype(np.int64) for name in ("keys", "offsets", "tokens", "counts"))
+                for n in range(1, CONTEXT + 1)
+            }
+        rows, weight, floor, smoothing = (
+            int(meta["vocab_rows"]),
+            float(meta["weight"]),
+            float(meta["floor"]),
+            float(meta["smoothing"]),
+        )
         own = float(meta.get("own", 0.0))
-        ok = meta.get("format") == FORMAT and 0.0 <= own <= 1.0 and all(
-            k.ndim == 1 and len(o) == len(k) + 1 and o[-1] == len(t) == len(c) for k, o, t, c in tables.values())
+        ok = (
+            meta.get("format") == FORMAT
+            and 0.0 <= own <= 1.0
+            and all(
+                k.ndim == 1 and len(o) == len(k) + 1 and o[-1] == len(t) == len(c) for k, o, t, c in tables.values()
+            )
+        )
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
         ok = False
     if not ok:
-        raise DFlashError(f"{path} is not a draft n-gram file (format {FORMAT}); rewrite it with `trtdflash draft-vocab` or delete it.")
+        raise DFlashError(
+            f"{path} is not a draft n-gram file (format {FORMAT}); rewrite it with `trtdflash draft-vocab` or delete it."
+        )
     if rows != vocab_rows or any(len(t) and (t.min() < 0 or t.max() >= vocab_rows) for _, _, t, _ in tables.values()):
-        raise DFlashError(f"{path} counts tokens of a vocabulary of {rows} rows, not this target's {vocab_rows}; it belongs to another target.")
+        raise DFlashError(
+            f"{path} counts tokens of a vocabulary of {rows} rows, not this target's {vocab_rows}; it belongs to another target."
+        )
     return NgramPrior(tables, vocab_rows, weight, floor, smoothing, own)

@@ -51,8 +51,10 @@ def read_draft_vocab(draft_dir: str | Path, vocab_rows: int) -> torch.Tensor | N
     except (OSError, ValueError, KeyError, TypeError):
         ok = False
     if not ok:
-        raise DFlashError(f"{path} is not a draft vocabulary (format {FORMAT}: a non-empty list of token ids); "
-                          f"rewrite it with `trtdflash draft-vocab` or delete it.")
+        raise DFlashError(
+            f"{path} is not a draft vocabulary (format {FORMAT}: a non-empty list of token ids); "
+            f"rewrite it with `trtdflash draft-vocab` or delete it."
+        )
     if min(ids) < 0 or max(ids) >= vocab_rows or len(set(ids)) != len(ids):
         raise DFlashError(f"{path} lists token ids outside 0..{vocab_rows - 1} or twice; it belongs to another target.")
     return torch.tensor(ids, dtype=torch.long)
@@ -64,7 +66,9 @@ def rank_tokens(answers: list[list[int]]) -> list[tuple[int, int]]:
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
-def write_draft_vocab(path: str | Path, ranked: list[tuple[int, int]], size: int, vocab_rows: int, source: dict) -> dict:
+def write_draft_vocab(
+    path: str | Path, ranked: list[tuple[int, int]], size: int, vocab_rows: int, source: dict
+) -> dict:
     """Keep the `size` most frequent tokens; if fewer were seen, fill up with the unseen ids in ascending order (a BPE
     vocabulary numbers its merges roughly by frequency). Returns the counts' coverage by the kept tokens."""
     if not 1 <= size <= vocab_rows:
@@ -73,8 +77,13 @@ def write_draft_vocab(path: str | Path, ranked: list[tuple[int, int]], size: int
     seen = set(ids)
     ids += [t for t in range(vocab_rows) if t not in seen][: size - len(ids)]
     total = sum(c for _, c in ranked)
-    stats = {"size": len(ids), "seen_tokens_kept": min(size, len(ranked)), "distinct_tokens_seen": len(ranked),
-             "answer_tokens": total, "coverage": round(sum(c for _, c in ranked[:size]) / total, 5) if total else 0.0}
+    stats = {
+        "size": len(ids),
+        "seen_tokens_kept": min(size, len(ranked)),
+        "distinct_tokens_seen": len(ranked),
+        "answer_tokens": total,
+        "coverage": round(sum(c for _, c in ranked[:size]) / total, 5) if total else 0.0,
+    }
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps({"format": FORMAT, "token_ids": ids, "source": {**source, **stats}}) + "\n")
@@ -82,8 +91,19 @@ def write_draft_vocab(path: str | Path, ranked: list[tuple[int, int]], size: int
     return stats
 
 
-def build_draft_vocab(target: str, output: str | Path, *, sources: tuple[str, ...], size: int, per_source: int,
-                      max_new_tokens: int, batch_size: int, dtype: str = "bf16", ngram: bool = True, progress=print) -> dict:
+def build_draft_vocab(
+    target: str,
+    output: str | Path,
+    *,
+    sources: tuple[str, ...],
+    size: int,
+    per_source: int,
+    max_new_tokens: int,
+    batch_size: int,
+    dtype: str = "bf16",
+    ngram: bool = True,
+    progress=print,
+) -> dict:
     """Count the target's greedy answers to the sources' prompts and write the `size` most frequent tokens to
     `output` (a draft directory, or a file path); `ngram`: their n-grams too, into the n-gram prior's file beside it
     (models/draft_ngram.py). Returns the vocabulary file's source record."""
@@ -96,17 +116,29 @@ def build_draft_vocab(target: str, output: str | Path, *, sources: tuple[str, ..
     output = Path(output)
     path = output / FILE if output.is_dir() else output
     if not path.parent.is_dir():
-        raise DFlashError(f"{path.parent} does not exist; pass a draft directory or a file path in an existing directory.")
+        raise DFlashError(
+            f"{path.parent} does not exist; pass a draft directory or a file path in an existing directory."
+        )
     dtype = resolve_dtype(dtype)
     tm = TargetModel.load(resolve_target(target, progress), DTYPES[dtype])
-    answers = answer_tokens(tm, sources, per_source=per_source, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                            progress=progress)
-    source = {"target": target, "dtype": dtype, "data": list(sources), "prompts_per_source": per_source,
-              "max_new_tokens": max_new_tokens, "decoding": "greedy answers, chat template"}
+    answers = answer_tokens(
+        tm, sources, per_source=per_source, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress
+    )
+    source = {
+        "target": target,
+        "dtype": dtype,
+        "data": list(sources),
+        "prompts_per_source": per_source,
+        "max_new_tokens": max_new_tokens,
+        "decoding": "greedy answers, chat template",
+    }
     stats = write_draft_vocab(path, rank_tokens(answers), size, tm.lm_head.out_features, source) | {"path": str(path)}
     if ngram:
-        from .draft_ngram import FILE as NGRAM_FILE, write_draft_ngram
+        from .draft_ngram import FILE as NGRAM_FILE
+        from .draft_ngram import write_draft_ngram
 
         ngram_path = path.parent / NGRAM_FILE
-        stats["ngram"] = write_draft_ngram(ngram_path, answers, tm.lm_head.out_features, source) | {"path": str(ngram_path)}
+        stats["ngram"] = write_draft_ngram(ngram_path, answers, tm.lm_head.out_features, source) | {
+            "path": str(ngram_path)
+        }
     return stats

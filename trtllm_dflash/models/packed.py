@@ -49,7 +49,9 @@ class PackedLinear(nn.Module):
                 self.packed, self.scale = bf16_gemm.pack_int8(linear.weight.detach())
             else:
                 self.packed = self.kernel.pack(linear.weight.detach())
-            self.kernel_bias = None if linear.bias is None else linear.bias.detach().float().contiguous()  # converted once
+            self.kernel_bias = (
+                None if linear.bias is None else linear.bias.detach().float().contiguous()
+            )  # converted once
             self.one_token_dense = False
             self.tiled = bf16_gemm.tiles()  # calls of more than TILE_ROWS rows take oneDNN's tiles
             self.tiles = None  # their copy of the weight: made at the first such call (a batch-1 server makes none)
@@ -125,7 +127,9 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 def packs(weight: torch.Tensor) -> bool:
     """Whether a PackedLinear of this weight runs a packed kernel here (oneDNN's or ours) rather than ATen's."""
-    return weight.device.type == "cpu" and (can_pack(weight.dtype) or (bf16_gemm.fits(weight) and bf16_gemm.kernel() is not None))
+    return weight.device.type == "cpu" and (
+        can_pack(weight.dtype) or (bf16_gemm.fits(weight) and bf16_gemm.kernel() is not None)
+    )
 
 
 @torch.no_grad()

@@ -71,35 +71,57 @@ def read_quant_spec(path: str | Path) -> QuantSpec | None:
         if (path / HF_QUANT_CONFIG).is_file():
             raw = json.loads((path / HF_QUANT_CONFIG).read_text()).get("quantization")
         else:
-            raw = json.loads((path / "config.json").read_text()).get("quantization_config") if (path / "config.json").is_file() else None
+            raw = (
+                json.loads((path / "config.json").read_text()).get("quantization_config")
+                if (path / "config.json").is_file()
+                else None
+            )
             if not (isinstance(raw, dict) and str(raw.get("quant_method", "")).lower().startswith("modelopt")):
                 return None
             if raw.get("kv_cache_scheme") is not None:  # ModelOpt's flat form writes the KV cache as a scheme
                 scheme = raw["kv_cache_scheme"]
-                raw = {**raw, "kv_cache_quant_algo": "FP8" if (scheme.get("type"), scheme.get("num_bits")) == ("float", 8) else str(scheme)}
+                raw = {
+                    **raw,
+                    "kv_cache_quant_algo": "FP8"
+                    if (scheme.get("type"), scheme.get("num_bits")) == ("float", 8)
+                    else str(scheme),
+                }
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-        raise DFlashError(f"The quantization config of {path} is not readable JSON ({e}); re-export the checkpoint.") from None
+        raise DFlashError(
+            f"The quantization config of {path} is not readable JSON ({e}); re-export the checkpoint."
+        ) from None
     if not isinstance(raw, dict):
-        raise DFlashError(f"{path / HF_QUANT_CONFIG} has no 'quantization' object; re-export the checkpoint with ModelOpt.")
+        raise DFlashError(
+            f"{path / HF_QUANT_CONFIG} has no 'quantization' object; re-export the checkpoint with ModelOpt."
+        )
     algo, kv = raw.get("quant_algo"), raw.get("kv_cache_quant_algo")
     if algo not in QUANT_ALGOS:
-        raise DFlashError(f"Checkpoint {path} uses quant_algo {algo!r}; the embedded runtime runs {', '.join(QUANT_ALGOS)}.")
+        raise DFlashError(
+            f"Checkpoint {path} uses quant_algo {algo!r}; the embedded runtime runs {', '.join(QUANT_ALGOS)}."
+        )
     if kv not in (None, *KV_ALGOS):
-        raise DFlashError(f"Checkpoint {path} uses kv_cache_quant_algo {kv!r}; the embedded runtime runs {', '.join(sorted(KV_ALGOS))} or none.")
+        raise DFlashError(
+            f"Checkpoint {path} uses kv_cache_quant_algo {kv!r}; the embedded runtime runs {', '.join(sorted(KV_ALGOS))} or none."
+        )
     fmt = QUANT_ALGOS[algo]
     if raw.get("group_size") not in (None, fmt.group_size):
-        raise DFlashError(f"Checkpoint {path} says {algo} with group_size {raw['group_size']}; {algo} uses {fmt.group_size}.")
+        raise DFlashError(
+            f"Checkpoint {path} says {algo} with group_size {raw['group_size']}; {algo} uses {fmt.group_size}."
+        )
     if fmt.activation_scale:
         activations = "NVFP4" if fmt.weight_scale_bits == (4, 3) else "FP8"  # W4A8_MXFP4_FP8: FP8 activations
     else:
         mode = os.environ.get("OVERRIDE_QUANT_ALGO", MXFP4_ACTIVATIONS[0])
         if mode not in MXFP4_ACTIVATIONS:
-            raise DFlashError(f"OVERRIDE_QUANT_ALGO={mode} is not runnable for {algo} weights without an activation scale; use one of {', '.join(MXFP4_ACTIVATIONS)}.")
+            raise DFlashError(
+                f"OVERRIDE_QUANT_ALGO={mode} is not runnable for {algo} weights without an activation scale; use one of {', '.join(MXFP4_ACTIVATIONS)}."
+            )
         activations = "MXFP8" if mode == "W4A8_MXFP4_MXFP8" else "none"
     return QuantSpec(algo, kv, activations)
 
 
 # --- element formats ------------------------------------------------------------------------------------
+
 
 def round_fp8(x: torch.Tensor) -> torch.Tensor:
     """Nearest e4m3 value (RN-even, saturating like CUDA's satfinite conversion), in x's dtype."""
@@ -133,6 +155,7 @@ def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
 
 # --- activation rounding (dtype in = dtype out) ---------------------------------------------------------
 
+
 def qdq_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """Static per-tensor FP8: e4m3(x / s) · s."""
     return round_fp8(x / scale) * scale
@@ -156,6 +179,7 @@ def qdq_mxfp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 
 # --- the linear -------------------------------------------------------------------------------------------
+
 
 class QuantLinear(nn.Module):
     """A quantized nn.Linear: weight decoded once, input rounded per call; `weight` is the decoded matrix.
@@ -196,7 +220,9 @@ def _scalar(state: dict, key: str) -> float:
     if t is None:
         raise DFlashError(f"Quantized checkpoint is missing the scale tensor {key}; re-export it.")
     if t.numel() != 1 or not t.is_floating_point():
-        raise DFlashError(f"Scale tensor {key} must be one float, got {t.dtype} {tuple(t.shape)}; re-export the checkpoint.")
+        raise DFlashError(
+            f"Scale tensor {key} must be one float, got {t.dtype} {tuple(t.shape)}; re-export the checkpoint."
+        )
     return float(t.float().reshape(()))
 
 
@@ -205,7 +231,9 @@ def _expect(state: dict, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -
     if t is None:
         raise DFlashError(f"Quantized checkpoint is missing {key}; re-export it.")
     if t.dtype != dtype or tuple(t.shape) != shape:
-        raise DFlashError(f"{key} is {t.dtype} {tuple(t.shape)}, but the quantization config implies {dtype} {shape}; re-export the checkpoint.")
+        raise DFlashError(
+            f"{key} is {t.dtype} {tuple(t.shape)}, but the quantization config implies {dtype} {shape}; re-export the checkpoint."
+        )
     return t
 
 
@@ -217,7 +245,9 @@ def decode_weight(state: dict, prefix: str, spec: QuantSpec, out_features: int, 
         return q.double() * _scalar(state, f"{prefix}.weight_scale")
     g = fmt.group_size
     if in_features % g:
-        raise DFlashError(f"{w} has {in_features} input features, not a multiple of the {spec.quant_algo} block size {g}.")
+        raise DFlashError(
+            f"{w} has {in_features} input features, not a multiple of the {spec.quant_algo} block size {g}."
+        )
     values = unpack_e2m1(_expect(state, w, torch.uint8, (out_features, in_features // 2))).double()
     if fmt.weight_scale_bits == (4, 3):  # NVFP4: e4m3 block scales under an fp32 global scale
         scale = _expect(state, f"{prefix}.weight_scale", torch.float8_e4m3fn, (out_features, in_features // g)).double()
@@ -240,7 +270,11 @@ def replace_quantized_linears(model: nn.Module, state: dict, spec: QuantSpec, dt
         input_scale = _scalar(state, f"{name}.input_scale") if spec.activations in ("FP8", "NVFP4") else None
         state.pop(f"{name}.input_scale", None)  # MXFP4 weight-only / MXFP8 activations are scaled per block at run time
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, QuantLinear(weight, bias, spec.activations, input_scale))
+        setattr(
+            model.get_submodule(parent) if parent else model,
+            child,
+            QuantLinear(weight, bias, spec.activations, input_scale),
+        )
         count += 1
     if not count:
         raise DFlashError(f"The checkpoint says {spec.quant_algo} but holds no quantized linear weights; re-export it.")
@@ -264,7 +298,9 @@ def _quantized_attention(module, query, key, value, attention_mask, **kwargs):
 def _attach_kv_scales(model: nn.Module, state: dict) -> None:
     attns = [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "k_proj", None), nn.Module)]
     if not attns:
-        raise DFlashError("The checkpoint asks for an FP8 KV cache, but the model has no k_proj/v_proj attention to apply it to.")
+        raise DFlashError(
+            "The checkpoint asks for an FP8 KV cache, but the model has no k_proj/v_proj attention to apply it to."
+        )
     for name, m in attns:
         m.k_scale = _scalar(state, f"{name}.k_proj.k_scale")
         m.v_scale = _scalar(state, f"{name}.v_proj.v_scale")
@@ -275,7 +311,11 @@ def _read_state(path: Path) -> dict:
     from safetensors.torch import load_file
 
     index = path / "model.safetensors.index.json"
-    files = sorted({path / n for n in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() else sorted(path.glob("*.safetensors"))
+    files = (
+        sorted({path / n for n in json.loads(index.read_text())["weight_map"].values()})
+        if index.is_file()
+        else sorted(path.glob("*.safetensors"))
+    )
     if not files:
         raise DFlashError(f"Quantized checkpoint {path} has no *.safetensors weights (pickles are never loaded).")
     state = {}
@@ -294,10 +334,14 @@ def _load_rest(model: nn.Module, state: dict, dtype: torch.dtype, path: Path, al
     unexpected = sorted(set(state) - set(expected))
     missing = sorted(set(expected) - set(state) - allowed_missing)
     if unexpected or missing:
-        raise DFlashError(f"Quantized checkpoint {path} does not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}.")
+        raise DFlashError(
+            f"Quantized checkpoint {path} does not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}."
+        )
     for k, t in state.items():
         if tuple(t.shape) != tuple(expected[k].shape):
-            raise DFlashError(f"{k} in {path} has shape {tuple(t.shape)}, but the config implies {tuple(expected[k].shape)}.")
+            raise DFlashError(
+                f"{k} in {path} has shape {tuple(t.shape)}, but the config implies {tuple(expected[k].shape)}."
+            )
     model.load_state_dict({k: t.to(dtype) for k, t in state.items()}, strict=False, assign=True)
 
 
@@ -338,7 +382,9 @@ def quantized_shapes(shapes: dict[str, tuple[int, ...]], spec: QuantSpec) -> dic
 def load_quantized_draft(config, state: dict, spec: QuantSpec, dtype: torch.dtype, path: Path):
     """A quantized DFlash draft: fc, attention and MLP linears run like the target's; no FP8 KV cache (refused)."""
     if spec.kv_cache_quant_algo is not None:
-        raise DFlashError(f"Draft {path} asks for a {spec.kv_cache_quant_algo} KV cache; quantize the draft's weights only (no --kv-cache).")
+        raise DFlashError(
+            f"Draft {path} asks for a {spec.kv_cache_quant_algo} KV cache; quantize the draft's weights only (no --kv-cache)."
+        )
     model = QuantizedDFlashDraft(config)
     replace_quantized_linears(model, state, spec, dtype)
     _load_rest(model, state, dtype, path, set())

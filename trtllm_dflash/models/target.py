@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
 
-from ..errors import DFlashError
 from ..config import rope_of
+from ..errors import DFlashError
 from . import bf16_gemm
 from .packed import PackedLinear, pack_linears
 from .quantized import load_quantized_lm, read_quant_spec
@@ -70,15 +70,19 @@ def _flat_rows_sdpa(query, key, value, attention_mask, scaling, rows: FlatRows):
     out[rows.first] = _rows_sdpa(first, key, value, attention_mask[:, :, :1], scaling)[:, 0]
     for i, offset, k in rows.long:
         q = query[None, :, offset + 1 : offset + k]  # [1, H, k-1, hd]
-        out[offset + 1 : offset + k] = _rows_sdpa(q, key[i : i + 1], value[i : i + 1], attention_mask[i : i + 1, :, 1:k], scaling)[0]
+        out[offset + 1 : offset + k] = _rows_sdpa(
+            q, key[i : i + 1], value[i : i + 1], attention_mask[i : i + 1, :, 1:k], scaling
+        )[0]
     return out
 
 
 def _gated(act_fn, sizes: list[int]):
     """A gated MLP's activation of its fused gate/up output: act(gate) * up."""
+
     def act(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(sizes, dim=-1)
         return act_fn(gate) * up
+
     return act
 
 
@@ -101,8 +105,14 @@ def _rows_attention(inner_name: str):
             return inner(module, query, key, value, attention_mask, **kwargs)
         if inner_name == "sdpa":
             scaling = kwargs.get("scaling")
-            return _flat_rows_sdpa(query[0], key, value, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5,
-                                   slot_rows)[None], None  # [1, T, H, hd]
+            return _flat_rows_sdpa(
+                query[0],
+                key,
+                value,
+                attention_mask,
+                scaling if scaling is not None else query.shape[-1] ** -0.5,
+                slot_rows,
+            )[None], None  # [1, T, H, hd]
         q = query[0][:, slot_rows.pad_index].transpose(0, 1)  # [n, H, kmax, hd]
         out, _ = inner(module, q.contiguous(), key, value, attention_mask, **kwargs)
         return out[slot_rows.flat_row, slot_rows.flat_col][None], None
@@ -121,7 +131,11 @@ class _FusedOutputs:
 
     def take(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if x is not self.x:  # the same tensor object (inference tensors carry no version counter to check further)
-            self.x, self.out, self.untaken = x, getattr(self.owner, self.name)(x).split(self.sizes, dim=-1), set(range(len(self.sizes)))
+            self.x, self.out, self.untaken = (
+                x,
+                getattr(self.owner, self.name)(x).split(self.sizes, dim=-1),
+                set(range(len(self.sizes))),
+            )
         out = self.out[index]
         self.untaken.discard(index)
         if not self.untaken:
@@ -157,8 +171,13 @@ def fuse_projections(layers: nn.ModuleList) -> None:
                 continue
             # On the meta device: a real one would first draw random weights (kaiming) only to drop them, a quarter
             # of a SmolLM2 load (0.5 of 2.1 s, AMD EPYC Zen 3, 2026-11-28).
-            linear = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                               device="meta", dtype=parts[0].weight.dtype)
+            linear = nn.Linear(
+                parts[0].in_features,
+                sum(p.out_features for p in parts),
+                bias=parts[0].bias is not None,
+                device="meta",
+                dtype=parts[0].weight.dtype,
+            )
             linear.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
             if linear.bias is not None:
                 linear.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
@@ -202,9 +221,16 @@ class TargetModel:
         # ... and its RMSNorm, in every forward of the lean loop, so a prompt's tokens and a step's are normed alike
         self.rms_kernel = self.attention if self.attention is not None and self.hidden_size % 16 == 0 else None
         # ... and its MLP activation, silu(gate) * up in one call (activation.h)
-        self.mlp_kernel = self.rms_kernel if self.rms_kernel is not None and self.text_config.intermediate_size % 16 == 0 else None
-        self._plan: tuple[list[tuple], Callable] | None = None  # the lean loop's callables (`_layer_plan`), bound at its first run
-        self._fused: tuple[list[tuple] | None, int] = (None, 0)  # ... and a step's layers as one kernel call each (`_fused_layers`)
+        self.mlp_kernel = (
+            self.rms_kernel if self.rms_kernel is not None and self.text_config.intermediate_size % 16 == 0 else None
+        )
+        self._plan: tuple[list[tuple], Callable] | None = (
+            None  # the lean loop's callables (`_layer_plan`), bound at its first run
+        )
+        self._fused: tuple[list[tuple] | None, int] = (
+            None,
+            0,
+        )  # ... and a step's layers as one kernel call each (`_fused_layers`)
 
     def _use_ragged_attention(self) -> bool:
         """Wrap the model's attention so `forward_rows` can lay rows on one flat axis; True where it could (HF models
@@ -243,13 +269,17 @@ class TargetModel:
         on every layer, SiLU, SDPA attention (quantized targets keep their own)."""
         text = self.text_config
         decoder = self.model.get_decoder()
-        return (getattr(text, "model_type", None) in LEAN_FAMILIES and self._mask_rules() == {"": None}
-                and getattr(text, "hidden_act", "silu") == "silu" and self.ragged
-                and self.model.config._attn_implementation == "slot_rows_sdpa"
-                and all(hasattr(decoder, n) for n in ("embed_tokens", "rotary_emb", "norm")))
+        return (
+            getattr(text, "model_type", None) in LEAN_FAMILIES
+            and self._mask_rules() == {"": None}
+            and getattr(text, "hidden_act", "silu") == "silu"
+            and self.ragged
+            and self.model.config._attn_implementation == "slot_rows_sdpa"
+            and all(hasattr(decoder, n) for n in ("embed_tokens", "rotary_emb", "norm"))
+        )
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True) -> "TargetModel":
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True) -> TargetModel:
         """`pack`: prepack the linear layers for oneDNN (models/packed.py); off where weights are trained or exported."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -261,7 +291,9 @@ class TargetModel:
         path = Path(path)
         config = read_hf_config(path, "Target")  # never trust_remote_code implicitly
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        kinds = " ".join([str(getattr(text, "model_type", ""))] + [str(t) for t in (getattr(text, "layer_types", None) or [])]).lower()
+        kinds = " ".join(
+            [str(getattr(text, "model_type", ""))] + [str(t) for t in (getattr(text, "layer_types", None) or [])]
+        ).lower()
         if any(h in kinds for h in RECURRENT_HINTS):
             raise DFlashError(
                 f"Target {path} ({text.model_type}) has recurrent/linear-attention layers whose state cannot be cropped "
@@ -269,8 +301,11 @@ class TargetModel:
             )
         try:
             spec = read_quant_spec(path)
-            model = (load_quantized_lm(path, config, spec, dtype) if spec is not None
-                     else AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa"))
+            model = (
+                load_quantized_lm(path, config, spec, dtype)
+                if spec is not None
+                else AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+            )
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (ValueError, OSError) as e:
             raise DFlashError(f"Could not load target {path}: {str(e).splitlines()[0]}") from None
@@ -302,7 +337,7 @@ class TargetModel:
 
         return hook
 
-    def new_cache(self, slots: int = 1, capacity: int = 256) -> "SlotKVCache":
+    def new_cache(self, slots: int = 1, capacity: int = 256) -> SlotKVCache:
         return SlotKVCache(slots, capacity)
 
     @contextmanager
@@ -327,7 +362,15 @@ class TargetModel:
             self.set_taps(previous)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, start, cache: "SlotKVCache", capture: bool, logits_to_keep: int = 0, first_slot: int = 0):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start,
+        cache: SlotKVCache,
+        capture: bool,
+        logits_to_keep: int = 0,
+        first_slot: int = 0,
+    ):
         """input_ids [b, T] -> logits [b, T|keep, V], features [b, T, n_sel*H] or None.
 
         Row i is cache slot first_slot + i and its tokens sit at positions start[i]..start[i]+T-1 (`start` an int
@@ -341,12 +384,18 @@ class TargetModel:
         if self.lean:
             return self._lean_forward(input_ids, positions, cache, masks, capture, logits_to_keep)
         with self._capturing(capture) as features:
-            out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=cache, attention_mask=masks,
-                             use_cache=True, logits_to_keep=logits_to_keep)
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                past_key_values=cache,
+                attention_mask=masks,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
             return out.logits, features()
 
     @torch.inference_mode()
-    def forward_rows(self, rows: list[list[int]], starts: list[int], cache: "SlotKVCache", capture: bool):
+    def forward_rows(self, rows: list[list[int]], starts: list[int], cache: SlotKVCache, capture: bool):
         """Rows of different lengths in one forward (vLLM's flat token axis): row i is cache slot i, its tokens at
         positions starts[i]... Returns logits [T, V] and features [T, n_sel*H] or None, T = the rows' tokens in order."""
         if len({len(r) for r in rows}) == 1:  # rows of one length: the dense forward, no gathers
@@ -364,13 +413,20 @@ class TargetModel:
             logits, feats = self._lean_forward(ids[None], flat_positions, cache, masks, capture, slot_rows=flat)
             return logits[0], None if feats is None else feats[0]
         with self._capturing(capture) as features:
-            out = self.model(input_ids=ids[None], position_ids=flat_positions, past_key_values=cache,
-                             attention_mask=masks, use_cache=True, slot_rows=flat)
+            out = self.model(
+                input_ids=ids[None],
+                position_ids=flat_positions,
+                past_key_values=cache,
+                attention_mask=masks,
+                use_cache=True,
+                slot_rows=flat,
+            )
             feats = features()
             return out.logits[0], None if feats is None else feats[0]
 
-    def _lean_forward(self, input_ids, positions, cache: "SlotKVCache", masks, capture: bool, logits_to_keep: int = 0,
-                      slot_rows=None):
+    def _lean_forward(
+        self, input_ids, positions, cache: SlotKVCache, masks, capture: bool, logits_to_keep: int = 0, slot_rows=None
+    ):
         """The decoder as one loop over its layers, calling the model's own modules: what HF's forward computes,
         without its per-layer dispatch, output capture and mask plumbing (on a 2-core CPU that was about a fifth of a
         135M target's 8-token verify). input_ids/positions [b, T] (flat rows: [1, T] with `slot_rows`) -> logits,
@@ -378,10 +434,15 @@ class TargetModel:
         decoder = self.model.get_decoder()
         # a step's few queries per row take our kernel: each token over its slot up to its position (a prompt's long
         # chunks keep SDPA, the same in every mode, so DFlash and plain decoding start from the same cache)
-        step = self.attention is not None and (slot_rows.kmax if slot_rows is not None else input_ids.shape[1]) <= STEP_QUERIES
+        step = (
+            self.attention is not None
+            and (slot_rows.kmax if slot_rows is not None else input_ids.shape[1]) <= STEP_QUERIES
+        )
         if step:
             b, t = input_ids.shape
-            token_slot = slot_rows.flat_row if slot_rows is not None else cache.first_slot + torch.arange(b).repeat_interleave(t)
+            token_slot = (
+                slot_rows.flat_row if slot_rows is not None else cache.first_slot + torch.arange(b).repeat_interleave(t)
+            )
             token_pos = positions.reshape(-1)
         x = decoder.embed_tokens(input_ids)  # [b, T, H]
         cos, sin = decoder.rotary_emb(x, positions)  # [b, T, hd]
@@ -396,11 +457,15 @@ class TargetModel:
         if fused is not None and token_pos.numel() <= max_tokens:  # a step's layers as one kernel call each
             for i, (kv_heads, head_dim, pre, post) in enumerate(fused):
                 keys, values = cache.buffers(i, kv_heads, head_dim, x.dtype)
-                x = self.attention.decoder_step(x, *pre, token_cos, token_sin, keys, values, token_slot, token_pos, *post)
+                x = self.attention.decoder_step(
+                    x, *pre, token_cos, token_sin, keys, values, token_slot, token_pos, *post
+                )
                 if i in taps:
                     captured[i] = x
         else:
-            for i, (norm1, qkv, sizes, qk_norm, head_dim, scaling, o_proj, norm2, gate_up, act, down) in enumerate(layers):
+            for i, (norm1, qkv, sizes, qk_norm, head_dim, scaling, o_proj, norm2, gate_up, act, down) in enumerate(
+                layers
+            ):
                 # one view, then the heads split (Tensor.split's Python wrapper and a view per piece cost a bf16 step 1.4-5.2 %)
                 heads = qkv(norm1(x)).view(*lead, sum(sizes) // head_dim, head_dim)
                 q, k, v = heads.split_with_sizes([n // head_dim for n in sizes], -2)
@@ -408,22 +473,39 @@ class TargetModel:
                     q, k = qk_norm[0](q), qk_norm[1](k)
                 if step:  # RoPE, the cache writes and attention in one call: the same bits as the ops below (slot_attention.h)
                     keys, values = cache.buffers(i, k.shape[-2], head_dim, k.dtype)
-                    out = self.attention.rope_attend(q, k, v, token_cos, token_sin, keys, values, token_slot, token_pos,
-                                                     scaling)  # [b*T, heads*hd]
+                    out = self.attention.rope_attend(
+                        q, k, v, token_cos, token_sin, keys, values, token_slot, token_pos, scaling
+                    )  # [b*T, heads*hd]
                 else:
                     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, T, hd]
                     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
                     keys, values = cache.update(k, v, i)  # this forward's rows' K/V [b | n, nkv, K, hd]
-                    if slot_rows is None and q.shape[0] == 1 and (q.shape[2] > 1 or masks is None):  # not one query over a whole slot
-                        if q.shape[2] == 1 and q.dtype == torch.bfloat16:  # decoding one row: the K/V slice taken to fp32 and
+                    if (
+                        slot_rows is None and q.shape[0] == 1 and (q.shape[2] > 1 or masks is None)
+                    ):  # not one query over a whole slot
+                        if (
+                            q.shape[2] == 1 and q.dtype == torch.bfloat16
+                        ):  # decoding one row: the K/V slice taken to fp32 and
                             # SDPA's fp32 kernel cost 25 us a layer against 65-90 for any bf16 attention (context 200, 2 threads,
                             # AMD EPYC, 2026-11-25); with 8 queries, or several rows, the bf16 kernels are as fast or faster
-                            out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), scale=scaling,
-                                                                 enable_gqa=q.shape[1] != keys.shape[1]).to(q.dtype).transpose(1, 2)
+                            out = (
+                                F.scaled_dot_product_attention(
+                                    q.float(),
+                                    keys.float(),
+                                    values.float(),
+                                    scale=scaling,
+                                    enable_gqa=q.shape[1] != keys.shape[1],
+                                )
+                                .to(q.dtype)
+                                .transpose(1, 2)
+                            )
                         else:
-                            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks, scale=scaling,
-                                                                 enable_gqa=q.shape[1] != keys.shape[1]).transpose(1, 2)
-                    elif slot_rows is None:  # rows of one length: SDPA's CPU kernel under a per-row mask cost 1.2x the step
+                            out = F.scaled_dot_product_attention(
+                                q, keys, values, attn_mask=masks, scale=scaling, enable_gqa=q.shape[1] != keys.shape[1]
+                            ).transpose(1, 2)
+                    elif (
+                        slot_rows is None
+                    ):  # rows of one length: SDPA's CPU kernel under a per-row mask cost 1.2x the step
                         out = _rows_sdpa(q, keys, values, masks, scaling)
                     else:
                         out = _flat_rows_sdpa(q[0], keys, values, masks, scaling, slot_rows)[None]
@@ -453,11 +535,27 @@ class TargetModel:
             plan = []
             for layer in self.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                act = self.mlp_kernel.silu_mul if self.mlp_kernel is not None else _gated(mlp.act_fn, mlp.gate_proj.outputs.sizes)
+                act = (
+                    self.mlp_kernel.silu_mul
+                    if self.mlp_kernel is not None
+                    else _gated(mlp.act_fn, mlp.gate_proj.outputs.sizes)
+                )
                 qk_norm = (attn.q_norm.forward, attn.k_norm.forward) if hasattr(attn, "q_norm") else None
-                plan.append((self._norm_of(layer.input_layernorm), attn.qkv_proj.forward, attn.q_proj.outputs.sizes, qk_norm,
-                             attn.head_dim, attn.scaling, attn.o_proj.forward, self._norm_of(layer.post_attention_layernorm),
-                             mlp.gate_up_proj.forward, act, mlp.down_proj.forward))
+                plan.append(
+                    (
+                        self._norm_of(layer.input_layernorm),
+                        attn.qkv_proj.forward,
+                        attn.q_proj.outputs.sizes,
+                        qk_norm,
+                        attn.head_dim,
+                        attn.scaling,
+                        attn.o_proj.forward,
+                        self._norm_of(layer.post_attention_layernorm),
+                        mlp.gate_up_proj.forward,
+                        act,
+                        mlp.down_proj.forward,
+                    )
+                )
             self._plan = plan, self._norm_of(self.model.get_decoder().norm)
             self._fused = self._fused_layers()
         return self._plan
@@ -474,16 +572,38 @@ class TargetModel:
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if hasattr(attn, "q_norm") or not all(isinstance(m, PackedLinear) and m.kernel is kernel and m.scale is None
-                                                  for m in linears):
+            if hasattr(attn, "q_norm") or not all(
+                isinstance(m, PackedLinear) and m.kernel is kernel and m.scale is None for m in linears
+            ):
                 return None, 0
             tiled = tiled or any(m.tiled for m in linears)
             q_size, kv_size, _ = attn.q_proj.outputs.sizes
             n1, n2, hd = layer.input_layernorm, layer.post_attention_layernorm, attn.head_dim
-            fused.append((kv_size // hd, hd,
-                          (n1.weight, n1.variance_epsilon, attn.qkv_proj.packed, attn.qkv_proj.kernel_bias, q_size // hd, kv_size // hd),
-                          (attn.scaling, attn.o_proj.packed, attn.o_proj.kernel_bias, n2.weight, n2.variance_epsilon,
-                           mlp.gate_up_proj.packed, mlp.gate_up_proj.kernel_bias, mlp.down_proj.packed, mlp.down_proj.kernel_bias)))
+            fused.append(
+                (
+                    kv_size // hd,
+                    hd,
+                    (
+                        n1.weight,
+                        n1.variance_epsilon,
+                        attn.qkv_proj.packed,
+                        attn.qkv_proj.kernel_bias,
+                        q_size // hd,
+                        kv_size // hd,
+                    ),
+                    (
+                        attn.scaling,
+                        attn.o_proj.packed,
+                        attn.o_proj.kernel_bias,
+                        n2.weight,
+                        n2.variance_epsilon,
+                        mlp.gate_up_proj.packed,
+                        mlp.gate_up_proj.kernel_bias,
+                        mlp.down_proj.packed,
+                        mlp.down_proj.kernel_bias,
+                    ),
+                )
+            )
         return fused, bf16_gemm.TILE_ROWS if tiled else sys.maxsize
 
     def rebind(self) -> None:
@@ -551,15 +671,23 @@ class SlotKVCache(Cache):
             k[slot, :, start : start + key.shape[1]] = key
             v[slot, :, start : start + value.shape[1]] = value
 
-    def begin(self, first_slot: int, positions: torch.Tensor, rules: dict[str, int | None], dtype: torch.dtype,
-              flat: FlatRows | None = None):
+    def begin(
+        self,
+        first_slot: int,
+        positions: torch.Tensor,
+        rules: dict[str, int | None],
+        dtype: torch.dtype,
+        flat: FlatRows | None = None,
+    ):
         """Set where the next forward writes; returns its attention mask(s) (additive, [b, 1, T, K]). With `flat`
         the forward's tokens come on one flat axis in that layout, and `positions` [b, T] is its padded per-row layout."""
         b, t = positions.shape
         self.reserve(int(positions[:, -1].max()) + 1)
         self._rows = slice(first_slot, first_slot + b)
         self._positions, self._flat = positions, flat
-        self._same_start = bool((positions[:, 0] == positions[0, 0]).all() and (positions[:, -1] - positions[:, 0] == t - 1).all())
+        self._same_start = bool(
+            (positions[:, 0] == positions[0, 0]).all() and (positions[:, -1] - positions[:, 0] == t - 1).all()
+        )
         kv_len = int(positions[:, -1].max()) + 1
         # Several rows of one bf16 query each (decoding, or the batched part of a FlatRows with few long rows) read
         # their slots' whole capacity under the mask while that is at most 4x the keys they need: a batched bf16 matmul
@@ -581,11 +709,17 @@ class SlotKVCache(Cache):
                 if window is not None:
                     visible = visible & (q - key < window)
                 masks[kind] = visible
-        out = {kind: None if m is None else torch.zeros(m.shape, dtype=dtype).masked_fill_(~m, torch.finfo(dtype).min)[:, None]
-               for kind, m in masks.items()}
-        return out[""] if "" in out else out
+        out = {
+            kind: None
+            if m is None
+            else torch.zeros(m.shape, dtype=dtype).masked_fill_(~m, torch.finfo(dtype).min)[:, None]
+            for kind, m in masks.items()
+        }
+        return out.get("", out)
 
-    def buffers(self, layer_idx: int, heads: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def buffers(
+        self, layer_idx: int, heads: int, head_dim: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer layer_idx's whole K and V, [slots, heads, capacity, head_dim], allocated at its first write."""
         if layer_idx == len(self.k):
             self.k.append(torch.zeros(self.slots, heads, self.capacity, head_dim, dtype=dtype))

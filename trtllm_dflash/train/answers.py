@@ -38,8 +38,17 @@ def corpus_prompts(specs: list[str], seed: int = 0) -> list[tuple[str, str]]:
     return [p for spec in specs for p in load_prompts((spec,), seed)]
 
 
-def generate_answers(target, prompts: list[tuple[str, str]], path: Path, *, max_new_tokens: int, batch_size: int,
-                     shard: tuple[int, int] = (0, 1), deadline: float | None = None, progress=None) -> dict:
+def generate_answers(
+    target,
+    prompts: list[tuple[str, str]],
+    path: Path,
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    shard: tuple[int, int] = (0, 1),
+    deadline: float | None = None,
+    progress=None,
+) -> dict:
     """Answer the batches of `prompts` that fall to `shard` (index, count: every count-th batch from the index-th),
     appending {"key", "prompt_hash", "answer_ids", "finished"} to `path`; a rerun skips answered keys."""
     from ..runtime import DFlashEngine
@@ -47,7 +56,9 @@ def generate_answers(target, prompts: list[tuple[str, str]], path: Path, *, max_
     records = read_dataset(path)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))  # drops a torn last line
     done = {r["key"] for r in records}
-    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)][shard[0] :: shard[1]]  # fixed per shard
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)][
+        shard[0] :: shard[1]
+    ]  # fixed per shard
     batches = [b for b in ([p for p in batch if p[0] not in done] for batch in batches) if b]
     engine = DFlashEngine(target, None, 1)  # its encode() is the deployment's prompt formatting
     t0, n_tok = time.perf_counter(), 0
@@ -56,14 +67,29 @@ def generate_answers(target, prompts: list[tuple[str, str]], path: Path, *, max_
             if deadline is not None and time.time() > deadline:
                 break
             ids = [engine.encode(p) for _, p in batch]
-            answers, _ = greedy_batch(target, ids, layer_ids=[0], max_new_tokens=max_new_tokens, eos=engine.eos_token_ids)
-            f.write("".join(json.dumps({"key": key, "prompt_hash": prompt_hash(p), "answer_ids": a,
-                                        "finished": bool(a) and a[-1] in engine.eos_token_ids}) + "\n"
-                            for (key, p), a in zip(batch, answers)))
+            answers, _ = greedy_batch(
+                target, ids, layer_ids=[0], max_new_tokens=max_new_tokens, eos=engine.eos_token_ids
+            )
+            f.write(
+                "".join(
+                    json.dumps(
+                        {
+                            "key": key,
+                            "prompt_hash": prompt_hash(p),
+                            "answer_ids": a,
+                            "finished": bool(a) and a[-1] in engine.eos_token_ids,
+                        }
+                    )
+                    + "\n"
+                    for (key, p), a in zip(batch, answers)
+                )
+            )
             f.flush()
             n_tok += sum(map(len, answers))
             if progress:
-                progress(f"batch {b + 1}/{len(batches)}: {n_tok} answer tokens, {n_tok / (time.perf_counter() - t0):.0f} tok/s")
+                progress(
+                    f"batch {b + 1}/{len(batches)}: {n_tok} answer tokens, {n_tok / (time.perf_counter() - t0):.0f} tok/s"
+                )
     return {"answer_tokens": n_tok, "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -90,18 +116,27 @@ def pack(run_dir: Path, dest: Path, target, card: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Generate (or continue) the target's greedy answers to training prompts, then pack them.")
+    ap = argparse.ArgumentParser(
+        description="Generate (or continue) the target's greedy answers to training prompts, then pack them."
+    )
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--output", required=True, help="Run directory (append-only answers-<shard>.jsonl; resumable).")
-    ap.add_argument("--data", default="instruct:4000,gsm8k:2400,docstring:2400,code:2400",
-                    help="Comma-separated train-draft --data sources, SOURCE or SOURCE:N (its first N prompts).")
+    ap.add_argument(
+        "--data",
+        default="instruct:4000,gsm8k:2400,docstring:2400,code:2400",
+        help="Comma-separated train-draft --data sources, SOURCE or SOURCE:N (its first N prompts).",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=192)  # train-draft's default --gen-max-new-tokens
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--shard", default="0/1", help="i/n: answer every n-th batch from the i-th, so n processes share the work.")
+    ap.add_argument(
+        "--shard", default="0/1", help="i/n: answer every n-th batch from the i-th, so n processes share the work."
+    )
     ap.add_argument("--until", default=None, help="Stop starting batches at this UTC time (HH:MM).")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--pack", default=None, help="Write the answers and their card to this directory at the end.")
-    ap.add_argument("--pack-only", action="store_true", help="Generate nothing; only write --pack from the run as it is.")
+    ap.add_argument(
+        "--pack-only", action="store_true", help="Generate nothing; only write --pack from the run as it is."
+    )
     a = ap.parse_args()
     try:
         run(a)
@@ -131,28 +166,54 @@ def run(a: argparse.Namespace) -> None:
         if a.pack_only:
             settings, specs = made, made["data"]  # the card describes the run as it was made
         elif made != settings:
-            raise DFlashError(f"{run_dir} holds answers made with other settings ({json.dumps(made)}); use another --output.")
+            raise DFlashError(
+                f"{run_dir} holds answers made with other settings ({json.dumps(made)}); use another --output."
+            )
     run_dir.mkdir(parents=True, exist_ok=True)
     settings_path.write_text(json.dumps(settings) + "\n")
-    target = TargetModel.load(resolve_target(a.target, print), torch.bfloat16 if settings["dtype"] == "bf16" else torch.float32)
+    target = TargetModel.load(
+        resolve_target(a.target, print), torch.bfloat16 if settings["dtype"] == "bf16" else torch.float32
+    )
     log = run_dir / "sessions.jsonl"
     if not a.pack_only:
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         t0 = time.time()
         try:
-            stats = generate_answers(target, corpus, run_dir / f"answers-{index}.jsonl", max_new_tokens=a.max_new_tokens,
-                                     batch_size=a.batch_size, shard=(int(index), int(count)),
-                                     deadline=deadline, progress=lambda m: print(m, flush=True))
+            stats = generate_answers(
+                target,
+                corpus,
+                run_dir / f"answers-{index}.jsonl",
+                max_new_tokens=a.max_new_tokens,
+                batch_size=a.batch_size,
+                shard=(int(index), int(count)),
+                deadline=deadline,
+                progress=lambda m: print(m, flush=True),
+            )
         except KeyboardInterrupt:
             stats = {"stopped": True}
         with open(log, "a") as f:
-            f.write(json.dumps({"ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "shard": a.shard,
-                                "seconds": round(time.time() - t0, 1), **stats, "machine": machine_info()}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "shard": a.shard,
+                        "seconds": round(time.time() - t0, 1),
+                        **stats,
+                        "machine": machine_info(),
+                    }
+                )
+                + "\n"
+            )
         print(json.dumps(stats), flush=True)
     if a.pack:
         sessions = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
-        card = {"target": a.target, "decoding": "greedy, the deployment's chat template", **settings,
-                "code_packages": code_package_versions() if {"code", "docstring"} & source_names(specs) else None, "sessions": sessions}
+        card = {
+            "target": a.target,
+            "decoding": "greedy, the deployment's chat template",
+            **settings,
+            "code_packages": code_package_versions() if {"code", "docstring"} & source_names(specs) else None,
+            "sessions": sessions,
+        }
         print(json.dumps(pack(run_dir, Path(a.pack), target, card)["sources"]), flush=True)
 
 

@@ -34,6 +34,7 @@ _INTEGER = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d.,]\d)|(?<![\d.,])\d+
 
 def perturb_numbers(text: str, rng: random.Random) -> str:
     """Each integer >= 2 moved to another value within x0.5..x1.5 (decimals, 0 and 1 kept): a new question in the same style."""
+
     def swap(m: re.Match) -> str:
         n = int(m.group().replace(",", ""))
         if n < 2:
@@ -41,20 +42,37 @@ def perturb_numbers(text: str, rng: random.Random) -> str:
         lo, hi = max(2, n // 2), max(3, n * 3 // 2)
         v = rng.choice([x for x in range(lo, hi + 1) if x != n]) if hi - lo < 10_000 else rng.randint(lo, hi)
         return f"{v:,}" if "," in m.group() else str(v)
+
     return _INTEGER.sub(swap, text)
 
 
 def gsm8k_variant_prompts() -> list[tuple[str, str]]:
     """GSM8K train questions (never the held-out ones) with their numbers changed: more math in GSM8K's style once
     every original question is answered. Deterministic per question."""
-    return [(f"gsm8k-var:{i}", perturb_numbers(r["question"], random.Random(f"gsm8k-var:{i}")))
-            for i, r in enumerate(gsm8k_records())]
+    return [
+        (f"gsm8k-var:{i}", perturb_numbers(r["question"], random.Random(f"gsm8k-var:{i}")))
+        for i, r in enumerate(gsm8k_records())
+    ]
 
 
 # Read after the stdlib, in this order; append only, so the keys of answered prompts stay stable. All but the six
 # doctest-rich libraries of the `train` extra (more HumanEval-shaped stubs) come with our dependencies.
-CODE_PACKAGES = ("networkx", "sympy", "numpy", "mpmath", "matplotlib", "jinja2", "click",
-                 "more_itertools", "toolz", "boltons", "sortedcontainers", "scipy", "pandas", "torch")
+CODE_PACKAGES = (
+    "networkx",
+    "sympy",
+    "numpy",
+    "mpmath",
+    "matplotlib",
+    "jinja2",
+    "click",
+    "more_itertools",
+    "toolz",
+    "boltons",
+    "sortedcontainers",
+    "scipy",
+    "pandas",
+    "torch",
+)
 
 
 def _installed_code_packages() -> dict[str, Path]:
@@ -65,7 +83,9 @@ def _installed_code_packages() -> dict[str, Path]:
 
 def _package_roots() -> list[tuple[str, Path]]:
     """(key prefix, root) of the stdlib, then of the installed CODE_PACKAGES: stdlib keys stay stable."""
-    return [("", Path(sysconfig.get_paths()["stdlib"]))] + [(f"site:{n}/", r) for n, r in _installed_code_packages().items()]
+    return [("", Path(sysconfig.get_paths()["stdlib"]))] + [
+        (f"site:{n}/", r) for n, r in _installed_code_packages().items()
+    ]
 
 
 def code_package_versions() -> dict[str, str]:
@@ -85,7 +105,10 @@ def _library_functions() -> tuple[tuple[str, str, str], ...]:
     for prefix, root in _package_roots():
         for f in sorted(root.rglob("*.py")):
             rel = f.relative_to(root)
-            if any(p in ("test", "tests", "testing", "idlelib", "site-packages", "lib2to3", "turtledemo") for p in rel.parts):
+            if any(
+                p in ("test", "tests", "testing", "idlelib", "site-packages", "lib2to3", "turtledemo")
+                for p in rel.parts
+            ):
                 continue
             try:
                 tree = ast.parse(f.read_text(encoding="utf-8"))
@@ -190,9 +213,9 @@ INSTRUCT_TEMPLATES = (
     "What role has {topic} played in different cultures around the world?",
     "Discuss two ethical questions raised by {topic}.",
     "Write a riddle whose answer has to do with {topic}, then give the answer.",
-    "Rewrite this sentence so it sounds formal and professional: \"honestly {topic} is kinda cool and u should try it\".",
-    "Extract the day, time, place and cost from this note and give them as JSON: \"The {topic} club meets every "
-    "Tuesday at 6:30 pm in room 12 of the library; membership is $15 a month.\"",
+    'Rewrite this sentence so it sounds formal and professional: "honestly {topic} is kinda cool and u should try it".',
+    'Extract the day, time, place and cost from this note and give them as JSON: "The {topic} club meets every '
+    'Tuesday at 6:30 pm in room 12 of the library; membership is $15 a month."',
     "Create a one-week schedule for practising {topic}, with one short activity per day.",
     # Stage 18: a second set, again none taken from MT-Bench (tests/test_train.py checks the overlap).
     "Write a haiku about {topic}, then explain the image it uses.",
@@ -231,10 +254,10 @@ INSTRUCT_TEMPLATES = (
     "Write a frequently-asked-questions section for a website about {topic}, with four questions and answers.",
     "Create a short quiz of four multiple-choice questions about {topic}, with the correct answers marked.",
     "Make a packing or shopping checklist for someone getting into {topic}.",
-    "Turn these notes into a clear paragraph: \"{topic} - started last year - hard at first - now enjoy it - want to teach others\".",
-    "Correct the grammar of this sentence and explain each fix: \"me and him has been learning {topic} since three years\".",
-    "From this sentence, list every person and what they did as JSON: \"Maria taught Tom about {topic} while Ana took "
-    "notes and Ben made tea.\"",
+    'Turn these notes into a clear paragraph: "{topic} - started last year - hard at first - now enjoy it - want to teach others".',
+    'Correct the grammar of this sentence and explain each fix: "me and him has been learning {topic} since three years".',
+    'From this sentence, list every person and what they did as JSON: "Maria taught Tom about {topic} while Ana took '
+    'notes and Ben made tea."',
     "Translate the main idea of {topic} into a short explanation with no technical words at all.",
     "Write a Python function that could help someone keep track of their progress in {topic}, and explain it.",
     "Design a simple table for recording data about {topic}, and explain each column.",
@@ -252,12 +275,16 @@ def instruct_prompts() -> list[tuple[str, str]]:
     """INSTRUCT_TEMPLATES over the magpie topics; keys are stable (template index, topic index) as either list grows."""
     from .magpie import TOPICS
 
-    return [(f"instruct:{i}:{j}", template.format(topic=topic))
-            for i, template in enumerate(INSTRUCT_TEMPLATES) for j, topic in enumerate(TOPICS)]
+    return [
+        (f"instruct:{i}:{j}", template.format(topic=topic))
+        for i, template in enumerate(INSTRUCT_TEMPLATES)
+        for j, topic in enumerate(TOPICS)
+    ]
 
 
-def known_answers(target, sources: tuple[str, ...], prompts: list[tuple[str, str]] | None = None,
-                  max_new_tokens: int | None = None) -> dict[str, list[int]]:
+def known_answers(
+    target, sources: tuple[str, ...], prompts: list[tuple[str, str]] | None = None, max_new_tokens: int | None = None
+) -> dict[str, list[int]]:
     """Answers the data phase need not generate again: the packaged greedy answers (the magpie chat set's and
     train/answers.py's) of the model `target` is (same embedding fingerprint); none for another model.
 
@@ -274,13 +301,22 @@ def known_answers(target, sources: tuple[str, ...], prompts: list[tuple[str, str
         out.update((r["key"], r["answer_ids"]) for r in magpie_records() if complete(r))
     if prompts is not None and answers_card()["target_fingerprint"] == fingerprint:
         hashes = {key: prompt_hash(p) for key, p in prompts}
-        out.update((r["key"], r["answer_ids"]) for r in answers_records()
-                   if r["key"].split(":")[0] in names and hashes.get(r["key"]) == r["prompt_hash"] and complete(r))
+        out.update(
+            (r["key"], r["answer_ids"])
+            for r in answers_records()
+            if r["key"].split(":")[0] in names and hashes.get(r["key"]) == r["prompt_hash"] and complete(r)
+        )
     return out
 
 
-SOURCES = {"gsm8k": gsm8k_prompts, "gsm8k-var": gsm8k_variant_prompts, "code": code_prompts, "docstring": docstring_prompts,
-           "magpie": magpie_prompts, "instruct": instruct_prompts}
+SOURCES = {
+    "gsm8k": gsm8k_prompts,
+    "gsm8k-var": gsm8k_variant_prompts,
+    "code": code_prompts,
+    "docstring": docstring_prompts,
+    "magpie": magpie_prompts,
+    "instruct": instruct_prompts,
+}
 
 
 def source_spec(spec: str) -> tuple[str, int | None]:
@@ -289,7 +325,9 @@ def source_spec(spec: str) -> tuple[str, int | None]:
     if name not in SOURCES:
         raise DFlashError(f"Unknown --data source {name!r}; choose from {', '.join(SOURCES)}.")
     if colon and not (cap.isdigit() and int(cap) > 0):
-        raise DFlashError(f"--data {spec}: after the colon comes how many of the source's prompts to take, a positive integer.")
+        raise DFlashError(
+            f"--data {spec}: after the colon comes how many of the source's prompts to take, a positive integer."
+        )
     return name, int(cap) if colon else None
 
 
@@ -351,13 +389,16 @@ def read_features(data_path: Path, width: int) -> torch.Tensor:
     """All feature rows of a dataset as one memory-mapped bf16 tensor [rows, width]."""
     import numpy as np
 
-    raw = np.memmap(features_path(data_path), dtype=np.int16, mode="c")  # copy-on-write: torch wants a writable buffer; nothing writes
+    raw = np.memmap(
+        features_path(data_path), dtype=np.int16, mode="c"
+    )  # copy-on-write: torch wants a writable buffer; nothing writes
     return torch.from_numpy(raw[: raw.size // width * width].reshape(-1, width)).view(torch.bfloat16)
 
 
 @torch.inference_mode()
-def greedy_batch(target, prompts: list[list[int]], *, layer_ids: list[int], max_new_tokens: int, eos: set[int],
-                 pick=None):
+def greedy_batch(
+    target, prompts: list[list[int]], *, layer_ids: list[int], max_new_tokens: int, eos: set[int], pick=None
+):
     """Greedy answers of a batch of prompts, and the tapped features [len(prompt + answer), n_sel*H] (bf16) of each.
 
     `pick` (last-position logits [rows, V] -> next ids [rows]) replaces the argmax: the magpie source samples
@@ -411,9 +452,18 @@ def forward_features(target, ids: list[int], layer_ids: list[int]) -> torch.Tens
     return feats[0].to(torch.bfloat16)
 
 
-def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, layer_ids: list[int], max_new_tokens: int = 256,
-                     batch_size: int = 16, time_budget: float | None = None, progress=None,
-                     answers: dict[str, list[int]] | None = None) -> dict:
+def generate_dataset(
+    target,
+    prompts: list[tuple[str, str]],
+    path: Path,
+    *,
+    layer_ids: list[int],
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    time_budget: float | None = None,
+    progress=None,
+    answers: dict[str, list[int]] | None = None,
+) -> dict:
     """Answer prompts with the target (greedy, batched) and append records to `path`.
 
     A prompt whose key is in `answers` keeps that answer (cut at max_new_tokens) and only needs one forward for
@@ -442,17 +492,32 @@ def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, laye
     # for 8 rows as for 64, so a few new prompts in a batch of known answers would pay a whole generation each
 
     def generate(rows):
-        answers_, feats_ = greedy_batch(target, [ids for _, ids in rows], layer_ids=layer_ids, max_new_tokens=max_new_tokens,
-                                        eos=engine.eos_token_ids)
+        answers_, feats_ = greedy_batch(
+            target,
+            [ids for _, ids in rows],
+            layer_ids=layer_ids,
+            max_new_tokens=max_new_tokens,
+            eos=engine.eos_token_ids,
+        )
         return [(key, ids, answer, feat) for (key, ids), answer, feat in zip(rows, answers_, feats_)]
 
     with open(path, "a") as f, open(feat_path, "ab") as ff:
+
         def write(rows):
             nonlocal offset, n_rec, n_tok
             lines = []
             for key, prompt_ids, resp, _ in rows:
-                lines.append(json.dumps({"source": key.split(":")[0], "key": key, "feat_offset": offset,
-                                         "input_ids": prompt_ids + resp, "loss_mask": [0] * len(prompt_ids) + [1] * len(resp)}))
+                lines.append(
+                    json.dumps(
+                        {
+                            "source": key.split(":")[0],
+                            "key": key,
+                            "feat_offset": offset,
+                            "input_ids": prompt_ids + resp,
+                            "loss_mask": [0] * len(prompt_ids) + [1] * len(resp),
+                        }
+                    )
+                )
                 offset += len(prompt_ids) + len(resp)
                 n_rec, n_tok = n_rec + 1, n_tok + len(resp)
             ff.write(torch.cat([feat for *_, feat in rows]).view(torch.int16).numpy().tobytes())
@@ -460,8 +525,10 @@ def generate_dataset(target, prompts: list[tuple[str, str]], path: Path, *, laye
             f.write("".join(line + "\n" for line in lines))
             f.flush()
             if progress:
-                progress(f"generated {len(prompts) - len(todo) + n_rec}/{len(prompts)} records, {n_tok} response tokens, "
-                         f"{n_tok / (time.perf_counter() - t0):.0f} tok/s")
+                progress(
+                    f"generated {len(prompts) - len(todo) + n_rec}/{len(prompts)} records, {n_tok} response tokens, "
+                    f"{n_tok / (time.perf_counter() - t0):.0f} tok/s"
+                )
 
         for i in range(0, len(todo), batch_size):
             if time_budget is not None and time.perf_counter() - t0 > time_budget:
@@ -488,12 +555,27 @@ def _asks_for_more(before: dict, sources: tuple[str, ...], minutes: float | None
     """Whether a request for the data phase goes beyond the one a finished phase met: a new source, a larger time
     budget or sample cap (None = unlimited)."""
     more = lambda new, old: old is not None and (new is None or new > old)  # noqa: E731
-    return bool(set(sources) - set(before["sources"])) or more(minutes, before["minutes"]) or more(num_samples, before["num_samples"])
+    return (
+        bool(set(sources) - set(before["sources"]))
+        or more(minutes, before["minutes"])
+        or more(num_samples, before["num_samples"])
+    )
 
 
-def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: list[int], num_samples: int | None,
-                 minutes: float | None, max_new_tokens: int, batch_size: int, seed: int = 0, progress=None,
-                 frozen: bool = False) -> dict:
+def prepare_data(
+    target,
+    sources: tuple[str, ...],
+    out_dir: Path,
+    *,
+    layer_ids: list[int],
+    num_samples: int | None,
+    minutes: float | None,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int = 0,
+    progress=None,
+    frozen: bool = False,
+) -> dict:
     """The data phase of train-draft: answer prompts into out_dir/data.jsonl, then mark it done in data.json.
 
     Resumable: a rerun continues an unfinished phase (answered prompts are skipped) and skips a finished one, unless
@@ -501,20 +583,29 @@ def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: 
     stage grows its data with the same command. `frozen` (training has begun on these records) refuses to grow them.
     """
     meta_path, data_path = out_dir / "data.json", out_dir / "data.jsonl"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {
-        "sources": list(sources), "target_layer_ids": list(layer_ids), "seconds": 0.0, "done": False}
+    meta = (
+        json.loads(meta_path.read_text())
+        if meta_path.is_file()
+        else {"sources": list(sources), "target_layer_ids": list(layer_ids), "seconds": 0.0, "done": False}
+    )
     if meta["target_layer_ids"] != list(layer_ids):
-        raise DFlashError(f"{out_dir} holds data captured at target layers {meta['target_layer_ids']}, not {list(layer_ids)}; use another --output.")
+        raise DFlashError(
+            f"{out_dir} holds data captured at target layers {meta['target_layer_ids']}, not {list(layer_ids)}; use another --output."
+        )
     before = meta.get("request")  # None in a data.json written before requests were recorded: such data never grows
     if meta["done"] and before is not None and _asks_for_more(before, sources, minutes, num_samples):
         if frozen:
-            raise DFlashError(f"{out_dir} holds a training run over its {len(read_dataset(data_path))} records, which more data would "
-                              "reorder; to train on more data, copy data.json, data.jsonl and data.features.bin into a new --output "
-                              f"and pass --init-from {out_dir / 'draft'}.")
+            raise DFlashError(
+                f"{out_dir} holds a training run over its {len(read_dataset(data_path))} records, which more data would "
+                "reorder; to train on more data, copy data.json, data.jsonl and data.features.bin into a new --output "
+                f"and pass --init-from {out_dir / 'draft'}."
+            )
         meta["done"] = False
         if progress:
-            progress(f"The data phase continues: asked for {', '.join(sources)}, {minutes or 'unlimited'} minutes, "
-                     f"{num_samples or 'all'} samples ({meta['seconds'] / 60:.1f} minutes spent so far).")
+            progress(
+                f"The data phase continues: asked for {', '.join(sources)}, {minutes or 'unlimited'} minutes, "
+                f"{num_samples or 'all'} samples ({meta['seconds'] / 60:.1f} minutes spent so far)."
+            )
     meta["sources"] += [s for s in sources if s not in meta["sources"]]  # a later stage may add sources
     if not meta["done"] or before is None:  # what a finished phase met; a rerun asking for more continues it
         meta["request"] = {"sources": list(meta["sources"]), "minutes": minutes, "num_samples": num_samples}
@@ -522,21 +613,41 @@ def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: 
         prompts = load_prompts(sources, seed)[:num_samples]
         budget = None if minutes is None else max(0.0, minutes * 60 - meta["seconds"])
         known = known_answers(target, sources, prompts, max_new_tokens)
-        r = generate_dataset(target, prompts, data_path, layer_ids=layer_ids, max_new_tokens=max_new_tokens,
-                             batch_size=batch_size, time_budget=budget, progress=progress, answers=known)
+        r = generate_dataset(
+            target,
+            prompts,
+            data_path,
+            layer_ids=layer_ids,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            time_budget=budget,
+            progress=progress,
+            answers=known,
+        )
         meta["seconds"] += r["seconds"]
-        meta.update(done=True, max_new_tokens=max_new_tokens, batch_size=batch_size, dtype=str(target.dtype).removeprefix("torch."))
+        meta.update(
+            done=True,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            dtype=str(target.dtype).removeprefix("torch."),
+        )
         if {"code", "docstring"} & source_names(sources):
             meta["code_packages"] = {**meta.get("code_packages", {}), **code_package_versions()}
         if "magpie" in source_names(sources):
             card = magpie_card()
-            meta["magpie"] = {"card": {k: card[k] for k in ("target", "target_fingerprint", "dtype", "settings", "sampling", "stats")},
-                              "answers": "the packaged greedy answers" if known else "generated in this data phase"}
+            meta["magpie"] = {
+                "card": {
+                    k: card[k] for k in ("target", "target_fingerprint", "dtype", "settings", "sampling", "stats")
+                },
+                "answers": "the packaged greedy answers" if known else "generated in this data phase",
+            }
         packed = [k for k in known if not k.startswith("magpie:")]
         if packed:
             card = answers_card()
-            meta["packed_answers"] = {"card": {k: card[k] for k in ("target", "target_fingerprint", "dtype", "max_new_tokens")},
-                                      "prompts": len(packed)}
+            meta["packed_answers"] = {
+                "card": {k: card[k] for k in ("target", "target_fingerprint", "dtype", "max_new_tokens")},
+                "prompts": len(packed),
+            }
     records = read_dataset(data_path)
     if not records:
         raise DFlashError(f"No training records in {data_path}; raise --num-samples or the data time budget.")
@@ -546,8 +657,16 @@ def prepare_data(target, sources: tuple[str, ...], out_dir: Path, *, layer_ids: 
     return meta
 
 
-def answer_tokens(target, sources: tuple[str, ...], *, per_source: int, max_new_tokens: int, batch_size: int, seed: int = 0,
-                  progress=None) -> list[list[int]]:
+def answer_tokens(
+    target,
+    sources: tuple[str, ...],
+    *,
+    per_source: int,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int = 0,
+    progress=None,
+) -> list[list[int]]:
     """The target's greedy answers to `per_source` prompts of each source (the packaged chat answers where the target
     wrote them), formatted as the deployment formats prompts: what a draft vocabulary counts."""
     from ..runtime import DFlashEngine
@@ -561,7 +680,9 @@ def answer_tokens(target, sources: tuple[str, ...], *, per_source: int, max_new_
         out += [known[key][:max_new_tokens] for key, _ in prompts if key in known]
         for i in range(0, len(todo), batch_size):
             ids = [engine.encode(p) for p in todo[i : i + batch_size]]
-            answers, _ = greedy_batch(target, ids, layer_ids=[0], max_new_tokens=max_new_tokens, eos=engine.eos_token_ids)
+            answers, _ = greedy_batch(
+                target, ids, layer_ids=[0], max_new_tokens=max_new_tokens, eos=engine.eos_token_ids
+            )
             out += answers
             if progress:
                 progress(f"{source}: answered {min(i + batch_size, len(todo))}/{len(todo)} prompts")

@@ -37,22 +37,105 @@ from ..errors import DFlashError
 from ..sampling import sample, sampling_probs
 
 TOPICS = (
-    "cooking and recipes", "travel planning", "personal finance", "health and fitness", "sleep", "gardening",
-    "pets", "parenting", "relationships and friendship", "career advice", "job interviews", "writing emails",
-    "creative writing", "poetry", "history", "geography", "physics", "biology", "chemistry", "astronomy",
-    "the environment", "home repair", "cars", "cycling", "music", "movies and books", "video games", "art and drawing",
-    "learning a language", "studying for exams", "mental well-being", "nutrition", "sports", "fashion",
-    "photography", "small business", "marketing", "productivity", "public speaking", "philosophy", "economics",
-    "law in everyday life", "technology for beginners", "smartphones", "internet safety", "cleaning and organizing",
-    "holidays and celebrations", "hobbies", "outdoor activities", "shopping decisions",
+    "cooking and recipes",
+    "travel planning",
+    "personal finance",
+    "health and fitness",
+    "sleep",
+    "gardening",
+    "pets",
+    "parenting",
+    "relationships and friendship",
+    "career advice",
+    "job interviews",
+    "writing emails",
+    "creative writing",
+    "poetry",
+    "history",
+    "geography",
+    "physics",
+    "biology",
+    "chemistry",
+    "astronomy",
+    "the environment",
+    "home repair",
+    "cars",
+    "cycling",
+    "music",
+    "movies and books",
+    "video games",
+    "art and drawing",
+    "learning a language",
+    "studying for exams",
+    "mental well-being",
+    "nutrition",
+    "sports",
+    "fashion",
+    "photography",
+    "small business",
+    "marketing",
+    "productivity",
+    "public speaking",
+    "philosophy",
+    "economics",
+    "law in everyday life",
+    "technology for beginners",
+    "smartphones",
+    "internet safety",
+    "cleaning and organizing",
+    "holidays and celebrations",
+    "hobbies",
+    "outdoor activities",
+    "shopping decisions",
 )
 SAMPLING = ((1.0, 1.0), (1.0, 0.95), (0.9, 0.95), (0.8, 0.9))  # (temperature, top_p) of batch b: SAMPLING[b % 4]
 TOPIC_SYSTEM = "You are a helpful AI assistant. The user asks about {topic}."
 # First words of requests that carry no question mark ("Write a poem about ...").
 REQUEST_STARTS = frozenset(
-    "write explain describe give list suggest tell help create compare summarize summarise provide name recommend "
-    "translate rewrite generate design plan draft outline make calculate find convert classify edit correct "
-    "brainstorm identify share teach show please imagine compose analyze analyse evaluate propose".split())
+    [
+        "write",
+        "explain",
+        "describe",
+        "give",
+        "list",
+        "suggest",
+        "tell",
+        "help",
+        "create",
+        "compare",
+        "summarize",
+        "summarise",
+        "provide",
+        "name",
+        "recommend",
+        "translate",
+        "rewrite",
+        "generate",
+        "design",
+        "plan",
+        "draft",
+        "outline",
+        "make",
+        "calculate",
+        "find",
+        "convert",
+        "classify",
+        "edit",
+        "correct",
+        "brainstorm",
+        "identify",
+        "share",
+        "teach",
+        "show",
+        "please",
+        "imagine",
+        "compose",
+        "analyze",
+        "analyse",
+        "evaluate",
+        "propose",
+    ]
+)
 STUCK_BATCHES = 20  # consecutive batches without an accepted question: the settings cannot work
 REJECTS = ("truncated", "empty", "too_short", "degenerate", "not_a_question", "duplicate")
 _SENTINEL = "\x00MAGPIE\x00"
@@ -85,7 +168,9 @@ def user_prefix_ids(tokenizer, system: str | None) -> list[int]:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SENTINEL}]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     if _SENTINEL not in text:
-        raise DFlashError("The target's chat template does not place the user's text in the prompt; magpie cannot use it.")
+        raise DFlashError(
+            "The target's chat template does not place the user's text in the prompt; magpie cannot use it."
+        )
     return tokenizer(text.split(_SENTINEL)[0], add_special_tokens=False)["input_ids"]
 
 
@@ -109,7 +194,9 @@ def question_reject(text: str, special_tokens: list[str], min_words: int = 4) ->
         return "too_short"
     grams = list(zip(words, words[1:], words[2:]))
     counts = Counter(grams)
-    if any(t in text for t in special_tokens if t) or (grams and (max(counts.values()) >= 3 or len(counts) < 0.7 * len(grams))):
+    if any(t in text for t in special_tokens if t) or (
+        grams and (max(counts.values()) >= 3 or len(counts) < 0.7 * len(grams))
+    ):
         return "degenerate"
     if "?" not in text and words[0] not in REQUEST_STARTS:
         return "not_a_question"
@@ -149,8 +236,15 @@ def _read_batches(path: Path) -> list[dict]:
     return out
 
 
-def generate_magpie(target, run_dir: Path, settings: MagpieSettings, *, num_questions: int | None = None,
-                    deadline: float | None = None, progress=print) -> dict:
+def generate_magpie(
+    target,
+    run_dir: Path,
+    settings: MagpieSettings,
+    *,
+    num_questions: int | None = None,
+    deadline: float | None = None,
+    progress=print,
+) -> dict:
     """Sample, filter and answer candidates batch by batch into run_dir/magpie.jsonl until `num_questions` are
     accepted or time.time() passes `deadline`; resumes an earlier run with the same settings. Returns its stats."""
     from ..runtime import DFlashEngine
@@ -159,7 +253,9 @@ def generate_magpie(target, run_dir: Path, settings: MagpieSettings, *, num_ques
     run_dir.mkdir(parents=True, exist_ok=True)
     card_path, path = run_dir / "settings.json", run_dir / "magpie.jsonl"
     if card_path.is_file() and json.loads(card_path.read_text()) != asdict(settings):
-        raise DFlashError(f"{run_dir} holds a magpie run with other settings; resume it with the same ones or use another --output.")
+        raise DFlashError(
+            f"{run_dir} holds a magpie run with other settings; resume it with the same ones or use another --output."
+        )
     card_path.write_text(json.dumps(asdict(settings), indent=2) + "\n")
     batches = _read_batches(path)
     path.write_text("".join(json.dumps(b) + "\n" for b in batches))  # drops a torn last line
@@ -176,25 +272,40 @@ def generate_magpie(target, run_dir: Path, settings: MagpieSettings, *, num_ques
         while (num_questions is None or accepted < num_questions) and (deadline is None or time.time() < deadline):
             b = len(batches)
             temperature, top_p = SAMPLING[b % len(SAMPLING)]
-            sp, gen = SamplingParams(temperature=temperature, top_p=top_p), torch.Generator().manual_seed(settings.seed * 1_000_003 + b)
+            sp, gen = (
+                SamplingParams(temperature=temperature, top_p=top_p),
+                torch.Generator().manual_seed(settings.seed * 1_000_003 + b),
+            )
             first = b * settings.batch_size
             topics = [candidate_topic(settings, i) for i in range(first, first + settings.batch_size)]
             for t in topics:
                 if t not in prefixes:
                     prefixes[t] = user_prefix_ids(tok, TOPIC_SYSTEM.format(topic=t) if t else None)
-            outs, _ = greedy_batch(target, [prefixes[t] for t in topics], layer_ids=[0], max_new_tokens=settings.question_max_tokens,  # features unused
-                                   eos=eos, pick=lambda logits: sample(sampling_probs(logits, sp), gen))
+            outs, _ = greedy_batch(
+                target,
+                [prefixes[t] for t in topics],
+                layer_ids=[0],
+                max_new_tokens=settings.question_max_tokens,  # features unused
+                eos=eos,
+                pick=lambda logits: sample(sampling_probs(logits, sp), gen),
+            )
             cands = []
             for i, (topic, ids) in enumerate(zip(topics, outs), start=first):
                 text = tok.decode([t for t in ids if t not in eos]).strip()
-                reason = "truncated" if ids[-1] not in eos else question_reject(text, tok.all_special_tokens, settings.min_words)
+                reason = (
+                    "truncated"
+                    if ids[-1] not in eos
+                    else question_reject(text, tok.all_special_tokens, settings.min_words)
+                )
                 if reason is None and not seen.add(text):
                     reason = "duplicate"
                 cands.append({"i": i, "topic": topic, "question": text, "reject": reason})
             keep = [c for c in cands if c["reject"] is None]
             if keep:
                 prompts = [engine.encode(c["question"]) for c in keep]
-                answers, _ = greedy_batch(target, prompts, layer_ids=[0], max_new_tokens=settings.answer_max_tokens, eos=eos)
+                answers, _ = greedy_batch(
+                    target, prompts, layer_ids=[0], max_new_tokens=settings.answer_max_tokens, eos=eos
+                )
                 for c, ids, a in zip(keep, prompts, answers):
                     c.update(prompt_tokens=len(ids), answer_ids=a, finished=a[-1] in eos)
             batch = {"batch": b, "temperature": temperature, "top_p": top_p, "candidates": cands}
@@ -202,8 +313,12 @@ def generate_magpie(target, run_dir: Path, settings: MagpieSettings, *, num_ques
             f.flush()
             batches.append(batch)
             accepted += len(keep)
-            if len(batches) >= STUCK_BATCHES and not any(c["reject"] is None for x in batches[-STUCK_BATCHES:] for c in x["candidates"]):
-                raise DFlashError(f"The magpie run accepted nothing in {STUCK_BATCHES} batches; allow longer questions.")
+            if len(batches) >= STUCK_BATCHES and not any(
+                c["reject"] is None for x in batches[-STUCK_BATCHES:] for c in x["candidates"]
+            ):
+                raise DFlashError(
+                    f"The magpie run accepted nothing in {STUCK_BATCHES} batches; allow longer questions."
+                )
             if progress:
                 progress(f"batch {b}: {len(keep)}/{len(cands)} accepted, {accepted} questions in all")
     return run_stats(batches)
@@ -213,11 +328,15 @@ def run_stats(batches: list[dict]) -> dict:
     """Counts of a run: candidates, accepted, rejects by reason, answer tokens and unfinished answers."""
     cands = [c for b in batches for c in b["candidates"]]
     keep = [c for c in cands if c["reject"] is None]
-    return {"batches": len(batches), "candidates": len(cands), "accepted": len(keep),
-            "rejected": {r: sum(c["reject"] == r for c in cands) for r in REJECTS},
-            "answer_tokens": sum(len(c["answer_ids"]) for c in keep),
-            "answers_hit_max_tokens": sum(not c["finished"] for c in keep),
-            "accepted_with_topic": sum(c["topic"] is not None for c in keep)}
+    return {
+        "batches": len(batches),
+        "candidates": len(cands),
+        "accepted": len(keep),
+        "rejected": {r: sum(c["reject"] == r for c in cands) for r in REJECTS},
+        "answer_tokens": sum(len(c["answer_ids"]) for c in keep),
+        "answers_hit_max_tokens": sum(not c["finished"] for c in keep),
+        "accepted_with_topic": sum(c["topic"] is not None for c in keep),
+    }
 
 
 def pack(run_dir: Path, dest: Path, target, card: dict) -> dict:
@@ -226,16 +345,36 @@ def pack(run_dir: Path, dest: Path, target, card: dict) -> dict:
     unchanged run packs to the same bytes."""
     batches = _read_batches(run_dir / "magpie.jsonl")
     settings = json.loads((run_dir / "settings.json").read_text())
-    rows = [{"key": f"magpie:{c['i']}", "topic": c["topic"], "temperature": b["temperature"], "top_p": b["top_p"],
-             "question": c["question"], "answer": target.tokenizer.decode(c["answer_ids"], skip_special_tokens=True),
-             "answer_ids": c["answer_ids"], "finished": c["finished"]}
-            for b in batches for c in b["candidates"] if c["reject"] is None]
+    rows = [
+        {
+            "key": f"magpie:{c['i']}",
+            "topic": c["topic"],
+            "temperature": b["temperature"],
+            "top_p": b["top_p"],
+            "question": c["question"],
+            "answer": target.tokenizer.decode(c["answer_ids"], skip_special_tokens=True),
+            "answer_ids": c["answer_ids"],
+            "finished": c["finished"],
+        }
+        for b in batches
+        for c in b["candidates"]
+        if c["reject"] is None
+    ]
     dest.mkdir(parents=True, exist_ok=True)
     raw = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
     (dest / "chat.jsonl.gz").write_bytes(gzip.compress(raw, mtime=0))
-    (dest / "run.jsonl.gz").write_bytes(gzip.compress((run_dir / "magpie.jsonl").read_bytes(), mtime=0))  # every candidate: resumable
-    full = {**card, "target_fingerprint": target_fingerprint(target), "settings": settings, "sampling": [list(s) for s in SAMPLING], "topic_system": TOPIC_SYSTEM,
-            "topics": list(TOPICS), "stats": run_stats(batches)}
+    (dest / "run.jsonl.gz").write_bytes(
+        gzip.compress((run_dir / "magpie.jsonl").read_bytes(), mtime=0)
+    )  # every candidate: resumable
+    full = {
+        **card,
+        "target_fingerprint": target_fingerprint(target),
+        "settings": settings,
+        "sampling": [list(s) for s in SAMPLING],
+        "topic_system": TOPIC_SYSTEM,
+        "topics": list(TOPICS),
+        "stats": run_stats(batches),
+    }
     (dest / "card.json").write_text(json.dumps(full, indent=2) + "\n")
     return full
 
@@ -245,7 +384,9 @@ def unpack(packed: Path, run_dir: Path) -> None:
     if (run_dir / "magpie.jsonl").is_file():
         raise DFlashError(f"{run_dir} holds a magpie run already; continue it without --resume-from.")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "settings.json").write_text(json.dumps(json.loads((packed / "card.json").read_text())["settings"], indent=2) + "\n")
+    (run_dir / "settings.json").write_text(
+        json.dumps(json.loads((packed / "card.json").read_text())["settings"], indent=2) + "\n"
+    )
     (run_dir / "magpie.jsonl").write_bytes(gzip.decompress((packed / "run.jsonl.gz").read_bytes()))
 
 
@@ -268,9 +409,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--pack", default=None, help="Write the accepted samples and the data card to this directory at the end.")
-    ap.add_argument("--pack-only", action="store_true", help="Generate nothing; only write --pack from the run as it is.")
-    ap.add_argument("--resume-from", default=None, help="A packed set (e.g. trtllm_dflash/data/magpie-smollm2) to continue in --output.")
+    ap.add_argument(
+        "--pack", default=None, help="Write the accepted samples and the data card to this directory at the end."
+    )
+    ap.add_argument(
+        "--pack-only", action="store_true", help="Generate nothing; only write --pack from the run as it is."
+    )
+    ap.add_argument(
+        "--resume-from",
+        default=None,
+        help="A packed set (e.g. trtllm_dflash/data/magpie-smollm2) to continue in --output.",
+    )
     a = ap.parse_args()
 
     from ..models.target import TargetModel
@@ -290,8 +439,17 @@ def main() -> None:
 
     def record_session(t0: float) -> None:
         with open(log, "a") as f:
-            f.write(json.dumps({"ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(time.time() - t0, 1),
-                                "batches": len(_read_batches(run_dir / "magpie.jsonl")), "machine": machine_info()}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "seconds": round(time.time() - t0, 1),
+                        "batches": len(_read_batches(run_dir / "magpie.jsonl")),
+                        "machine": machine_info(),
+                    }
+                )
+                + "\n"
+            )
 
     if not a.pack_only:
         t0 = time.time()
@@ -309,8 +467,17 @@ def main() -> None:
         print(json.dumps(stats), flush=True)
     if a.pack:
         sessions = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
-        pack(run_dir, Path(a.pack), target,
-             {"target": a.target, "dtype": a.dtype, "decoding": "questions sampled, answers greedy", "sessions": sessions})
+        pack(
+            run_dir,
+            Path(a.pack),
+            target,
+            {
+                "target": a.target,
+                "dtype": a.dtype,
+                "decoding": "questions sampled, answers greedy",
+                "sessions": sessions,
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -111,8 +111,14 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, generator: torch.Generator) 
     return valid[pick].sort().values
 
 
-def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_id: int,
-                 widths: torch.Tensor | None = None):
+def build_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    block_size: int,
+    mask_id: int,
+    widths: torch.Tensor | None = None,
+):
     """Noise ids, positions, labels and label validity of N blocks, flattened to [N*B].
 
     Slot k of the block at anchor a sits at position a+k and is labelled with the token AT a+k
@@ -133,8 +139,14 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
     return noise.flatten(), pos.flatten(), labels.flatten(), valid.flatten()
 
 
-def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool = False, window: int | None = None,
-                  widths: torch.Tensor | None = None) -> torch.Tensor:
+def training_mask(
+    anchors: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    causal: bool = False,
+    window: int | None = None,
+    widths: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[1, 1, N*B, S + N*B] mask over keys [S context | N*B block slots]; the inference rule, via dflash_attention_mask.
     `widths` [N]: block n has only its first widths[n] slots (the rest are no keys to anyone)."""
     n = anchors.shape[0]
@@ -145,19 +157,31 @@ def training_mask(anchors: torch.Tensor, seq_len: int, block_size: int, causal: 
     k_block = torch.cat([torch.full((seq_len,), -1), q_block])
     mask = dflash_attention_mask(q_pos[None], q_anchor[None], q_block[None], k_pos[None], k_block[None], causal, window)
     if widths is not None:
-        present = torch.cat([torch.ones(seq_len, dtype=torch.bool), (torch.arange(block_size) < widths[:, None]).flatten()])
+        present = torch.cat(
+            [torch.ones(seq_len, dtype=torch.bool), (torch.arange(block_size) < widths[:, None]).flatten()]
+        )
         mask = mask & present
     return mask
 
 
-def block_hidden(draft: DFlashDraftModel, embed_tokens, feats: torch.Tensor, noise: torch.Tensor, positions: torch.Tensor,
-                 anchors: torch.Tensor, widths: torch.Tensor | None = None) -> torch.Tensor:
+def block_hidden(
+    draft: DFlashDraftModel,
+    embed_tokens,
+    feats: torch.Tensor,
+    noise: torch.Tensor,
+    positions: torch.Tensor,
+    anchors: torch.Tensor,
+    widths: torch.Tensor | None = None,
+) -> torch.Tensor:
     """feats [S, n_sel*H], blocks flattened [N*B] -> draft hidden states [N*B, H] (one sequence, all blocks at once)."""
     c = draft.config
     s = feats.shape[0]
     ctx = draft.project_context(feats[None])
     k, v = draft.context_kv(ctx, torch.arange(s)[None])
-    masks = [training_mask(anchors, s, c.block_size, c.layer_is_causal(i), c.layer_window(i), widths) for i in range(c.num_hidden_layers)]
+    masks = [
+        training_mask(anchors, s, c.block_size, c.layer_is_causal(i), c.layer_window(i), widths)
+        for i in range(c.num_hidden_layers)
+    ]
     x = draft.embed_block(embed_tokens, noise[None]).to(ctx.dtype)  # the target's table may be bf16 in an fp32 run
     return draft(x, positions[None], k, v, masks)[0]
 
@@ -240,8 +264,12 @@ def chunked_lm_head_ce(draft, lm_head, hidden, labels, weights, chunk: int, dpac
     instead of `weights` (whose per-chunk totals they keep), over blocks of that size; `soft`: (probs [U, V] over
     lm_head's rows, rows [M] into probs, kd) mixes the target's distribution into the labels."""
     if dpace_block and chunk % dpace_block:
-        raise ValueError(f"D-PACE needs whole blocks per chunk: chunk {chunk} is not a multiple of block size {dpace_block}")
-    return _ChunkedLMHeadCE.apply(hidden, labels, weights, draft, lm_head, chunk, hidden.requires_grad, dpace_block, soft)
+        raise ValueError(
+            f"D-PACE needs whole blocks per chunk: chunk {chunk} is not a multiple of block size {dpace_block}"
+        )
+    return _ChunkedLMHeadCE.apply(
+        hidden, labels, weights, draft, lm_head, chunk, hidden.requires_grad, dpace_block, soft
+    )
 
 
 def target_distribution(final_norm, head, last_hidden: torch.Tensor, positions: torch.Tensor):
@@ -276,7 +304,9 @@ class DraftTrainer:
         self.features = read_features(out_dir / "data.jsonl", len(self.feat_layer_ids) * target.hidden_size)
         cols = [self.feat_layer_ids.index(l) for l in args.target_layer_ids if l in self.feat_layer_ids]
         if len(cols) != len(args.target_layer_ids):
-            raise DFlashError(f"The data holds features of target layers {self.feat_layer_ids}, not all of {args.target_layer_ids}.")
+            raise DFlashError(
+                f"The data holds features of target layers {self.feat_layer_ids}, not all of {args.target_layer_ids}."
+            )
         h = target.hidden_size
         whole = cols == list(range(len(self.feat_layer_ids)))  # the usual case: a slice, not a gather
         self.feat_cols = slice(None) if whole else torch.cat([torch.arange(c * h, (c + 1) * h) for c in cols])
@@ -284,30 +314,47 @@ class DraftTrainer:
         if args.kd:
             last = target.num_layers - 1
             if last not in self.feat_layer_ids:
-                raise DFlashError(f"--kd needs the target's last layer ({last}) in the data's features, which hold layers "
-                                  f"{self.feat_layer_ids}; start the run in a new --output.")
+                raise DFlashError(
+                    f"--kd needs the target's last layer ({last}) in the data's features, which hold layers "
+                    f"{self.feat_layer_ids}; start the run in a new --output."
+                )
             c = self.feat_layer_ids.index(last)
             self.last_cols, self.final_norm = slice(c * h, (c + 1) * h), target.model.get_decoder().norm
         is_val = [held_out(r["key"], args.val_fraction) for r in self.records]
         self.val = [r for r, v in zip(self.records, is_val) if v]
-        self.train = [r for r, v in zip(self.records, is_val) if not v and len(valid_anchors(torch.tensor(r["loss_mask"])))]
+        self.train = [
+            r for r, v in zip(self.records, is_val) if not v and len(valid_anchors(torch.tensor(r["loss_mask"])))
+        ]
         if not self.train:
             raise DFlashError("No training sequence has a response of at least 2 tokens; generate more data.")
         steps_per_epoch = max(1, len(self.train) // args.seqs_per_step)
         self.total_steps = args.steps or max(1, math.ceil(args.epochs * steps_per_epoch))
-        config = DraftConfig.for_target(target.text_config, vocab_rows=target.vocab_rows, num_layers=args.num_layers,
-                                        block_size=args.block_size, mask_token_id=args.mask_token_id,
-                                        target_layer_ids=args.target_layer_ids)
+        config = DraftConfig.for_target(
+            target.text_config,
+            vocab_rows=target.vocab_rows,
+            num_layers=args.num_layers,
+            block_size=args.block_size,
+            mask_token_id=args.mask_token_id,
+            target_layer_ids=args.target_layer_ids,
+        )
         if args.short_blocks:  # the runtime then drafts a block of k tokens over k + 1 slots (DraftConfig.short_blocks)
             config.extra.setdefault("dflash_config", {})["short_blocks"] = args.short_blocks
         torch.manual_seed(args.seed)
         self.draft = DFlashDraftModel(config)
         self.draft.init_weights(generator=torch.Generator().manual_seed(args.seed))
         self.init_card = self._warm_start(Path(args.init_from)) if args.init_from else None
-        self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
+        )
         warmup = max(1, int(args.warmup_ratio * self.total_steps))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
-            1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / max(1, self.total_steps - warmup)))))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: (
+                min(1.0, (s + 1) / warmup)
+                * 0.5
+                * (1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / max(1, self.total_steps - warmup))))
+            ),
+        )
         self.weights = loss_weights(args.block_size, args.loss_gamma)
         self.full_head = frozen_head(target.lm_head.weight.data, torch.bfloat16 if args.bf16 else torch.float32)
         self.data_vocab = torch.unique(torch.cat([torch.tensor(r["input_ids"]) for r in self.train]))
@@ -326,16 +373,20 @@ class DraftTrainer:
         keys = ("block_size", "hidden_size", "target_layer_ids", "mask_token_id", "vocab_size")
         diff = [k for k in keys if getattr(a, k) != getattr(b, k)]
         if diff:
-            raise DFlashError(f"--init-from {path} has a different {diff[0]} ({getattr(a, diff[0])} vs {getattr(b, diff[0])}); "
-                              "match --block-size/--mask-token-id to it.")
+            raise DFlashError(
+                f"--init-from {path} has a different {diff[0]} ({getattr(a, diff[0])} vs {getattr(b, diff[0])}); "
+                "match --block-size/--mask-token-id to it."
+            )
         if a.num_hidden_layers > b.num_hidden_layers:
-            raise DFlashError(f"--init-from {path} has {a.num_hidden_layers} layers, more than --num-layers {b.num_hidden_layers}; "
-                              "a draft can grow, not shrink.")
+            raise DFlashError(
+                f"--init-from {path} has {a.num_hidden_layers} layers, more than --num-layers {b.num_hidden_layers}; "
+                "a draft can grow, not shrink."
+            )
         missing, unexpected = self.draft.load_state_dict(start.state_dict(), strict=False)
         new = tuple(f"layers.{i}." for i in range(a.num_hidden_layers, b.num_hidden_layers))
         assert not unexpected and all(k.startswith(new) for k in missing), (missing, unexpected)
         with torch.no_grad():
-            for layer in self.draft.layers[a.num_hidden_layers:]:
+            for layer in self.draft.layers[a.num_hidden_layers :]:
                 for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
                     proj.weight.zero_()
                     if proj.bias is not None:
@@ -389,20 +440,35 @@ class DraftTrainer:
     def train_step(self) -> dict:
         """One optimiser step over seqs_per_step sequences; loss is the weighted mean over all their slots."""
         self.draft.train()
-        seqs = [self._sequence(r, self.args.anchors_per_seq, self.generator, self.args.short_blocks) for r in self._next_records()]
+        seqs = [
+            self._sequence(r, self.args.anchors_per_seq, self.generator, self.args.short_blocks)
+            for r in self._next_records()
+        ]
         total_w = sum(s[-1].sum() for s in seqs).clamp(min=1e-6)
         if self.args.train_vocab_negatives is None:
             head, row = self.full_head, None
         else:
-            head, row = sampled_lm_head(self.full_head, self.data_vocab, self.args.train_vocab_negatives, self.generator)
+            head, row = sampled_lm_head(
+                self.full_head, self.data_vocab, self.args.train_vocab_negatives, self.generator
+            )
         loss_sum, accepted = 0.0, []
         for feats, last, anchors, widths, noise, pos, labels, valid, w in seqs:
             with self._autocast():
                 hidden = block_hidden(self.draft, self.target.embed_tokens, feats, noise, pos, anchors, widths)
                 labels = labels if row is None else row[labels]
-                soft = (*target_distribution(self.final_norm, head, last, pos), self.args.kd) if last is not None else None
-                loss, correct = chunked_lm_head_ce(self.draft, head, hidden, labels, w / total_w, self.args.logits_chunk,
-                                                   self.args.block_size if self.args.loss == "dpace" else None, soft)
+                soft = (
+                    (*target_distribution(self.final_norm, head, last, pos), self.args.kd) if last is not None else None
+                )
+                loss, correct = chunked_lm_head_ce(
+                    self.draft,
+                    head,
+                    hidden,
+                    labels,
+                    w / total_w,
+                    self.args.logits_chunk,
+                    self.args.block_size if self.args.loss == "dpace" else None,
+                    soft,
+                )
             loss.backward()
             loss_sum += loss.item()
             accepted.append(acceptance_stats(correct, valid, self.args.block_size)[0])
@@ -411,8 +477,12 @@ class DraftTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        return {"loss": loss_sum, "tau": 1 + torch.cat(accepted).float().mean().item(), "grad_norm": float(grad_norm),
-                "lr": self.scheduler.get_last_lr()[0]}
+        return {
+            "loss": loss_sum,
+            "tau": 1 + torch.cat(accepted).float().mean().item(),
+            "grad_norm": float(grad_norm),
+            "lr": self.scheduler.get_last_lr()[0],
+        }
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -426,7 +496,9 @@ class DraftTrainer:
             feats, _, anchors, _, noise, pos, labels, valid, w = self._sequence(r, self.args.anchors_per_seq, gen)
             with self._autocast():
                 hidden = block_hidden(self.draft, self.target.embed_tokens, feats, noise, pos, anchors)
-                loss, correct = chunked_lm_head_ce(self.draft, self.full_head, hidden, labels, w, self.args.logits_chunk)
+                loss, correct = chunked_lm_head_ce(
+                    self.draft, self.full_head, hidden, labels, w, self.args.logits_chunk
+                )
             loss_sum, w_sum = loss_sum + loss.item(), w_sum + w.sum().item()
             acc, ok = acceptance_stats(correct, valid, self.args.block_size)
             accepted.append(acc)
@@ -436,15 +508,30 @@ class DraftTrainer:
             return {}
         ok, valid = torch.cat(oks).float(), torch.cat(valids).float()
         per_pos = (ok.sum(0) / valid.sum(0).clamp(min=1)).tolist()
-        self.last_eval = {"step": self.step, "val_loss": loss_sum / max(w_sum, 1e-6), "val_tau": 1 + torch.cat(accepted).float().mean().item(),
-                          "val_acc_per_position": [round(a, 4) for a in per_pos], "val_blocks": int(ok.shape[0])}
+        self.last_eval = {
+            "step": self.step,
+            "val_loss": loss_sum / max(w_sum, 1e-6),
+            "val_tau": 1 + torch.cat(accepted).float().mean().item(),
+            "val_acc_per_position": [round(a, 4) for a in per_pos],
+            "val_blocks": int(ok.shape[0]),
+        }
         return self.last_eval
 
     def state_dict(self) -> dict:
-        return {"args": asdict(self.args), "draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
-                "step": self.step, "epoch": self.epoch, "cursor": self.cursor, "total_steps": self.total_steps,
-                "train_seconds": self.train_seconds, "last_eval": self.last_eval}
+        return {
+            "args": asdict(self.args),
+            "draft": self.draft.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "total_steps": self.total_steps,
+            "train_seconds": self.train_seconds,
+            "last_eval": self.last_eval,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.draft.load_state_dict(state["draft"])
@@ -453,7 +540,11 @@ class DraftTrainer:
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
-        self.total_steps, self.train_seconds, self.last_eval = state["total_steps"], state["train_seconds"], state["last_eval"]
+        self.total_steps, self.train_seconds, self.last_eval = (
+            state["total_steps"],
+            state["train_seconds"],
+            state["last_eval"],
+        )
 
     def checkpoint(self, card: dict | None = None) -> None:
         """Training state (atomic rename) and a loadable bf16 draft, so a kill at any time leaves a valid draft."""
@@ -473,13 +564,25 @@ def check_output_dir(out_dir: Path, resume: bool) -> None:
     names = {p.name for p in out_dir.iterdir() if not p.name.startswith(".")}
     foreign = sorted(names - RUN_FILES)
     if foreign:
-        raise DFlashError(f"--output {out_dir} already holds other files ({', '.join(foreign[:3])}); pass an empty or new directory.")
+        raise DFlashError(
+            f"--output {out_dir} already holds other files ({', '.join(foreign[:3])}); pass an empty or new directory."
+        )
     if names and not resume:
-        raise DFlashError(f"--output {out_dir} holds an earlier training run; pass --resume to continue it or choose a new directory.")
+        raise DFlashError(
+            f"--output {out_dir} holds an earlier training run; pass --resume to continue it or choose a new directory."
+        )
 
 
-def run_training(target, out_dir: Path, args: TrainArgs, data_meta: dict, resume: bool, progress_bar: bool = True,
-                 command: str | None = None, target_name: str | None = None) -> dict:
+def run_training(
+    target,
+    out_dir: Path,
+    args: TrainArgs,
+    data_meta: dict,
+    resume: bool,
+    progress_bar: bool = True,
+    command: str | None = None,
+    target_name: str | None = None,
+) -> dict:
     """Train (or continue) a draft from out_dir's data; returns the training card, also written as draft/training.json."""
     from tqdm import tqdm
 
@@ -487,9 +590,15 @@ def run_training(target, out_dir: Path, args: TrainArgs, data_meta: dict, resume
     state = torch.load(state_path, weights_only=False) if resume and state_path.is_file() else None
     if state is not None:
         saved = TrainArgs(**state["args"])
-        if (saved.num_layers, saved.block_size, saved.target_layer_ids) != (args.num_layers, args.block_size, args.target_layer_ids):
-            raise DFlashError(f"{out_dir} holds a run with {saved.num_layers} layers and block size {saved.block_size}; "
-                              "resume it with the same --num-layers/--block-size or choose a new --output.")
+        if (saved.num_layers, saved.block_size, saved.target_layer_ids) != (
+            args.num_layers,
+            args.block_size,
+            args.target_layer_ids,
+        ):
+            raise DFlashError(
+                f"{out_dir} holds a run with {saved.num_layers} layers and block size {saved.block_size}; "
+                "resume it with the same --num-layers/--block-size or choose a new --output."
+            )
         args = saved  # the run continues with the hyper-parameters it started with
     trainer = DraftTrainer(target, out_dir, args)
     if state is not None:
@@ -499,19 +608,47 @@ def run_training(target, out_dir: Path, args: TrainArgs, data_meta: dict, resume
 
     def card() -> dict:
         return {
-            "target": target_name or str(target.path), "command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "target": target_name or str(target.path),
+            "command": command,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": machine_info(),
-            "data": {k: data_meta.get(k) for k in ("sources", "records", "response_tokens", "seconds", "max_new_tokens", "dtype", "code_packages", "magpie")},
-            "train_records": len(trainer.train), "val_records": len(trainer.val),
+            "data": {
+                k: data_meta.get(k)
+                for k in (
+                    "sources",
+                    "records",
+                    "response_tokens",
+                    "seconds",
+                    "max_new_tokens",
+                    "dtype",
+                    "code_packages",
+                    "magpie",
+                )
+            },
+            "train_records": len(trainer.train),
+            "val_records": len(trainer.val),
             "features": "captured from the target during data generation (bf16), cached on disk",
-            "steps": trainer.step, "total_steps": trainer.total_steps, "epochs_seen": round(trainer.step * args.seqs_per_step / len(trainer.train), 3),
+            "steps": trainer.step,
+            "total_steps": trainer.total_steps,
+            "epochs_seen": round(trainer.step * args.seqs_per_step / len(trainer.train), 3),
             "hyperparameters": {**asdict(args), "gamma": args.loss_gamma},
-            "train_seconds": round(trainer.train_seconds, 1), "final_metrics": trainer.last_eval,
-            **({"initialized_from": {"path": args.init_from, **{k: trainer.init_card.get(k) for k in ("command", "date", "steps", "train_seconds", "data")}}}
-               if args.init_from else {}),
+            "train_seconds": round(trainer.train_seconds, 1),
+            "final_metrics": trainer.last_eval,
+            **(
+                {
+                    "initialized_from": {
+                        "path": args.init_from,
+                        **{k: trainer.init_card.get(k) for k in ("command", "date", "steps", "train_seconds", "data")},
+                    }
+                }
+                if args.init_from
+                else {}
+            ),
         }
 
-    bar = tqdm(total=trainer.total_steps, initial=trainer.step, disable=not progress_bar, dynamic_ncols=True, mininterval=5)
+    bar = tqdm(
+        total=trainer.total_steps, initial=trainer.step, disable=not progress_bar, dynamic_ncols=True, mininterval=5
+    )
     last_ckpt, tau_ema = time.time(), None
     while trainer.step < trainer.total_steps:
         t0 = time.time()
@@ -523,7 +660,11 @@ def run_training(target, out_dir: Path, args: TrainArgs, data_meta: dict, resume
             row.update(trainer.evaluate())
         log.write(json.dumps(row) + "\n")
         log.flush()
-        bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{tau_ema:.2f}", val_tau=f"{trainer.last_eval.get('val_tau', float('nan')):.2f}")
+        bar.set_postfix(
+            loss=f"{m['loss']:.3f}",
+            tau=f"{tau_ema:.2f}",
+            val_tau=f"{trainer.last_eval.get('val_tau', float('nan')):.2f}",
+        )
         bar.update(1)
         if time.time() - last_ckpt > args.checkpoint_minutes * 60 or trainer.step == trainer.total_steps:
             trainer.checkpoint(card())
@@ -542,14 +683,29 @@ def default_mask_token_id(target) -> int:
     n = len(target.tokenizer)
     if n < target.vocab_rows:
         return n
-    raise DFlashError(f"The target's embedding table has no unused row ({target.vocab_rows} rows, all tokens); "
-                      "pass --mask-token-id with a special token chat never produces (SmolLM2: 16).")
+    raise DFlashError(
+        f"The target's embedding table has no unused row ({target.vocab_rows} rows, all tokens); "
+        "pass --mask-token-id with a special token chat never produces (SmolLM2: 16)."
+    )
 
 
-def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gsm8k", "code"), num_samples: int | None = None,
-                data_minutes: float | None = None, gen_max_new_tokens: int = 192, gen_batch_size: int = 64,
-                mask_token_id: int | None = None, resume: bool = False, progress_bar: bool = True, command: str | None = None,
-                dtype: str = "auto", log=print, **train_args) -> dict:
+def train_draft(
+    target: str,
+    output: str | Path,
+    *,
+    data: tuple[str, ...] = ("gsm8k", "code"),
+    num_samples: int | None = None,
+    data_minutes: float | None = None,
+    gen_max_new_tokens: int = 192,
+    gen_batch_size: int = 64,
+    mask_token_id: int | None = None,
+    resume: bool = False,
+    progress_bar: bool = True,
+    command: str | None = None,
+    dtype: str = "auto",
+    log=print,
+    **train_args,
+) -> dict:
     """`trtdflash train-draft`: data phase (target answers prompts) then training; returns the training card.
 
     The draft ends up in <output>/draft (z-lab format, bf16, with training.json). `dtype` (auto, bf16, fp32): the data
@@ -576,7 +732,9 @@ def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gs
     if args.loss not in DRAFT_LOSSES:
         raise DFlashError(f"--loss must be one of {', '.join(DRAFT_LOSSES)}, got {args.loss!r}.")
     if args.loss == "dpace" and args.logits_chunk % args.block_size:
-        raise DFlashError(f"--loss dpace needs --block-size to divide {args.logits_chunk} (the LM-head chunk), got {args.block_size}.")
+        raise DFlashError(
+            f"--loss dpace needs --block-size to divide {args.logits_chunk} (the LM-head chunk), got {args.block_size}."
+        )
     if not 0 <= args.short_blocks <= 1:
         raise DFlashError(f"--short-blocks is a share of the training blocks, from 0 to 1; got {args.short_blocks}.")
     if not 0 <= args.kd <= 1:
@@ -595,16 +753,28 @@ def train_draft(target: str, output: str | Path, *, data: tuple[str, ...] = ("gs
     if mask_token_id is None:
         mask_token_id = default_mask_token_id(tm)
     if not 0 <= mask_token_id < tm.vocab_rows:
-        raise DFlashError(f"--mask-token-id must be a row of the target's embedding table (0..{tm.vocab_rows - 1}), got {mask_token_id}.")
+        raise DFlashError(
+            f"--mask-token-id must be a row of the target's embedding table (0..{tm.vocab_rows - 1}), got {mask_token_id}."
+        )
     args.mask_token_id = mask_token_id
     layer_ids = list(args.target_layer_ids)
     if args.kd and tm.num_layers - 1 not in layer_ids:
         layer_ids.append(tm.num_layers - 1)  # the target's distributions come from its last layer's features
     out_dir.mkdir(parents=True, exist_ok=True)
     log(f"Data phase: {', '.join(data)} answered by the target into {out_dir / 'data.jsonl'}")
-    meta = prepare_data(tm, tuple(data), out_dir, layer_ids=layer_ids, num_samples=num_samples, minutes=data_minutes,
-                        max_new_tokens=gen_max_new_tokens, batch_size=gen_batch_size, seed=args.seed,
-                        progress=log if progress_bar else None, frozen=(out_dir / STATE_FILE).is_file())
+    meta = prepare_data(
+        tm,
+        tuple(data),
+        out_dir,
+        layer_ids=layer_ids,
+        num_samples=num_samples,
+        minutes=data_minutes,
+        max_new_tokens=gen_max_new_tokens,
+        batch_size=gen_batch_size,
+        seed=args.seed,
+        progress=log if progress_bar else None,
+        frozen=(out_dir / STATE_FILE).is_file(),
+    )
     log(f"Training on {sum(meta['records'].values())} records ({meta['response_tokens']} response tokens)")
     card = run_training(tm, out_dir, args, meta, resume, progress_bar=progress_bar, command=command, target_name=target)
     log(f"Draft written to {out_dir / DRAFT_SUBDIR} (val tau {card['final_metrics'].get('val_tau', float('nan')):.2f})")

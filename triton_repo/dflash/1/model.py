@@ -48,28 +48,53 @@ class TritonPythonModel(EngineModel):
         here = Path(args["model_repository"])
         draft = param("draft_dir")
         self.engine = DFlashEngine.load(
-            str(here / param("target_dir")), str(here / draft) if draft else None, no_draft=not draft,
-            dtype=param("dtype"), block_size=int(param("block_size")), speculation=param("speculation"),
-            lookup=param("lookup") == "true", int8_draft=param("int8_draft") == "true", progress=pb_utils.Logger.log_info,
+            str(here / param("target_dir")),
+            str(here / draft) if draft else None,
+            no_draft=not draft,
+            dtype=param("dtype"),
+            block_size=int(param("block_size")),
+            speculation=param("speculation"),
+            lookup=param("lookup") == "true",
+            int8_draft=param("int8_draft") == "true",
+            progress=pb_utils.Logger.log_info,
         )
         max_batch, max_seq_len = int(config["max_batch_size"]), int(param("max_seq_len"))
         # A Metric needs its MetricFamily alive: both are kept for the model's life.
-        self.families = {k: pb_utils.MetricFamily(f"dflash_{k}", d, pb_utils.MetricFamily.GAUGE) for k, d in GAUGES.items()}
-        self.families |= {k: pb_utils.MetricFamily(f"dflash_{k}_total", d, pb_utils.MetricFamily.COUNTER) for k, d in COUNTERS.items()}
+        self.families = {
+            k: pb_utils.MetricFamily(f"dflash_{k}", d, pb_utils.MetricFamily.GAUGE) for k, d in GAUGES.items()
+        }
+        self.families |= {
+            k: pb_utils.MetricFamily(f"dflash_{k}_total", d, pb_utils.MetricFamily.COUNTER) for k, d in COUNTERS.items()
+        }
         self.gauges = {k: self.families[k].Metric(labels={"model": "dflash"}) for k in GAUGES}
         self.counters = {k: self.families[k].Metric(labels={"model": "dflash"}) for k in COUNTERS}
-        self.block_family = pb_utils.MetricFamily("dflash_block_length_steps_total", "Requests' steps per chosen block length (each running request counts once per engine step)",
-                                                  pb_utils.MetricFamily.COUNTER)
+        self.block_family = pb_utils.MetricFamily(
+            "dflash_block_length_steps_total",
+            "Requests' steps per chosen block length (each running request counts once per engine step)",
+            pb_utils.MetricFamily.COUNTER,
+        )
         self.block_counters, self._published = {}, {}
         self._stepped = threading.Event()  # set by the engine thread after every step; the publisher thread clears it
-        self.scheduler = self.engine.scheduler(max_batch, max_seq_len + self.engine.block_size, on_step=lambda m: self._stepped.set(),
-                                                log=pb_utils.Logger.log_error, prefix_cache_tokens=int(param("prefix_cache_tokens")))
-        self.start(name="dflash", tokenizer=self.engine.tokenizer, max_seq_len=max_seq_len,
-                   vocab_rows=self.engine.target.vocab_rows, max_batch_size=MAX_STREAMS)
+        self.scheduler = self.engine.scheduler(
+            max_batch,
+            max_seq_len + self.engine.block_size,
+            on_step=lambda m: self._stepped.set(),
+            log=pb_utils.Logger.log_error,
+            prefix_cache_tokens=int(param("prefix_cache_tokens")),
+        )
+        self.start(
+            name="dflash",
+            tokenizer=self.engine.tokenizer,
+            max_seq_len=max_seq_len,
+            vocab_rows=self.engine.target.vocab_rows,
+            max_batch_size=MAX_STREAMS,
+        )
         threading.Thread(target=self._publisher, name="dflash-metrics", daemon=True).start()
-        pb_utils.Logger.log_info(f"dflash ready: block size {self.engine.block_size}, draft {self.engine.draft_weights or 'no'}, "
-                                 f"in-flight batching up to {max_batch} requests, {param('speculation')} speculation"
-                                 f"{', prompt lookup' if self.engine.lookup else ''}")
+        pb_utils.Logger.log_info(
+            f"dflash ready: block size {self.engine.block_size}, draft {self.engine.draft_weights or 'no'}, "
+            f"in-flight batching up to {max_batch} requests, {param('speculation')} speculation"
+            f"{', prompt lookup' if self.engine.lookup else ''}"
+        )
 
     def _publisher(self):
         """Publish the engine's metrics after its steps, at most every METRICS_EVERY seconds and only those that changed,
@@ -89,7 +114,9 @@ class TritonPythonModel(EngineModel):
         """Engine metrics -> Triton custom metrics: gauges set to their value, counters advanced by what happened since
         the last publish."""
         values = {k: float(getattr(m, k)) for k in (*GAUGES, *COUNTERS)}
-        values |= {("block", k): float(steps) for k, steps in dict(m.block_lengths).items()}  # a copy: the engine adds keys
+        values |= {
+            ("block", k): float(steps) for k, steps in dict(m.block_lengths).items()
+        }  # a copy: the engine adds keys
         for key, value in values.items():
             last = self._published.get(key)
             if last == value:
@@ -100,14 +127,24 @@ class TritonPythonModel(EngineModel):
                 self.counters[key].increment(value - (last or 0.0))
             else:
                 if key not in self.block_counters:
-                    self.block_counters[key] = self.block_family.Metric(labels={"model": "dflash", "block_length": str(key[1])})
+                    self.block_counters[key] = self.block_family.Metric(
+                        labels={"model": "dflash", "block_length": str(key[1])}
+                    )
                 self.block_counters[key].increment(value - (last or 0.0))
             self._published[key] = value
 
     def steps(self, job, stats, poll):
-        return self.engine.stream(job.prompt_ids, max_new_tokens=job.max_tokens, sampling=job.sampling, stop_strings=job.stop_strings,
-                                  stop_token_ids=job.stop_token_ids, min_tokens=job.min_tokens, stats=stats, scheduler=self.scheduler,
-                                  poll=poll)
+        return self.engine.stream(
+            job.prompt_ids,
+            max_new_tokens=job.max_tokens,
+            sampling=job.sampling,
+            stop_strings=job.stop_strings,
+            stop_token_ids=job.stop_token_ids,
+            min_tokens=job.min_tokens,
+            stats=stats,
+            scheduler=self.scheduler,
+            poll=poll,
+        )
 
     def finalize(self):
         self.scheduler.stop()

@@ -31,7 +31,12 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             if request.is_cancelled():  # answer normally anyway: an error here leaves the ensemble request in flight
-                cancel.mark_cancelled(pb_utils.get_input_tensor_by_name(request, CANCEL_KEY).as_numpy().reshape(-1)[0].decode())
-            outputs = [pb_utils.Tensor(dst, pb_utils.get_input_tensor_by_name(request, src).as_numpy()) for src, dst in PASS_THROUGH]
+                cancel.mark_cancelled(
+                    pb_utils.get_input_tensor_by_name(request, CANCEL_KEY).as_numpy().reshape(-1)[0].decode()
+                )
+            outputs = [
+                pb_utils.Tensor(dst, pb_utils.get_input_tensor_by_name(request, src).as_numpy())
+                for src, dst in PASS_THROUGH
+            ]
             responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
         return responses

@@ -41,7 +41,9 @@ class TritonPythonModel:
         query = pb_utils.get_input_tensor_by_name(request, "QUERY").as_numpy()
         out_len = pb_utils.get_input_tensor_by_name(request, "REQUEST_OUTPUT_LEN").as_numpy()
         if query.shape[0] != 1:
-            raise DFlashError(f"Send one prompt per request (text_input of shape [1, 1]); got a batch of {query.shape[0]}.")
+            raise DFlashError(
+                f"Send one prompt per request (text_input of shape [1, 1]); got a batch of {query.shape[0]}."
+            )
         raw = query.reshape(-1)[0]
         try:
             prompt = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
@@ -49,7 +51,9 @@ class TritonPythonModel:
             raise DFlashError("text_input is not valid UTF-8; send the prompt as UTF-8 text.") from None
         max_tokens = int(out_len.reshape(-1)[0])
         if not 1 <= max_tokens <= self.max_seq_len:
-            raise DFlashError(f"max_tokens must be between 1 and {self.max_seq_len} (this repository's max_seq_len), got {max_tokens}.")
+            raise DFlashError(
+                f"max_tokens must be between 1 and {self.max_seq_len} (this repository's max_seq_len), got {max_tokens}."
+            )
         chat = pb_utils.get_input_tensor_by_name(request, "APPLY_CHAT_TEMPLATE")
         chat = self.chat if chat is None else bool(chat.as_numpy().reshape(-1)[0])
         ids = encode_prompt(self.tokenizer, prompt, chat, self.max_seq_len)
@@ -58,10 +62,12 @@ class TritonPythonModel:
                 f"The prompt is {len(ids)} tokens and max_tokens is {max_tokens}, which exceeds max_seq_len {self.max_seq_len}; "
                 f"ask for at most {self.max_seq_len - len(ids)} tokens."
             )
-        return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("INPUT_ID", np.array([ids], dtype=np.int32)),
-            pb_utils.Tensor("OUT_REQUEST_OUTPUT_LEN", np.array([[max_tokens]], dtype=np.int32)),
-        ])
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor("INPUT_ID", np.array([ids], dtype=np.int32)),
+                pb_utils.Tensor("OUT_REQUEST_OUTPUT_LEN", np.array([[max_tokens]], dtype=np.int32)),
+            ]
+        )
 
     def execute(self, requests):
         responses = []

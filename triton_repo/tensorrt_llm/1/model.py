@@ -54,8 +54,13 @@ class TritonPythonModel(EngineModel):
         self.max_draft_len = int(spec.get("max_draft_len", 0))
         param = lambda key: config["parameters"][key]["string_value"]  # noqa: E731
         tokenizer = AutoTokenizer.from_pretrained(local_or_id(param("tokenizer_dir"), Path(args["model_repository"])))
-        self.start(name="tensorrt_llm", tokenizer=tokenizer, max_seq_len=int(param("max_seq_len")), vocab_rows=len(tokenizer),
-                   max_batch_size=int(config["max_batch_size"]))  # TensorRT-LLM (or the embedded LLM) schedules the steps
+        self.start(
+            name="tensorrt_llm",
+            tokenizer=tokenizer,
+            max_seq_len=int(param("max_seq_len")),
+            vocab_rows=len(tokenizer),
+            max_batch_size=int(config["max_batch_size"]),
+        )  # TensorRT-LLM (or the embedded LLM) schedules the steps
 
     def steps(self, job, stats, poll):
         return llm_steps(self.llm, self.sampling_params, job, stats, self.tokenizer, self.max_draft_len)

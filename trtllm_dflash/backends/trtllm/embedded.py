@@ -44,7 +44,9 @@ class SamplingParams:
     def ours(self) -> OurSampling:
         if self.top_k == 1 or self.temperature == 0:
             return OurSampling(0.0, seed=self.seed)
-        return OurSampling(1.0 if self.temperature is None else self.temperature, self.top_p or 1.0, self.top_k or 0, self.seed)
+        return OurSampling(
+            1.0 if self.temperature is None else self.temperature, self.top_p or 1.0, self.top_k or 0, self.seed
+        )
 
 
 @dataclass
@@ -57,13 +59,13 @@ class CompletionOutput:
 
     @property
     def token_ids_diff(self) -> list[int]:
-        return self.token_ids[self._last_token_ids_len:]
+        return self.token_ids[self._last_token_ids_len :]
 
 
 class RequestOutput:
     """One request's result: iterating advances it one engine iteration (everything at once unless streaming)."""
 
-    def __init__(self, llm: "LLM", prompt_ids: list[int], params: SamplingParams, streaming: bool):
+    def __init__(self, llm: LLM, prompt_ids: list[int], params: SamplingParams, streaming: bool):
         self._llm, self._streaming, self._aborted = llm, streaming, False
         self._perf_metrics = params.return_perf_metrics
         self.prompt_token_ids = list(prompt_ids)
@@ -74,10 +76,19 @@ class RequestOutput:
         self._stats = GenerationStats()
         engine = llm.engine
         stops = frozenset(params.stop_token_ids or ()) | engine.eos_token_ids
-        self._steps = speculative_stream(engine.target, engine.draft, self.prompt_token_ids, params.max_tokens, engine.block_size,
-                                         params.ours(), stops, self._stats, params.min_tokens or 0,
-                                         lookup=False,  # TensorRT-LLM's DFlash mode drafts every block with the draft
-                                         prefix=engine.prefix)
+        self._steps = speculative_stream(
+            engine.target,
+            engine.draft,
+            self.prompt_token_ids,
+            params.max_tokens,
+            engine.block_size,
+            params.ours(),
+            stops,
+            self._stats,
+            params.min_tokens or 0,
+            lookup=False,  # TensorRT-LLM's DFlash mode drafts every block with the draft
+            prefix=engine.prefix,
+        )
 
     def abort(self) -> None:
         """As upstream's, unguarded: each call sends another cancellation to the executor, so callers abort once."""
@@ -87,7 +98,7 @@ class RequestOutput:
     def __iter__(self):
         return self
 
-    def __next__(self) -> "RequestOutput":
+    def __next__(self) -> RequestOutput:
         if self.finished:
             raise StopIteration
         out = self.outputs[0]
@@ -98,13 +109,17 @@ class RequestOutput:
             if ids is None:
                 self._steps.close()
                 self.finished = True
-                out.finish_reason = "cancelled" if self._aborted else ("stop" if self._stats.finish_reason == "stop" else "length")
+                out.finish_reason = (
+                    "cancelled" if self._aborted else ("stop" if self._stats.finish_reason == "stop" else "length")
+                )
             else:
                 out.token_ids.extend(ids)
                 self.decoding_iter = self._stats.steps + 1
             if self._perf_metrics:  # the drafts each step verified, as TensorRT-LLM counts them since PR #17082
-                spec = SimpleNamespace(total_draft_tokens=self._stats.drafted_tokens,
-                                       total_accepted_draft_tokens=self._stats.accepted_tokens)
+                spec = SimpleNamespace(
+                    total_draft_tokens=self._stats.drafted_tokens,
+                    total_accepted_draft_tokens=self._stats.accepted_tokens,
+                )
                 out.request_perf_metrics = SimpleNamespace(speculative_decoding=spec)
             if self._streaming:
                 break
@@ -118,14 +133,20 @@ class LLM:
     def __init__(self, model: str, *, speculative_config: dict | None = None, dtype: str = "auto", **llm_args):
         spec = speculative_config or {}
         if spec and spec.get("decoding_type") != "DFlash":
-            raise ValueError(f"the embedded engine runs DFlash speculative decoding only, not {spec.get('decoding_type')!r}")
+            raise ValueError(
+                f"the embedded engine runs DFlash speculative decoding only, not {spec.get('decoding_type')!r}"
+            )
         draft = spec.get("speculative_model") or spec.get("speculative_model_dir")
         block = int(spec["max_draft_len"]) + 1 if draft else 1
-        self.engine = DFlashEngine.load(model, draft, no_draft=draft is None, dtype=DTYPES[dtype], block_size=block, progress=lambda m: None)
+        self.engine = DFlashEngine.load(
+            model, draft, no_draft=draft is None, dtype=DTYPES[dtype], block_size=block, progress=lambda m: None
+        )
         self.step_lock = threading.Lock()
         self.ignored_options = sorted(llm_args)
 
-    def generate_async(self, inputs: list[int], sampling_params: SamplingParams | None = None, streaming: bool = False) -> RequestOutput:
+    def generate_async(
+        self, inputs: list[int], sampling_params: SamplingParams | None = None, streaming: bool = False
+    ) -> RequestOutput:
         return RequestOutput(self, inputs, sampling_params or SamplingParams(), streaming)
 
     def shutdown(self) -> None:

@@ -14,7 +14,7 @@ drafted `max_draft_len`, and the response says so (`draft_counts_estimated`).
 from __future__ import annotations
 
 import os
-from typing import Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping
 
 from ...generate import GenerationStats
 from ...protocol import EngineRequest
@@ -27,13 +27,37 @@ FINISH_REASONS = ("stop", "length", "timeout", "cancelled")
 # must start MPI afresh in the python backend's process to spawn its own workers, so they are cleared before it is
 # imported; configuration (OMPI_MCA_*, PMIX_MCA_*) stays. The list is upstream's: NVIDIA/TensorRT-LLM
 # triton_backend/all_models/llmapi/tensorrt_llm/1/model.py at 044a90d2.
-MPI_JOB_VARIABLES = frozenset({
-    "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_NODE_RANK", "OMPI_UNIVERSE_SIZE", "OMPI_FIRST_RANKS", "OMPI_APP_CTX_NUM_PROCS",
-    "PMIX_RANK", "PMIX_NAMESPACE", "PMIX_SERVER_URI", "PMIX_SERVER_URI2", "PMIX_SERVER_URI21", "PMIX_SERVER_URI3",
-    "PMIX_SERVER_TMPDIR", "PMIX_SYSTEM_TMPDIR", "PMIX_SECURITY_MODE", "PMIX_GDS_MODULE", "PMIX_BFROPS_MODULE",
-    "PMIX_PTL_MODULE", "PMIX_VERSION", "PMIX_HOSTNAME", "PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_SPAWNED", "PMI_APPNUM",
-})
+MPI_JOB_VARIABLES = frozenset(
+    {
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_NODE_RANK",
+        "OMPI_UNIVERSE_SIZE",
+        "OMPI_FIRST_RANKS",
+        "OMPI_APP_CTX_NUM_PROCS",
+        "PMIX_RANK",
+        "PMIX_NAMESPACE",
+        "PMIX_SERVER_URI",
+        "PMIX_SERVER_URI2",
+        "PMIX_SERVER_URI21",
+        "PMIX_SERVER_URI3",
+        "PMIX_SERVER_TMPDIR",
+        "PMIX_SYSTEM_TMPDIR",
+        "PMIX_SECURITY_MODE",
+        "PMIX_GDS_MODULE",
+        "PMIX_BFROPS_MODULE",
+        "PMIX_PTL_MODULE",
+        "PMIX_VERSION",
+        "PMIX_HOSTNAME",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "PMI_FD",
+        "PMI_SPAWNED",
+        "PMI_APPNUM",
+    }
+)
 MPI_JOB_PREFIXES = ("OMPI_MCA_orte_", "ORTE_")
 
 
@@ -79,8 +103,9 @@ def count_drafts(stats: GenerationStats, decoding_iter: int, perf_metrics, max_d
         stats.draft_counts_estimated = True
 
 
-def llm_steps(llm, sampling_params_cls, job: EngineRequest, stats: GenerationStats, tokenizer, max_draft_len: int
-              ) -> Iterator[tuple[list[int], str]]:
+def llm_steps(
+    llm, sampling_params_cls, job: EngineRequest, stats: GenerationStats, tokenizer, max_draft_len: int
+) -> Iterator[tuple[list[int], str]]:
     result = llm.generate_async(job.prompt_ids, sampling_params_cls(**sampling_kwargs(job)), streaming=True)
     detok = IncrementalDetokenizer(tokenizer, job.stop_strings)
     stats.prompt_tokens = len(job.prompt_ids)

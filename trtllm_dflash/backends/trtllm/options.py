@@ -15,7 +15,8 @@ so model.yaml never has it.
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ...build.recipes import Recipe
 from ...errors import DFlashError
@@ -25,23 +26,39 @@ POSTPROCESS_WORKERS = "num_postprocess_workers"
 
 # keys the recipe owns: setting them through llm_args/extra would desynchronise the memory plan
 _OWNED = {
-    "tensor_parallel_size": "--tp", "pipeline_parallel_size": "--tp/--pp", "moe_expert_parallel_size": "--ep",
-    "moe_tensor_parallel_size": "--tp/--ep", "enable_attention_dp": "the recipe's parallel.attention_dp",
-    "max_batch_size": "--max-batch-size", "max_seq_len": "--max-seq-len",
-    "max_num_tokens": "the recipe's max_num_tokens", "model": "the model argument",
+    "tensor_parallel_size": "--tp",
+    "pipeline_parallel_size": "--tp/--pp",
+    "moe_expert_parallel_size": "--ep",
+    "moe_tensor_parallel_size": "--tp/--ep",
+    "enable_attention_dp": "the recipe's parallel.attention_dp",
+    "max_batch_size": "--max-batch-size",
+    "max_seq_len": "--max-seq-len",
+    "max_num_tokens": "the recipe's max_num_tokens",
+    "model": "the model argument",
 }
 
 
 def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in update.items():
-        out[key] = _merge(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, Mapping) \
+        out[key] = (
+            _merge(out[key], value)
+            if isinstance(out.get(key), dict) and isinstance(value, Mapping)
             else copy.deepcopy(value)
+        )
     return out
 
 
-def llm_options(recipe: Recipe, *, model: str, draft: str | None, extra: Mapping[str, Any] | None = None,
-                where: str = "model.yaml", trtllm_version: str | None = None, serve: bool = False) -> dict[str, Any]:
+def llm_options(
+    recipe: Recipe,
+    *,
+    model: str,
+    draft: str | None,
+    extra: Mapping[str, Any] | None = None,
+    where: str = "model.yaml",
+    trtllm_version: str | None = None,
+    serve: bool = False,
+) -> dict[str, Any]:
     """LLM-API options for `recipe` with target `model` and DFlash draft `draft` (a hub id or a local path): for
     `LLM(**options)` (Triton's model.yaml), or with `serve` for trtllm-serve's --config."""
     for source, update in (("the recipe's llm_args", recipe.llm_args), ("extra options", extra or {})):
@@ -49,8 +66,9 @@ def llm_options(recipe: Recipe, *, model: str, draft: str | None, extra: Mapping
         if owned:
             raise DFlashError(f"{where}: {owned[0]} comes from {_OWNED[owned[0]]}, not from {source}.")
     if (draft is None) != (recipe.draft_facts is None):
-        raise DFlashError(f"{where}: recipe {recipe.id} "
-                          f"{'needs a DFlash draft' if draft is None else 'has no DFlash draft facts'}.")
+        raise DFlashError(
+            f"{where}: recipe {recipe.id} {'needs a DFlash draft' if draft is None else 'has no DFlash draft facts'}."
+        )
     p = recipe.parallel
     options: dict[str, Any] = {
         "model": model,
@@ -61,37 +79,56 @@ def llm_options(recipe: Recipe, *, model: str, draft: str | None, extra: Mapping
         "max_seq_len": recipe.max_seq_len,
         "max_num_tokens": recipe.max_num_tokens,
         "attn_backend": recipe.attn_backend,
-        "kv_cache_config": {"free_gpu_memory_fraction": recipe.free_gpu_memory_fraction,
-                            "dtype": recipe.kv_cache_dtype},
-        "cuda_graph_config": ({"enable_padding": True, "batch_sizes": list(recipe.cuda_graph_batch_sizes)}
-                              if recipe.cuda_graph_batch_sizes else None),
+        "kv_cache_config": {
+            "free_gpu_memory_fraction": recipe.free_gpu_memory_fraction,
+            "dtype": recipe.kv_cache_dtype,
+        },
+        "cuda_graph_config": (
+            {"enable_padding": True, "batch_sizes": list(recipe.cuda_graph_batch_sizes)}
+            if recipe.cuda_graph_batch_sizes
+            else None
+        ),
     }
     if recipe.model_facts.is_moe:
         options["moe_expert_parallel_size"] = p.ep
     if recipe.moe_backend:
         options["moe_config"] = {"backend": recipe.moe_backend}
     if draft is not None:
-        options["speculative_config"] = {"decoding_type": "DFlash", "max_draft_len": recipe.max_draft_len,
-                                         "speculative_model": draft}
+        options["speculative_config"] = {
+            "decoding_type": "DFlash",
+            "max_draft_len": recipe.max_draft_len,
+            "speculative_model": draft,
+        }
     recipe_args = {k: v for k, v in recipe.llm_args.items() if serve or k != POSTPROCESS_WORKERS}
     options = _merge(_merge(options, recipe_args), extra or {})
     validate_llm_args(options, where, trtllm_version)
     if not serve and (options.get(POSTPROCESS_WORKERS) or 0) > 0 and not options.get("postprocess_tokenizer_dir"):
-        raise DFlashError(f"{where}: {POSTPROCESS_WORKERS} needs postprocess_tokenizer_dir through LLM(): TensorRT-LLM's "
-                          "postprocess workers would have no tokenizer and would not carry decoding_iter back.")
+        raise DFlashError(
+            f"{where}: {POSTPROCESS_WORKERS} needs postprocess_tokenizer_dir through LLM(): TensorRT-LLM's "
+            "postprocess workers would have no tokenizer and would not carry decoding_iter back."
+        )
     spec = options.get("speculative_config") or {}
     if spec.get("attention_backend") == "TRTLLM" and recipe.gpu_spec.sm not in (100, 103):
-        raise DFlashError(f"{where}: the DFlash TRTLLM drafter attention needs an SM100/SM103 Blackwell GPU; "
-                          f"use VANILLA on {recipe.gpu}.")
+        raise DFlashError(
+            f"{where}: the DFlash TRTLLM drafter attention needs an SM100/SM103 Blackwell GPU; "
+            f"use VANILLA on {recipe.gpu}."
+        )
     if options.get("attention_dp_config") and not p.attention_dp:
         raise DFlashError(f"{where}: attention_dp_config is set but the recipe does not enable attention-DP.")
     return options
 
 
-def serve_options(recipe: Recipe, *, draft: str | None, extra: Mapping[str, Any] | None = None,
-                  where: str = "config.yaml", trtllm_version: str | None = None) -> dict[str, Any]:
+def serve_options(
+    recipe: Recipe,
+    *,
+    draft: str | None,
+    extra: Mapping[str, Any] | None = None,
+    where: str = "config.yaml",
+    trtllm_version: str | None = None,
+) -> dict[str, Any]:
     """The `trtllm-serve <model> --config` YAML: llm_options without `model` (trtllm-serve takes it as argument)."""
-    options = llm_options(recipe, model=recipe.hf_id, draft=draft, extra=extra, where=where, trtllm_version=trtllm_version,
-                          serve=True)
+    options = llm_options(
+        recipe, model=recipe.hf_id, draft=draft, extra=extra, where=where, trtllm_version=trtllm_version, serve=True
+    )
     del options["model"]
     return options

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import resources
-from typing import Any, Mapping
+from typing import Any
 
 from ...errors import DFlashError
 
@@ -36,8 +37,7 @@ FIRST_DFLASH_RELEASE = "1.3.0rc27"
 _FILES = {"1.4.0rc4": "1.4.0rc4.json", "1.4.0rc1": "1.4.0rc1.json", "main@0004396": "main-0004396.json"}
 RELEASES = tuple(_FILES)
 
-_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list": (list, tuple),
-          "dict": (dict,)}
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list": (list, tuple), "dict": (dict,)}
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Release:
         return CONTAINER.format(release=self.name) if "@" not in self.name else "a container built from that commit"
 
 
-@lru_cache(maxsize=None)
+@cache
 def release(name: str | None = None) -> Release:
     name = name or DEFAULT_RELEASE
     if name not in _FILES:
@@ -81,12 +81,15 @@ def _check_value(value: Any, spec: Any, path: str, cls: str, where: str) -> None
         ok = (str(value).upper() in [a.upper() for a in allowed]) if spec.get("case_insensitive") else value in allowed
         if not ok:
             raise DFlashError(f"{where}: {path} is {value!r}; TensorRT-LLM's {cls} accepts {', '.join(allowed)}.")
-    for bound, broken, words in (("gt", lambda b: value <= b, "greater than"),
-                                 ("min", lambda b: value < b, "greater than or equal to"),
-                                 ("max", lambda b: value > b, "less than or equal to")):
+    for bound, broken, words in (
+        ("gt", lambda b: value <= b, "greater than"),
+        ("min", lambda b: value < b, "greater than or equal to"),
+        ("max", lambda b: value > b, "less than or equal to"),
+    ):
         if bound in spec and broken(spec[bound]):  # pydantic's own words for gt / ge / le
-            raise DFlashError(f"{where}: {path} is {value!r}; TensorRT-LLM's {cls} says: Input should be {words} "
-                              f"{spec[bound]}.")
+            raise DFlashError(
+                f"{where}: {path} is {value!r}; TensorRT-LLM's {cls} says: Input should be {words} {spec[bound]}."
+            )
 
 
 def _check_section(rel: Release, options: Mapping[str, Any], section: str, where: str) -> None:
@@ -101,8 +104,9 @@ def _check_section(rel: Release, options: Mapping[str, Any], section: str, where
         _check_value(value, fields[key], prefix + key, cls, where)
         if fields[key] == "section" and value is not None:  # null is TensorRT-LLM's "off" (e.g. no CUDA graphs)
             if not isinstance(value, Mapping):
-                raise DFlashError(f"{where}: {key} must be a mapping of {rel.sections[key]['class']} "
-                                  f"fields, got {value!r}.")
+                raise DFlashError(
+                    f"{where}: {key} must be a mapping of {rel.sections[key]['class']} fields, got {value!r}."
+                )
             _check_section(rel, value, key, where)
 
 
@@ -122,23 +126,31 @@ def upstream_errors(options: Mapping[str, Any]) -> list[str]:
         if max_draft_len is not None and not errors:
             smallest = min(keys)
             if keys[smallest] != max_draft_len:
-                errors.append(f"draft_len_schedule[{smallest}] must equal max_draft_len because it is the smallest "
-                              f"batch-size key. Got schedule[{smallest}]={keys[smallest]}, but max_draft_len={max_draft_len}.")
+                errors.append(
+                    f"draft_len_schedule[{smallest}] must equal max_draft_len because it is the smallest "
+                    f"batch-size key. Got schedule[{smallest}]={keys[smallest]}, but max_draft_len={max_draft_len}."
+                )
             for batch_size, draft_len in sorted(keys.items()):
                 if draft_len > max_draft_len:
-                    errors.append(f"draft_len_schedule: all draft lengths must be <= max_draft_len. Got draft_len="
-                                  f"{draft_len} for batch_size={batch_size}, but max_draft_len={max_draft_len}.")
+                    errors.append(
+                        f"draft_len_schedule: all draft lengths must be <= max_draft_len. Got draft_len="
+                        f"{draft_len} for batch_size={batch_size}, but max_draft_len={max_draft_len}."
+                    )
     if spec.get("max_concurrency") is not None and schedule:
-        errors.append("max_concurrency and draft_len_schedule are mutually exclusive. Use max_concurrency for a simple "
-                      "speculation cutoff, or draft_len_schedule for dynamic draft-length control.")
+        errors.append(
+            "max_concurrency and draft_len_schedule are mutually exclusive. Use max_concurrency for a simple "
+            "speculation cutoff, or draft_len_schedule for dynamic draft-length control."
+        )
     if spec.get("decoding_type") == "DFlash" and (max_draft_len is None or max_draft_len <= 0):
         errors.append("DFlash max_draft_len must be > 0")
     graphs = options.get("cuda_graph_config") or {}
     sizes, graph_max = graphs.get("batch_sizes"), graphs.get("max_batch_size") or 0
     if sizes and graph_max and graph_max != max(sizes):
-        errors.append("CudaGraphConfig.max_batch_size is incompatible with CudaGraphConfig.batch_sizes. When both are "
-                      f"provided, max_batch_size must equal max(batch_sizes).\nCudaGraphConfig.batch_sizes: "
-                      f"{sorted(sizes)}, max(batch_sizes): {max(sizes)}, CudaGraphConfig.max_batch_size: {graph_max}")
+        errors.append(
+            "CudaGraphConfig.max_batch_size is incompatible with CudaGraphConfig.batch_sizes. When both are "
+            f"provided, max_batch_size must equal max(batch_sizes).\nCudaGraphConfig.batch_sizes: "
+            f"{sorted(sizes)}, max(batch_sizes): {max(sizes)}, CudaGraphConfig.max_batch_size: {graph_max}"
+        )
     kv = options.get("kv_cache_config") or {}
     if "free_gpu_memory_fraction" in kv and kv["free_gpu_memory_fraction"] is None:
         errors.append("kv_cache_config.free_gpu_memory_fraction must be a float between 0 and 1")
@@ -150,8 +162,9 @@ def validate_llm_args(options: Mapping[str, Any], where: str, trtllm_version: st
     rel = release(trtllm_version)
     spec = options.get("speculative_config")
     if isinstance(spec, Mapping) and spec.get("decoding_type") != "DFlash":
-        raise DFlashError(f"{where}: speculative_config.decoding_type must be DFlash, got "
-                          f"{spec.get('decoding_type')!r}.")
+        raise DFlashError(
+            f"{where}: speculative_config.decoding_type must be DFlash, got {spec.get('decoding_type')!r}."
+        )
     _check_section(rel, options, "", where)
     if errors := upstream_errors(options):
         raise DFlashError(f"{where}: {rel.label} refuses this at LLM(): {errors[0]}")
