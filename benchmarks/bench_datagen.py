@@ -26,7 +26,8 @@ from trtllm_dflash.cpu import machine_info
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.resolve import resolve_target
 from trtllm_dflash.runtime import DFlashEngine
-from trtllm_dflash.train.data import forward_features, greedy_batch, known_answers, load_prompts
+from trtllm_dflash.train.records import forward_features, greedy_batch
+from trtllm_dflash.train.sources import known_answers, load_prompts
 
 LAYERS = [1, 14, 27]
 

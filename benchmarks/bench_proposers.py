@@ -132,7 +132,8 @@ def draft_accepted(target, draft, prompt: list[int], output: list[int]) -> tuple
     from trtllm_dflash.train.trainer import acceptance_stats, block_hidden, build_blocks
 
     seq, b = prompt + output, draft.config.block_size
-    with target.tapped(draft.config.target_layer_ids):  # train/data.py's forward_features, with every position's logits
+    # train/records.py's forward_features, with every position's logits
+    with target.tapped(draft.config.target_layer_ids):
         target_logits, feats = target.forward(torch.tensor([seq]), 0, target.new_cache(1, len(seq)), capture=True)
     confidence = target_logits[0, len(prompt) : len(seq) - 1].float().softmax(-1).amax(-1).tolist()
     # features rounded to bf16, as train-draft stores them (the fp32 runtime keeps them in fp32): the replay's draft-only

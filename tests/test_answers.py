@@ -11,9 +11,10 @@ from trtllm_dflash.data import answers_card, answers_records
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime import DFlashEngine
-from trtllm_dflash.train.answers import corpus_prompts, generate_answers, pack, prompt_hash
-from trtllm_dflash.train.data import greedy_batch, interleave, known_answers, load_prompts, prepare_data
-from trtllm_dflash.train.magpie import target_fingerprint
+from trtllm_dflash.train.answers import corpus_prompts, generate_answers, pack
+from trtllm_dflash.train.data import prepare_data
+from trtllm_dflash.train.records import greedy_batch, prompt_hash, target_fingerprint
+from trtllm_dflash.train.sources import interleave, known_answers, load_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -112,7 +112,7 @@ def layer_tensors(files, prefix: str) -> dict:
     out = {}
     for f in files:
         with safe_open(f, framework="pt") as st:
-            for k in st:
+            for k in st.keys():
                 if k.startswith(prefix + "."):
                     out[k[len(prefix) + 1 :]] = st.get_tensor(k)
     return out
@@ -253,7 +253,7 @@ def checkpoint_tensors(out) -> dict:
     tensors = {}
     for f in sorted(out.glob("*.safetensors")):
         with safe_open(f, framework="pt") as st:
-            tensors.update({k: st.get_tensor(k) for k in st})
+            tensors.update({k: st.get_tensor(k) for k in st.keys()})
     return tensors
 
 

@@ -9,14 +9,7 @@ import torch
 
 from trtllm_dflash.data import magpie_card, magpie_records
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.train.data import (
-    SOURCES,
-    forward_features,
-    generate_dataset,
-    greedy_batch,
-    known_answers,
-    load_prompts,
-)
+from trtllm_dflash.train.data import generate_dataset
 from trtllm_dflash.train.magpie import (
     REJECTS,
     MagpieSettings,
@@ -24,10 +17,11 @@ from trtllm_dflash.train.magpie import (
     generate_magpie,
     pack,
     question_reject,
-    target_fingerprint,
     unpack,
     user_prefix_ids,
 )
+from trtllm_dflash.train.records import forward_features, greedy_batch, target_fingerprint
+from trtllm_dflash.train.sources import SOURCES, known_answers, load_prompts
 
 TINY = MagpieSettings(seed=3, batch_size=8, question_max_tokens=32, answer_max_tokens=4)
 

@@ -22,6 +22,8 @@ from trtllm_dflash.client import CompletionRequest, complete
 from trtllm_dflash.resolve import resolve_draft
 from trtllm_dflash.serve import ServerConfig, TritonServer
 
+pytestmark = pytest.mark.slow  # real servers (see pyproject.toml's markers)
+
 MODEL = "smollm2-135m"
 PROMPT = "The three primary colors are"
 MESSAGES = [

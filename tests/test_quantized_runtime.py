@@ -180,6 +180,7 @@ def test_bad_quantized_checkpoints_are_one_sentence(quantized, tmp_path):
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_quantized_target_served_by_triton_equals_generate(quantized, packaged_draft, tmp_path):
     """build (torch backend) + the real tritonserver + one gRPC completion == `trtdflash generate` on the same NVFP4 target."""
     target = quantized("nvfp4")

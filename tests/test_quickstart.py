@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from trtllm_dflash.quickstart import demo_prompts
+
+pytestmark = pytest.mark.slow  # two real builds and servers (see pyproject.toml's markers)
 
 TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")
 ROW = re.compile(r"^(chat|math|code)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)-([\d.]+)x\s+([\d.]+)\s+(.+)$")

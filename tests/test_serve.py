@@ -30,6 +30,8 @@ from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.resolve import resolve_draft
 from trtllm_dflash.serve import ServerConfig, TritonServer, free_port, stop_all
 
+pytestmark = pytest.mark.slow  # real servers (see pyproject.toml's markers)
+
 PROMPT = "Name three colors."
 MAX_TOKENS = 24
 BLOCK = 4

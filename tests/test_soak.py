@@ -8,6 +8,8 @@ from trtllm_dflash.build import BuildOptions, run_build
 from trtllm_dflash.loadgen import soak
 from trtllm_dflash.serve import ServerConfig, TritonServer
 
+pytestmark = pytest.mark.slow  # real servers (see pyproject.toml's markers)
+
 PROMPTS = ["The capital of France is", "Name three colors.", "What is 12 times 7?", "Write a haiku about rain."]
 
 

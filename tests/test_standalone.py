@@ -61,6 +61,7 @@ def test_gsm8k_ships_with_the_package():
     assert not {r["question"] for r in held_out} & {r["question"] for r in train[-50:]}
 
 
+@pytest.mark.slow
 def test_wheel_carries_everything_and_works_outside_the_source_tree(tmp_path):
     """Build the wheel, unpack it into an empty folder and use it from `/`: templates, recipes, draft and data
     must come from the installed package, not from this checkout."""

@@ -18,7 +18,7 @@ from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.train import trainer as tr
-from trtllm_dflash.train.data import (
+from trtllm_dflash.train.sources import (
     CODE_PACKAGES,
     INSTRUCT_TEMPLATES,
     code_package_versions,
@@ -243,7 +243,7 @@ def test_chunked_ce_with_dpace_is_ce_under_detached_dynamic_weights():
 @pytest.fixture(scope="module")
 def few_code_packages():
     """Four of CODE_PACKAGES, in their order: parsing all of them (torch, sympy, ...) takes a minute, these about 10 s."""
-    from trtllm_dflash.train import data
+    from trtllm_dflash.train import sources as data
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(
@@ -504,7 +504,7 @@ def test_greedy_batch_equals_generate_and_captures_aligned_features(target, one_
     """The data phase's batched loop: each row's answer is HF generate() of that prompt alone, rows that end
     leave the batch without disturbing the others, and feature row i is the tapped layers' output at token i."""
     from trtllm_dflash.runtime import DFlashEngine
-    from trtllm_dflash.train.data import greedy_batch
+    from trtllm_dflash.train.records import greedy_batch
 
     engine = DFlashEngine(target, None, 1)
     prompts = [
@@ -531,7 +531,8 @@ def test_greedy_batch_equals_generate_and_captures_aligned_features(target, one_
 def test_a_finished_data_phase_grows_when_asked_for_more(target, tmp_path, one_thread):
     """Rerunning with a larger sample cap or a new source continues the phase (records and feature rows stay aligned);
     the same request answers nothing new; once training has begun on the records they may not grow."""
-    from trtllm_dflash.train.data import prepare_data, read_dataset, read_features
+    from trtllm_dflash.train.data import prepare_data
+    from trtllm_dflash.train.records import read_dataset, read_features
 
     kw = dict(layer_ids=[1, 14, 27], minutes=None, max_new_tokens=4, batch_size=4)
     meta = prepare_data(target, ("gsm8k",), tmp_path, num_samples=2, **kw)

@@ -18,6 +18,8 @@ from trtllm_dflash.generate import GenerationStats
 from trtllm_dflash.runtime import DFlashEngine
 from trtllm_dflash.serve import ServerConfig, TritonServer
 
+pytestmark = pytest.mark.slow  # real servers (see pyproject.toml's markers)
+
 PROMPT = "What is 7 times 8?"
 MAX_TOKENS = 24
 BLOCK = 4

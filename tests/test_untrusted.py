@@ -45,7 +45,7 @@ def library_view(path):
     """What the safetensors library itself reads: name -> (dtype, shape), or None if it refuses the file."""
     try:
         with safe_open(path, framework="numpy") as f:
-            return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f}
+            return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
     except Exception:
         return None
 

@@ -857,7 +857,7 @@ def draft_vocab(target, output, size, data, per_source, max_new_tokens, batch_si
     """Write a draft vocabulary: the draft then guesses only among the SIZE tokens the target writes most (a smaller
     draft LM head; verification still sees every token, so output is unchanged), and the n-gram prior its greedy
     guesses are re-weighted with."""
-    from .models.draft_vocab import build_draft_vocab
+    from .train.vocab import build_draft_vocab
 
     stats = build_draft_vocab(
         target,

@@ -8,9 +8,8 @@ Every call goes through one torch custom op, `torch.ops.trtdflash.block_attentio
 tests, torch.compile, the ONNX export and a GPU run share a single call site:
     CPU (and any device without a kernel): `block_attention_reference` (masks + SDPA), the definition;
     CPU in bf16, where our bf16 kernel module runs (models/bf16_gemm.py) and outside tracing: its `block_attend`
-      (models/slot_attention.h), called directly, as the op's Python dispatch alone cost about 40 us a call against
-      the kernel's 20 (and the reference's mask, concatenations and SDPA about 200 us a layer for an 8-token block,
-      AMD EPYC Zen 4, 2026-11-26);
+      (models/slot_attention.h), called directly, as the op's Python dispatch alone costs more than the kernel
+      (docs/performance.md#block-attention-dispatch);
     CUDA: the fused OpenAI Triton kernel in plugins/block_attention.py, imported on first CUDA call;
     fake/meta: shape inference for torch.compile / torch.export.
 In the op's schema `window` is an int where 0 means "no window" (None in the Python API).

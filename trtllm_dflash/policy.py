@@ -46,13 +46,12 @@ FALL, RISE = 0.5, 0.05
 # attention layout, the guesses' LM head): their measured/estimated ratio is learned apart from plain steps'.
 FACTOR_RATE = 0.1
 # A row drafts when its estimated acceptance is among the highest, so on average its estimate was lucky: drafting rows
-# accept less than estimated (about 7-14 % fewer extra tokens at 4 rows, AMD EPYC, 2026-11-24). The realized share
-# of the expected extra tokens is learned from rows that drafted by choice (not probes): their accepted and expected
-# extra tokens, summed with weights fading by YIELD_MEMORY a step, drafting or not, beside YIELD_PRIOR expected tokens
-# at a share of 1 (a few steps' worth: with 2, one failed step of an 8-token warm-up took it to 0.71, and a code
-# request after such a warm-up decoded 25 of its 44 steps plainly). A share learned low stops being measured (nothing
-# then drafts by choice), so it must fade: held, one learned from a chat answer kept every later request plain (the
-# quickstart's math row at acceptance 1.3, not 2.4).
+# accept less than estimated (docs/performance.md#drafting-yield). The realized share of the expected extra tokens
+# is learned from rows that drafted by choice (not probes): their accepted and expected extra tokens, summed with
+# weights fading by YIELD_MEMORY a step, drafting or not, beside YIELD_PRIOR expected tokens at a share of 1 (a few
+# steps' worth, so one failed warm-up step cannot turn later requests plain). A share learned low stops being
+# measured (nothing then drafts by choice), so it must fade: held, one learned from a chat answer kept every later
+# request plain (docs/performance.md#drafting-yield).
 YIELD_MEMORY, YIELD_PRIOR = 0.97, 8.0
 MARGIN = 1.02  # a longer block must beat the best shorter one by this much: ties go to less speculation
 

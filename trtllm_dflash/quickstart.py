@@ -6,8 +6,8 @@ gets the same untimed warm-up request first, and every prompt runs on one server
 alternating from one prompt to the next: a drift of the machine's speed (a busy neighbour, a slower minute on a VM)
 lands on both columns instead of on whichever build ran second. A kind's row pools its prompts (tokens over seconds,
 as a user sending all three would see) and gives the range of their speed-ups beside it: one prompt alone says more
-about that prompt than about its kind (the chat question used alone until 2026-11-29 is among the slowest of the eight
-in `benchmarks/bench_engines.py`'s chat set). A first look, not a benchmark (that is `benchmarks/bench_serving.py`).
+about that prompt than about its kind (docs/performance.md#quickstart-prompts). A first look, not a benchmark (that is
+`benchmarks/bench_serving.py`).
 """
 
 from __future__ import annotations
@@ -222,6 +222,6 @@ def comparison_table(result: QuickstartResult) -> str:
         "acceptance: tokens committed per target forward (1.00: the draft never helped).",
         'Next: `trtdflash chat` talks turn by turn and `trtdflash generate "..."` answers once, without a server;',
         "`trtdflash build --output out/` then `trtdflash serve out/` serves your own build; deploying on GPUs with",
-        "TensorRT-LLM and all measured figures: README.md.",
+        "TensorRT-LLM: README.md; every measured figure: docs/performance.md.",
     ]
     return "\n".join(lines)

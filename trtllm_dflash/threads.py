@@ -2,16 +2,15 @@
 
 torch's CPU wheels run OpenMP (GNU libgomp) with one thread per core and threads that spin while they wait.
 Beside another busy process every parallel region then waits for a thread the kernel has descheduled while its
-siblings burn the neighbour's time spinning; a 10 s `trtdflash generate` took over 5 minutes. So: one thread per
-CPU this process may run on (its affinity mask, which `taskset` and cpusets narrow, or a container's CPU quota,
-not the machine's core count), and a short spin before a waiting thread sleeps (SPIN_COUNT).
+siblings burn the neighbour's time spinning, and a run takes many times longer
+(docs/performance.md#threads-contention). So: one thread per CPU this process may run on (its affinity mask, which
+`taskset` and cpusets narrow, or a container's CPU quota, not the machine's core count), and a short spin before a
+waiting thread sleeps (SPIN_COUNT).
 
-The wait is a trade measured on a 2-vCPU VM (AMD EPYC Zen 4, bf16, 128 tokens, 2026-11-26,
-`benchmarks/bench_contention.py`, benchmarks/results/contention-20261126.json): sleeping at once (OMP_WAIT_POLICY=PASSIVE, our
-setting until then) made every parallel region wake a halted vCPU, 2.32 s alone; libgomp's own spin (300,000) is
-fast alone and many times slower beside a neighbour; GOMP_SPINCOUNT=3000 took 1.70 s alone and 2.3x that beside a
-process keeping both cores busy, about the fair share. A spin count, not a policy, so one the user set wins either
-way (libgomp takes GOMP_SPINCOUNT over OMP_WAIT_POLICY).
+The wait is a trade: sleeping at once makes every parallel region wake a halted CPU, and libgomp's own long spin
+burns a neighbour's time; a short spin is nearly as fast alone and slows beside a busy neighbour by about its fair
+share (docs/performance.md#threads-spin-count). A spin count, not a policy, so one the user set wins either way
+(libgomp takes GOMP_SPINCOUNT over OMP_WAIT_POLICY).
 
 libgomp reads these variables once, when torch loads it, so they must be in the environment before the first
 `import torch`: `trtdflash` sets them first thing (cli.main), and `serve` passes them, one CPU fewer
@@ -74,15 +73,14 @@ def server_thread_env() -> dict[str, str]:
     """The settings tritonserver's model processes get: one CPU fewer than a lone process. Every step streams a
     response through the ensemble (the Python stubs of pre/postprocessing, the server's gRPC threads, the client), and
     an OpenMP pool on every core waits at each barrier for the thread that work preempted; vLLM's CPU backend
-    likewise leaves a core to its frontend. On 2 cores (AMD EPYC, 2026-11-23, bf16, `benchmarks/bench_serving.py
-    --dtypes bf16 --concurrency 1 8`) one thread served DFlash at concurrency 1 at 31.3 tokens/s against 23.2 with
-    two. The user's own values win.
+    likewise leaves a core to its frontend. On 2 cores one thread serves faster than two
+    (docs/performance.md#threads-server-reserve). The user's own values win.
 
     A prompt's prefill (a chunk of WIDE_TOKENS tokens or more) is long enough that a preempted thread costs it little,
-    so it runs on every CPU (WIDE_ENV, read by `server_threads`). Alone on 2 cores (AMD EPYC Zen 4, bf16, 2026-11-26)
-    a 106-token prefill takes 139 ms on one thread and 77 ms on two, 16 tokens 25 and 16 ms. Steps keep one CPU fewer: the policy
-    prices a step from one cost curve, which a thread count that changes with a step's size would break (a 16-token
-    step on two threads is cheaper than a 15-token one on one)."""
+    so it runs on every CPU (WIDE_ENV, read by `server_threads`): there two threads beat one
+    (docs/performance.md#threads-wide-prefill). Steps keep one CPU fewer: the policy prices a step from one cost
+    curve, which a thread count that changes with a step's size would break (a 16-token step on two threads is
+    cheaper than a 15-token one on one)."""
     env = {k: v for k, v in thread_defaults(reserve=1).items() if k not in os.environ or k in _DEFAULTED}
     wide = thread_defaults()["OMP_NUM_THREADS"]
     if "OMP_NUM_THREADS" in env and wide != env["OMP_NUM_THREADS"] and WIDE_ENV not in os.environ:

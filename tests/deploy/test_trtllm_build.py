@@ -58,7 +58,7 @@ def test_the_one_line_gpt_oss_120b_command_writes_a_validated_deployment(tmp_pat
     deploy = (out / "DEPLOY.md").read_text()
     assert "8 x B200" in deploy and "DFlash context arena" in deploy and "target KV cache" in deploy
     assert "TensorRT-LLM 1.4.0rc1" in deploy and "TensorRT-LLM TensorRT-LLM" not in deploy
-    assert "nvcr.io/nvidia/tensorrt-llm/release:1.4.0rc1" in deploy and "pip install" not in deploy
+    assert "nvcr.io/nvidia/tensorrt-llm/release:1.4.0rc1" in deploy and "install --no-deps trtllm-dflash" not in deploy
     carried = out / "python/trtllm_dflash"
     assert (carried / "engine_model.py").is_file() and (carried / "backends/trtllm/releases/1.4.0rc1.json").is_file()
     assert not (carried / "drafts").exists()

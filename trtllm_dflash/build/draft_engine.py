@@ -197,7 +197,7 @@ def load_lm_head(target_dir: Path) -> nn.Linear:
     found = {}
     for f in sorted(Path(target_dir).glob("*.safetensors")):
         with safe_open(f, "pt") as st:
-            for name in st:
+            for name in st.keys():
                 if name.endswith("lm_head.weight") or name.endswith("embed_tokens.weight"):
                     found[name.rsplit(".", 2)[-2]] = (f, name)
     key = "lm_head" if "lm_head" in found else "embed_tokens" if "embed_tokens" in found else None
@@ -310,7 +310,7 @@ def steps(opts, src, hashes: dict[str, str], max_batch: int, progress: Callable[
 
     from ..models import draft as draft_module
     from ..resolve import sha256_file
-    from .core import PlannedFile, Step
+    from .steps import PlannedFile, Step
 
     if src is None or src.draft_dir is None:
         raise DFlashError(

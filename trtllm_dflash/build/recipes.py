@@ -625,3 +625,9 @@ def conservative(r: Recipe, opt_in: tuple[str, ...] = ()) -> tuple[Recipe, dict[
         r = dataclasses.replace(r, llm_args={**r.llm_args, "kv_cache_config": kv})
         notes["block-reuse"] = "KV block reuse off"
     return r, notes
+
+
+def is_gpu_preset(target: str) -> bool:
+    """A preset's name, unless it names a local checkpoint: a folder that merely shares the name (a build output,
+    as the README's `--output gpt-oss-120b/`) does not shadow the preset."""
+    return target in presets() and not (Path(target).expanduser() / "config.json").is_file()

@@ -33,17 +33,19 @@ from ..backends.trtllm.schema import FIRST_DFLASH_RELEASE, release
 from ..errors import DFlashError
 from ..models.checkpoint import check_draft
 from ..repository import RepoParams
-from ..resolve import resolve_draft
+from ..resolve import resolve_draft, sha256_file
 from .memory import MemoryPlan, plan_recipe
 from .recipes import (
     Parallelism,
     Recipe,
     conservative,
     draft_facts_from_config,
+    is_gpu_preset,
     load_recipe,
     model_facts_from_hf_config,
     presets,
 )
+from .steps import PlannedFile, Step, stage_step, target_steps, template_step, text_step
 
 ENGINE_MODEL = "tensorrt_llm"
 CARRIED = "python"  # the folder beside triton_repo/ whose trtllm_dflash the Triton models put first on sys.path
@@ -60,12 +62,6 @@ SERVE_YAML = "trtllm-serve.yaml"
 CONVERT_FORMAT = {"mxfp4": "w4a8_mxfp4_fp8"}
 LOCAL_GPU = "h100"  # --gpu default for a local target (no recipe says otherwise)
 LOCAL_LIMITS = {"max_batch_size": 64, "max_num_tokens": 8192}  # max_seq_len: the target's window, as for torch
-
-
-def is_gpu_preset(target: str) -> bool:
-    """A preset's name, unless it names a local checkpoint: a folder that merely shares the name (a build output,
-    as the README's `--output gpt-oss-120b/`) does not shadow the preset."""
-    return target in presets() and not (Path(target).expanduser() / "config.json").is_file()
 
 
 @dataclass
@@ -384,19 +380,17 @@ def carried_files() -> list[Path]:
 
 def carried_package_step(hashes: dict[str, str]):
     """Copy trtllm_dflash's source into the deployment, so that `./launch.sh` starts in the stock container."""
-    from . import core
-
     root = Path(__file__).resolve().parents[1]
     sources = [root / rel for rel in carried_files()]
-    hashes.update({str(p): core.sha256_file(p) for p in sources})
-    planned = [core.PlannedFile(f"{CARRIED}/trtllm_dflash/{p.relative_to(root)}", p.stat().st_size, p) for p in sources]
+    hashes.update({str(p): sha256_file(p) for p in sources})
+    planned = [PlannedFile(f"{CARRIED}/trtllm_dflash/{p.relative_to(root)}", p.stat().st_size, p) for p in sources]
 
     def run(tmp: Path, progress):
         for f in planned:
             (tmp / f.rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f.source, tmp / f.rel)  # a copy, not a link: the deployment outlives this install
 
-    return core.Step(
+    return Step(
         "package",
         f"carry trtllm_dflash's code into {CARRIED}/ (the Triton models import it)",
         planned,
@@ -406,18 +400,16 @@ def carried_package_step(hashes: dict[str, str]):
 
 
 def steps(opts, dep: Deployment, sources, hashes: dict[str, str]) -> list:
-    from . import core
-
     out = []
     draft_files = list(dep.draft_files)
     if dep.local:
-        out += core.target_steps(sources, dep.quantize, hashes)
+        out += target_steps(sources, dep.quantize, hashes)
         draft_files = sources.draft_files
     else:
-        hashes.update({str(p): core.sha256_file(p) for p in draft_files})
+        hashes.update({str(p): sha256_file(p) for p in draft_files})
     if draft_files:
         out.append(
-            core.stage_step(
+            stage_step(
                 "draft_checkpoint", "stage the DFlash draft (z-lab format)", "checkpoints/draft", draft_files, hashes
             )
         )
@@ -432,17 +424,17 @@ def steps(opts, dep: Deployment, sources, hashes: dict[str, str]) -> list:
         apply_chat_template=opts.chat_template,
         engine_model=ENGINE_MODEL,
     )
-    out.append(core.template_step(params))
+    out.append(template_step(params))
     out.append(carried_package_step(hashes))
     out.append(
-        core.text_step(
+        text_step(
             "engine_options",
             "write the LLM-API options: model.yaml (Triton) and trtllm-serve.yaml",
             {MODEL_YAML: model_yaml(dep), SERVE_YAML: serve_yaml(dep)},
         )
     )
     out.append(
-        core.text_step(
+        text_step(
             "launch",
             "write launch.sh and DEPLOY.md for the GPU host",
             {"launch.sh": launch_sh(dep), "DEPLOY.md": deploy_md(dep)},

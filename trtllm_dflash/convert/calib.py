@@ -8,6 +8,9 @@ from pathlib import Path
 
 from ..errors import DFlashError
 
+CALIB_MAX_TOKENS = 256  # per sample: enough context for activation ranges, cheap on CPU
+DRAFT_ANCHORS = 4  # draft blocks per calibration sample
+
 CALIB_SOURCES = ("gsm8k", "code", "chat")
 CHAT_QUESTIONS = (
     "What is a good way to start learning to cook at home?",

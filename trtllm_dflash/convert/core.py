@@ -21,13 +21,11 @@ from ..config import DRAFT_ARCHITECTURE
 from ..errors import DFlashError
 from ..resolve import PRESETS, preset_for
 from ..untrusted import check_checkpoint_dir, check_links, read_json
-from .calib import CALIB_SOURCES, calibration_texts
+from .calib import CALIB_MAX_TOKENS, CALIB_SOURCES, calibration_texts
 from .formats import FORMATS, KV_CACHE_FORMATS, QuantFormat
 
 ROLES = ("target", "draft")
 CARD = "quantization.json"
-CALIB_MAX_TOKENS = 256  # per sample: enough context for activation ranges, cheap on CPU
-DRAFT_ANCHORS = 4  # draft blocks per calibration sample
 # Everything a runtime needs besides config + weights; ModelOpt's export writes neither tokenizer nor chat template.
 SIDE_FILES = (
     "tokenizer.json",
@@ -189,7 +187,7 @@ def check_source_tensors(path: Path) -> dict[str, tuple[int, ...]]:
     for f in _weight_files(path):
         try:
             with safe_open(f, framework="pt") as st:
-                found = {name: tuple(st.get_slice(name).get_shape()) for name in st}
+                found = {name: tuple(st.get_slice(name).get_shape()) for name in st.keys()}
             for name, shape in found.items():
                 for t in _read_blocks(f, name, shape):
                     if t.is_floating_point() and not torch.isfinite(t).all():

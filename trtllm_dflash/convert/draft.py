@@ -16,7 +16,7 @@ from ..models.checkpoint import check_draft, load_draft, read_draft_config
 from ..models.draft import DFlashDraftModel
 from ..models.target import TargetModel
 from ..resolve import DRAFTS_DIR, preset_for, resolve_target
-from .core import CALIB_MAX_TOKENS, DRAFT_ANCHORS
+from .calib import CALIB_MAX_TOKENS, DRAFT_ANCHORS
 from .formats import SCALE_SUFFIXES
 
 AGREEMENT_SAMPLES = 1  # a sanity check (NaN, gross error): fake-quantizing FP4 weights on CPU is slow

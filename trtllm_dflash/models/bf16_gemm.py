@@ -1,33 +1,27 @@
 """Our bf16 matrix kernels: a decode step and a verify both read the weights once at memory speed, and a row's
 projection does not depend on the rows beside it.
 
-- `avx512` (bf16_gemm.cpp), for CPUs with AVX-512 BF16: VDPBF16PS. On an AMD EPYC Zen 4 (2026-11-26,
-  `benchmarks/bench_bf16_kernel.py`) oneDNN's packed bf16 kernel took 11.4-13.8 ms over SmolLM2-135M's linears for 1
-  to 8 rows and ATen's one-row kernel 9.3 ms; this one takes 7.8-8.5 ms for any of 1-8 rows and stays ahead of oneDNN
-  up to 256 rows (161.7 against 164.2 ms). For up to 6 rows a pass takes 2-4 blocks of outputs at once: on a Xeon
-  held off AMX a verify's 2-4 rows then cost about what one row does (12.0-13.5 against 11.8 ms, where one block a
-  pass took 15.8-20.8 against 13.6; 2026-11-29, `benchmarks/results/bf16-kernel-xeon-held-to-avx512-blocks-20261129.json`).
+- `avx512` (bf16_gemm.cpp), for CPUs with AVX-512 BF16: VDPBF16PS. It costs about the same for any of 1-8 rows and
+  beats oneDNN's packed bf16 kernel and ATen's one-row kernel (docs/performance.md#bf16-kernel-avx512). For up to 6
+  rows a pass takes 2-4 blocks of outputs at once, so a verify's few rows cost about what one row does
+  (docs/performance.md#bf16-kernel-avx512-blocks).
 - `amx` (bf16_gemm.cpp built with AMX), for CPUs with AMX-BF16: the same packed weights fed to AMX's tile multiply,
-  16 rows at a time, for calls of up to `TILE_ROWS` rows (more take oneDNN's tile kernel: `PackedLinear`). On a
-  2-core Xeon with AMX, one thread (2026-11-29, `benchmarks/results/bf16-kernel-xeon-amx-tiles-20261129.json`),
-  SmolLM2-135M's linears took about as long for 16 rows as for one, where VDPBF16PS took twice as long. A pass takes
-  three blocks of outputs (`bf16-kernel-xeon-amx-blocks-20261129.json`: 1-16 rows 12-19 % faster, the same bits). Its sums
-  add each pair of products in another order than VDPBF16PS's, so a few outputs in ten thousand round apart from
-  the `avx512` variant's; every row's still does not depend on the rows beside it.
+  16 rows at a time, for calls of up to `TILE_ROWS` rows (more take oneDNN's tile kernel: `PackedLinear`): 16 rows
+  cost about what one does (docs/performance.md#bf16-kernel-amx). A pass takes three blocks of outputs, which is
+  faster and gives the same bits (docs/performance.md#bf16-kernel-amx-blocks). Its sums add each pair of products in
+  another order than VDPBF16PS's, so a few outputs in ten thousand round apart from the `avx512` variant's; every
+  row's still does not depend on the rows beside it.
 - `avx2` (bf16_gemm_avx2.cpp), where torch runs on AVX2 alone and bf16 matrix products are emulated: bf16 weights
   widened to fp32 in registers, FMA, two rows a pass; more rows take each block in 4 KB chunks, every pair of rows
-  passing over a chunk while memory streams the next. On one thread of a 2-core AMD EPYC Zen 3 (2026-11-28,
-  `benchmarks/results/bf16-kernel-zen3-avx2-chunks-1thread-20261128.json`) SmolLM2-135M's linears took 27-28 ms for
-  1 to 4 rows, 41 for 8 and 76 for 16, where whole-block passes in turn took 36, 52 and 91 for 4, 8 and 16. It also
-  multiplies int8 weights with a scale per output (`linear_int8`, `pack_int8`), which a draft's linears keep there
-  (`int8_weights`): the same arithmetic over half the bytes. On one thread of a 2-core Xeon with torch held to AVX2
-  (2026-11-29, `benchmarks/results/bf16-kernel-xeon-avx2-emulated-int8-20261129.json`) SmolLM2-135M's linears took
-  15.4-19.7 ms as int8 for 1 to 4 rows, 24.7-32.0 as bf16 (8 rows: 32.3 against 39.5).
+  passing over a chunk while memory streams the next, which beats whole-block passes from 4 rows up
+  (docs/performance.md#bf16-kernel-avx2-chunks). It also multiplies int8 weights with a scale per output
+  (`linear_int8`, `pack_int8`), which a draft's linears keep there (`int8_weights`): the same arithmetic over half
+  the bytes, so faster than bf16 weights (docs/performance.md#bf16-kernel-int8).
 
 Each is compiled on first use with the system C++ compiler (torch's cpp_extension; the kernel source and the Python
-bindings, `bindings.cpp`, side by side on two cores: about 8 s once on a 2-core Xeon, then cached under the
-trtllm_dflash cache) and used only where the CPU has its instructions; where none is built (no compiler, another
-CPU, `TRTDFLASH_BF16_KERNEL=off`), linears keep oneDNN's and ATen's kernels.
+bindings, `bindings.cpp`, side by side on two cores; seconds, once (docs/performance.md#bf16-kernel-compile), then
+cached under the trtllm_dflash cache) and used only where the CPU has its instructions; where none is built (no
+compiler, another CPU, `TRTDFLASH_BF16_KERNEL=off`), linears keep oneDNN's and ATen's kernels.
 """
 
 from __future__ import annotations
@@ -129,7 +123,7 @@ def variant() -> str | None:
     against ours) or `TRTDFLASH_BF16_KERNEL=off`. So an AMX Xeon can run as the other CPUs do: ATEN_CPU_CAPABILITY=avx2
     with ONEDNN_MAX_CPU_ISA=AVX2 as one with AVX2 alone, ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 as one with AVX-512 BF16
     and no AMX (an AMD Zen 4)."""
-    from ..cpu import cpu_flags
+    from ..cpuinfo import cpu_flags
 
     flags, capability = cpu_flags(), torch.backends.cpu.get_cpu_capability()
     if os.environ.get(ENV, "on") == "off":

@@ -77,7 +77,7 @@ def check_draft(path: str | Path) -> DraftConfig:
     for f in _weight_files(path):
         try:
             with safe_open(f, framework="pt") as st:
-                shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st})
+                shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
         except (SafetensorError, OSError) as e:
             raise DFlashError(
                 f"Draft weights {f} are not a readable safetensors file ({e}); re-export the draft."

@@ -13,12 +13,9 @@ few continuations trusts its own counts), and, where the same context occurred i
 tokens, takes an OWN share from what followed it there (its longest such context). The previous tokens are the
 committed ones, then the guesses before this slot. Tokens never seen after the context get no bonus.
 
-Chosen on a development set, prompts 40-79 of MT-Bench's first turns and of held-out GSM8K and HumanEval
-(bench_acceptance.py measures prompts 0-39): `benchmarks/bench_proposers.py --first 40` replays the target's greedy
-outputs with the shipped draft and the runtime's prompt lookup (fp32, 128 tokens, 2026-11-27). Tokens per step, chat
-/ math / code: no prior 2.28 / 3.16 / 3.19; the answers' counts at weight 0.35 (shipped until then) 2.36 / 3.27 /
-3.30, at 0.75 2.40 / 3.19 / 3.28; with the request's counts at OWN 0.5, 2.41 / 3.40 / 3.35 at weight 0.35 and
-2.48 / 3.49 / 3.35 at WEIGHT 0.75.
+WEIGHT and OWN were chosen on a development set, prompts 40-79 of MT-Bench's first turns and of held-out GSM8K and
+HumanEval (bench_acceptance.py measures prompts 0-39): with the request's counts the prior gains on every set, most
+at WEIGHT 0.75 and OWN 0.5 (docs/performance.md#ngram-prior-weights).
 
 Verification is untouched, so the output is the target's own; sampled rows draft from the draft alone (their
 proposal distribution would have to be the re-weighted one, slot by slot). TensorRT-LLM's DFlash path has no such

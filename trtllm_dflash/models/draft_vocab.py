@@ -3,9 +3,9 @@ SGLang's `--speculative-token-map` and EAGLE-3's `draft_vocab_size`).
 
 A DFlash draft reads the target's LM head for its guesses. For SmolLM2-135M that head is 49,152 rows x 576 (56 MB in
 bf16), read once per step for the draft's guesses and once more for the verify; on a CPU that read is memory-bound
-(1.6 ms of a 21 ms step, AMD EPYC Zen 5, 2026-11-24). Restricted to the N tokens the target writes most, the
-draft's head is N rows. Verification is untouched and sees the whole vocabulary: a token outside the list is never
-guessed, so it is rejected like any wrong guess, and the output stays the target's own (greedy token for token;
+and a noticeable share of a step (docs/performance.md#draft-vocab-head). Restricted to the N tokens the target writes
+most, the draft's head is N rows. Verification is untouched and sees the whole vocabulary: a token outside the list is
+never guessed, so it is rejected like any wrong guess, and the output stays the target's own (greedy token for token;
 sampling in distribution, since the draft's distribution q is simply zero outside the list).
 
 `draft_vocab.json` beside a draft's weights: {"format": 1, "token_ids": [...most frequent first], "source": {...}}.
@@ -88,57 +88,4 @@ def write_draft_vocab(
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps({"format": FORMAT, "token_ids": ids, "source": {**source, **stats}}) + "\n")
     tmp.replace(path)
-    return stats
-
-
-def build_draft_vocab(
-    target: str,
-    output: str | Path,
-    *,
-    sources: tuple[str, ...],
-    size: int,
-    per_source: int,
-    max_new_tokens: int,
-    batch_size: int,
-    dtype: str = "bf16",
-    ngram: bool = True,
-    progress=print,
-) -> dict:
-    """Count the target's greedy answers to the sources' prompts and write the `size` most frequent tokens to
-    `output` (a draft directory, or a file path); `ngram`: their n-grams too, into the n-gram prior's file beside it
-    (models/draft_ngram.py). Returns the vocabulary file's source record."""
-    from ..cpu import resolve_dtype
-    from ..resolve import resolve_target
-    from ..runtime import DTYPES
-    from ..train.data import answer_tokens
-    from .target import TargetModel
-
-    output = Path(output)
-    path = output / FILE if output.is_dir() else output
-    if not path.parent.is_dir():
-        raise DFlashError(
-            f"{path.parent} does not exist; pass a draft directory or a file path in an existing directory."
-        )
-    dtype = resolve_dtype(dtype)
-    tm = TargetModel.load(resolve_target(target, progress), DTYPES[dtype])
-    answers = answer_tokens(
-        tm, sources, per_source=per_source, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress
-    )
-    source = {
-        "target": target,
-        "dtype": dtype,
-        "data": list(sources),
-        "prompts_per_source": per_source,
-        "max_new_tokens": max_new_tokens,
-        "decoding": "greedy answers, chat template",
-    }
-    stats = write_draft_vocab(path, rank_tokens(answers), size, tm.lm_head.out_features, source) | {"path": str(path)}
-    if ngram:
-        from .draft_ngram import FILE as NGRAM_FILE
-        from .draft_ngram import write_draft_ngram
-
-        ngram_path = path.parent / NGRAM_FILE
-        stats["ngram"] = write_draft_ngram(ngram_path, answers, tm.lm_head.out_features, source) | {
-            "path": str(ngram_path)
-        }
     return stats

@@ -2,19 +2,18 @@
 
 A plain `F.linear` on CPU hands the weight to the BLAS, which repacks it into its blocked layout on every call once
 more than one token comes in: for a 135M-parameter target in fp32 that is the whole 540 MB of weights read and
-written again each forward, so verifying 8 tokens cost 1.8x decoding one (AMD EPYC, 2026-11-23). Reordered once
-into oneDNN's layout (what inductor's weight freezing does), a forward reads each weight once, as decoding does.
-Each row's output does not depend on how many rows are in the call, so a token verified in a block gets the
-same projection as decoding it alone. Inference only: the op has no backward.
+written again each forward, so verifying 8 tokens costs well over decoding one (docs/performance.md#packed-repack).
+Reordered once into oneDNN's layout (what inductor's weight freezing does), a forward reads each weight once, as
+decoding does. Each row's output does not depend on how many rows are in the call, so a token verified in a block
+gets the same projection as decoding it alone. Inference only: the op has no backward.
 
 bf16 weights on a CPU with AVX-512 BF16 take our own kernel instead (bf16_gemm.py: faster than oneDNN's for any
 number of rows measured without AMX, and as fast for 8 rows as for one), and so do they where torch runs on AVX2
 alone, where oneDNN does not pack bf16 at all. With AMX, calls of more than `bf16_gemm.TILE_ROWS` rows take oneDNN's
-tile kernel, which keeps its own copy of the weight, made at the first such call. Elsewhere, one exception, measured per process:
-where ATen's own kernel multiplies a single bf16 token faster than oneDNN's packed one (on an AMD EPYC with AVX-512
-BF16, all of SmolLM2's linears for one token took 11.2 ms against 17.9 ms, 2026-11-23; for 8 tokens 63 ms against
-19), a one-token call keeps the dense weight and takes ATen's kernel. In fp32 oneDNN's packed kernel is the faster
-one everywhere measured.
+tile kernel, which keeps its own copy of the weight, made at the first such call. Elsewhere, one exception, measured
+per process: where ATen's own kernel multiplies a single bf16 token faster than oneDNN's packed one (as it can, while
+oneDNN's is far faster for 8 tokens; docs/performance.md#packed-one-token), a one-token call keeps the dense weight
+and takes ATen's kernel. In fp32 oneDNN's packed kernel is the faster one everywhere measured.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The weights are decoded from their storage format once at load; at run time each quantized linear
 rounds its input activation the way TensorRT-LLM's PyTorch backend does before its low-precision GEMM,
 then multiplies in the compute dtype. fp32 compute with the quantization rounding emulated is therefore
-numerically what the deployed format means (up to GEMM accumulation order). Sources: TensorRT-LLM main as read
-on 2026-11-23 (`tensorrt_llm/_torch/modules/linear.py` at commit 00bbf71e, `cpp/tensorrt_llm/kernels/quantization.cuh`,
+numerically what the deployed format means (up to GEMM accumulation order). Sources: TensorRT-LLM main
+(`tensorrt_llm/_torch/modules/linear.py` at commit 00bbf71e, `cpp/tensorrt_llm/kernels/quantization.cuh`,
 `tensorrt_llm/_torch/model_config.py`) and ModelOpt 0.47.0 (`modelopt/torch/quantization/qtensor/`):
 
 * FP8 (`FP8QDQLinearMethod.apply`): activation quantized per tensor with the checkpoint's static

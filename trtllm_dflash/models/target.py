@@ -45,8 +45,8 @@ class FlatRows:
     Attention gathers each row's queries into [n, kmax] (a short row's pads repeat its last token), unless few rows
     are long (a step where one or two requests draft beside plainly decoding ones): then every row's first token
     attends in one batch and each long row's other tokens on their own, as TensorRT-LLM runs generation and context
-    requests apart. At 8 rows with one of 8 tokens the forward took 36 against 39 ms in bf16 and 58 against 68 ms in
-    fp32 (one thread, AMD EPYC, 2026-11-25); with more long rows than a quarter, padding was as cheap or cheaper."""
+    requests apart. With few long rows that is cheaper than padding every row; with more long rows than a quarter,
+    padding is as cheap or cheaper (docs/performance.md#flat-rows)."""
 
     def __init__(self, lengths: list[int]):
         n, lens = len(lengths), torch.tensor(lengths)
@@ -162,15 +162,16 @@ FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gat
 def fuse_projections(layers: nn.ModuleList) -> None:
     """Concatenate each layer's q/k/v and gate/up weights into one linear (`qkv_proj`, `gate_up_proj`): one GEMM
     instead of three and two. Each output column is its own dot product, so the values are the projections' own
-    (bit-identical in fp32 and bf16 on oneDNN, checked 2026-11-24). The old modules become slices of it."""
+    (bit-identical in fp32 and bf16 on oneDNN; docs/performance.md#fused-projections). The old modules become slices
+    of it."""
     for layer in layers:
         for child, fused, names in FUSED:
             owner = getattr(layer, child)
             parts = [getattr(owner, n) for n in names]
             if any(type(p) is not nn.Linear for p in parts) or len({p.bias is None for p in parts}) > 1:
                 continue
-            # On the meta device: a real one would first draw random weights (kaiming) only to drop them, a quarter
-            # of a SmolLM2 load (0.5 of 2.1 s, AMD EPYC Zen 3, 2026-11-28).
+            # On the meta device: a real one would first draw random weights (kaiming) only to drop them, a large
+            # share of a load (docs/performance.md#fuse-on-meta).
             linear = nn.Linear(
                 parts[0].in_features,
                 sum(p.out_features for p in parts),
@@ -485,9 +486,9 @@ class TargetModel:
                     ):  # not one query over a whole slot
                         if (
                             q.shape[2] == 1 and q.dtype == torch.bfloat16
-                        ):  # decoding one row: the K/V slice taken to fp32 and
-                            # SDPA's fp32 kernel cost 25 us a layer against 65-90 for any bf16 attention (context 200, 2 threads,
-                            # AMD EPYC, 2026-11-25); with 8 queries, or several rows, the bf16 kernels are as fast or faster
+                        ):  # decoding one row: the K/V slice taken to fp32 and SDPA's fp32 kernel beat any bf16
+                            # attention; with 8 queries, or several rows, the bf16 kernels are as fast or faster
+                            # (docs/performance.md#one-row-fp32-attention)
                             out = (
                                 F.scaled_dot_product_attention(
                                     q.float(),
@@ -527,10 +528,9 @@ class TargetModel:
 
     def _layer_plan(self) -> tuple[list[tuple], Callable]:
         """Per decoder layer what the lean loop calls, and the final norm, bound once: looked up through nn.Module on
-        every layer of every forward (a `hasattr` miss among them), they cost SmolLM2-135M's bf16 forward of 1-8 tokens
-        1.6-2.2 ms of its 26-48 ms (medians, one Zen 3 thread, 2026-11-29, `benchmarks/results/step-cost-zen3-avx2-
-        lean-plan-1thread-20261129.json`; the same kernels in the same order, so the same bits). Bound at the first
-        lean forward, when the layers are final (fused at construction, packed by `load`)."""
+        every layer of every forward (a `hasattr` miss among them), they cost a few percent of a small model's forward
+        (docs/performance.md#lean-layer-plan). Binding changes nothing else: the same kernels run in the same order,
+        so the bits are the same. Bound at the first lean forward, when the layers are final (fused at construction, packed by `load`)."""
         if self._plan is None:
             plan = []
             for layer in self.layers:
@@ -692,8 +692,8 @@ class SlotKVCache(Cache):
         # Several rows of one bf16 query each (decoding, or the batched part of a FlatRows with few long rows) read
         # their slots' whole capacity under the mask while that is at most 4x the keys they need: a batched bf16 matmul
         # first copies a K/V slice that does not tile its batch (the K slice transposed), and SDPA's kernel for one
-        # query costs more than the two matmuls. 5-7 % of a decoding step at 8 and 16 rows, 1 thread (oneDNN, AMD EPYC,
-        # 2026-11-25); with more queries per row the extra keys cost what the copy saved, and fp32 reads in place.
+        # query costs more than the two matmuls (docs/performance.md#whole-slot-attention); with more queries per row
+        # the extra keys cost what the copy saved, and fp32 reads in place.
         # One row of one query reads its slice: the lean loop attends over it in fp32 (`_lean_forward`).
         one_query = (t == 1 and b > 1) or (flat is not None and flat.long is not None)
         whole = dtype != torch.float32 and one_query and self.capacity <= 4 * kv_len

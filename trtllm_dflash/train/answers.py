@@ -1,9 +1,9 @@
 """The target's greedy answers to the training prompts, packed into the package so a data phase only runs forwards.
 
 Generating answers was most of a training stage's data phase on a CPU, paid again in every session; one forward
-over a known answer for its features costs less than half as much (SmolLM2-135M in bf16 on one thread: 769 against
-345 answer tokens/s for our batched loop, benchmarks/bench_datagen.py, Intel Xeon with AMX, 2026-11-27). So the
-answers are generated once, resumably, and shipped beside the magpie chat set (`trtllm_dflash/data/answers-smollm2`). A packed answer is used only by the model that wrote it (the target's
+over a known answer for its features costs less than half as much (docs/performance.md#packed-answers). So the
+answers are generated once, resumably, and shipped beside the magpie chat set (`trtllm_dflash/data/answers-smollm2`).
+A packed answer is used only by the model that wrote it (the target's
 embedding fingerprint) and only for the prompt it answered (a hash of the prompt text: the code sources read the
 installed libraries' docstrings, which change with their versions).
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
 import signal
 import sys
@@ -26,11 +25,8 @@ from pathlib import Path
 import torch
 
 from ..errors import DFlashError
-from .data import greedy_batch, load_prompts, read_dataset
-
-
-def prompt_hash(prompt: str) -> str:
-    return hashlib.sha256(prompt.encode()).hexdigest()[:16]
+from .records import greedy_batch, prompt_hash, read_dataset
+from .sources import load_prompts
 
 
 def corpus_prompts(specs: list[str], seed: int = 0) -> list[tuple[str, str]]:
@@ -96,7 +92,7 @@ def generate_answers(
 def pack(run_dir: Path, dest: Path, target, card: dict) -> dict:
     """Merge the run's answer files into dest/answers.jsonl.gz (sorted by key; gzip without a timestamp, so the same
     answers pack to the same bytes) and write dest/card.json."""
-    from .magpie import target_fingerprint
+    from .records import target_fingerprint
 
     rows = {r["key"]: r for p in sorted(run_dir.glob("answers-*.jsonl")) for r in read_dataset(p)}
     if not rows:
@@ -146,11 +142,11 @@ def main() -> None:
 
 
 def run(a: argparse.Namespace) -> None:
+    from ..cpu import machine_info
     from ..models.target import TargetModel
     from ..resolve import resolve_target
-    from .data import code_package_versions, source_names
     from .magpie import deadline_at
-    from .trainer import machine_info
+    from .sources import code_package_versions, source_names
 
     index, _, count = a.shard.partition("/")
     if not (index.isdigit() and count.isdigit() and int(index) < int(count)):

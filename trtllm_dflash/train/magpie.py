@@ -35,6 +35,7 @@ import torch
 from ..config import SamplingParams
 from ..errors import DFlashError
 from ..sampling import sample, sampling_probs
+from .records import target_fingerprint
 
 TOPICS = (
     "cooking and recipes",
@@ -152,15 +153,6 @@ class MagpieSettings:
     near_duplicate_jaccard: float = 0.6  # on word 3-gram sets
 
 
-def target_fingerprint(target) -> str:
-    """A short hash of the target's input embeddings (as bf16, whatever dtype it was loaded in): answers in a chat
-    set are reused only by the model that wrote them."""
-    import hashlib
-
-    emb = target.model.get_input_embeddings().weight.detach().to(torch.bfloat16).contiguous()
-    return hashlib.sha256(emb.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
-
-
 def user_prefix_ids(tokenizer, system: str | None) -> list[int]:
     """Token ids of the chat template up to where the user's text starts (after an optional system message)."""
     if not tokenizer.chat_template:
@@ -248,7 +240,7 @@ def generate_magpie(
     """Sample, filter and answer candidates batch by batch into run_dir/magpie.jsonl until `num_questions` are
     accepted or time.time() passes `deadline`; resumes an earlier run with the same settings. Returns its stats."""
     from ..runtime import DFlashEngine
-    from .data import greedy_batch
+    from .records import greedy_batch
 
     run_dir.mkdir(parents=True, exist_ok=True)
     card_path, path = run_dir / "settings.json", run_dir / "magpie.jsonl"
@@ -422,9 +414,9 @@ def main() -> None:
     )
     a = ap.parse_args()
 
+    from ..cpu import machine_info
     from ..models.target import TargetModel
     from ..resolve import resolve_target
-    from .trainer import machine_info
 
     try:
         deadline = deadline_at(a.until) if a.until else None

@@ -27,7 +27,7 @@ from ..cpu import machine_info, resolve_dtype, trains_in_bf16
 from ..errors import DFlashError
 from ..models.checkpoint import CARD_FILE, load_draft, read_draft_config, save_draft
 from ..models.draft import DFlashDraftModel, dflash_attention_mask
-from .data import read_dataset, read_features
+from .records import read_dataset, read_features
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # paper / ModelOpt loss decay per block size
 DPACE_ALPHA = 0.5  # D-PACE's smoothing of the draft's confidence (arXiv 2605.18810; SpecForge PR #578)

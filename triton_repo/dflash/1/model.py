@@ -98,8 +98,8 @@ class TritonPythonModel(EngineModel):
 
     def _publisher(self):
         """Publish the engine's metrics after its steps, at most every METRICS_EVERY seconds and only those that changed,
-        from a thread of its own: made between steps every 0.2 s, the updates took a tenth of the engine thread's time
-        at 16 users (py-spy, AMD EPYC, 2026-11-26)."""
+        from a thread of its own: made between steps, the updates took a noticeable share of the engine thread's time
+        under load (docs/performance.md#metrics-publisher)."""
         while not self.stopping.is_set():
             if not self._stepped.wait(timeout=1.0):
                 continue

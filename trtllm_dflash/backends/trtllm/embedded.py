@@ -6,7 +6,7 @@ repository, model.yaml plumbing, ensemble, streaming and cancellation run for re
 
 The surface, as TensorRT-LLM 1.x defines it (tensorrt_llm/llmapi/llm.py `LLM.generate_async`,
 tensorrt_llm/sampling_params.py `SamplingParams`, tensorrt_llm/executor/result.py `GenerationResult` and
-`CompletionOutput`, read at NVIDIA/TensorRT-LLM main, 2026):
+`CompletionOutput`, read at NVIDIA/TensorRT-LLM main):
   LLM(model=..., speculative_config={decoding_type: DFlash, max_draft_len, speculative_model}, **llm_args)
   llm.generate_async(prompt_token_ids, SamplingParams(...), streaming=True) -> a result that is iterated
   (one item per engine iteration), with .outputs[0].token_ids / .token_ids_diff / .finish_reason /
