@@ -19,6 +19,17 @@ SPECULATION = (
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 
 
+def max_draft_len(block_size: int) -> int:
+    """TensorRT-LLM's `max_draft_len` for a DFlash block: the block is the last committed token (the anchor) followed
+    by the drafted slots, so a block of `block_size` drafts `block_size - 1` tokens."""
+    return block_size - 1
+
+
+def block_size_of(draft_len: int) -> int:
+    """The block that drafts `draft_len` tokens (the inverse of max_draft_len)."""
+    return draft_len + 1
+
+
 def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     """z-lab's default taps: one in the middle, or spread evenly over 1..N-3."""
     if num_taps == 1:

@@ -2,21 +2,18 @@
 virtual environment that has the container's Python packages (CONTAINER_PACKAGES) and not trtllm-dflash, the real
 tritonserver on PATH as in NVIDIA's container, and our embedded engine behind the LLM API (the one swap)."""
 
-import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from importlib.metadata import version
 
 import pytest
 
 from trtllm_dflash.build import BuildOptions, run_build
+from trtllm_dflash.build.gpu_check import Launched
 from trtllm_dflash.build.trtllm_backend import CONTAINER_PACKAGES
 from trtllm_dflash.client import CompletionRequest, complete
+from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.runtime import DFlashEngine
-from trtllm_dflash.serve import free_port
 
 PROMPT = "Write a Python function that adds two numbers."
 MAX_TOKENS = 24
@@ -84,30 +81,13 @@ def deployment(target_dir, tmp_path_factory):
     )
 
 
-def test_launch_sh_serves_the_deployment_without_the_package(container, deployment, tmp_path, target_dir):
-    ports = {name: free_port() for name in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT")}
-    env = {**container, **{k: str(v) for k, v in ports.items()}, "TRTDFLASH_LLM_ENGINE": "embedded"}
-    log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        server = subprocess.Popen(
-            ["./launch.sh"], cwd=deployment, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+def test_launch_sh_serves_the_deployment_without_the_package(container, deployment, target_dir):
+    env = {**container, "TRTDFLASH_LLM_ENGINE": "embedded"}
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert server.poll() is None, log.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{ports['HTTP_PORT']}/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("launch.sh's tritonserver was not ready in 300 s:\n" + log.read_text()[-3000:])
-        done = complete(f"127.0.0.1:{ports['GRPC_PORT']}", CompletionRequest(PROMPT, MAX_TOKENS, True), timeout=120)
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(60)
+        with Launched(deployment, "triton", env, timeout=300) as server:  # ./launch.sh, as the GPU check starts it
+            done = complete(server.url, CompletionRequest(PROMPT, MAX_TOKENS, True), timeout=120)
+    except DFlashError as e:
+        pytest.fail(f"{e}\n{(deployment / 'triton.log').read_text()[-3000:]}")
     engine = DFlashEngine.load(
         str(target_dir),
         "smollm2-135m",

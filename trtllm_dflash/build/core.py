@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..atomic import locked, recover, replace_dir
+from ..config import block_size_of
 from ..errors import DFlashError
 from ..repository import RepoParams
 from ..resolve import PRESETS, preset_for, sha256_file
@@ -256,7 +257,7 @@ def _resolved(plan: Plan) -> dict:
         "recipe": r.id,
         "gpu": r.gpu,
         "num_gpus": r.num_gpus,
-        "block_size": r.max_draft_len + 1,
+        "block_size": block_size_of(r.max_draft_len),
         "max_seq_len": r.max_seq_len,
         "max_batch_size": r.max_batch_size,
         "memory_plan_bytes_per_gpu": plan.memory_estimate(),

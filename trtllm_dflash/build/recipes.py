@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from ..config import DraftConfig
+from ..config import DraftConfig, max_draft_len
 from ..errors import DFlashError
 from .gpus import GPUS, GPUSpec, gpu_spec
 
@@ -352,9 +352,9 @@ def _check_draft(r: Recipe) -> None:
         if r.max_draft_len:
             raise DFlashError(f"{r.id}: max_draft_len is {r.max_draft_len} but the recipe has no DFlash draft.")
         return
-    if not 1 <= r.max_draft_len <= d.block_size - 1:
+    if not 1 <= r.max_draft_len <= max_draft_len(d.block_size):
         raise DFlashError(
-            f"{r.id}: max_draft_len must be in 1..{d.block_size - 1} (the draft's block size "
+            f"{r.id}: max_draft_len must be in 1..{max_draft_len(d.block_size)} (the draft's block size "
             f"{d.block_size} minus the anchor), got {r.max_draft_len}."
         )
     if d.hidden_size != m.hidden_size:

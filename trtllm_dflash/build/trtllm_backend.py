@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from ..backends.trtllm.schema import FIRST_DFLASH_RELEASE, release
+from ..config import block_size_of, max_draft_len
 from ..errors import DFlashError
 from ..models.checkpoint import check_draft
 from ..repository import RepoParams
@@ -115,7 +116,7 @@ def _check_weights(recipe: Recipe) -> None:
 
 
 def _overrides(opts, recipe: Recipe, block_size: int | None) -> Recipe:
-    draft_len = None if block_size is None else block_size - 1
+    draft_len = None if block_size is None else max_draft_len(block_size)
     if opts.quant is not None and opts.quant != recipe.quant:
         recipe = dataclasses.replace(recipe, checkpoint=None)  # the recipe's quantized checkpoint is for its own quant
     return recipe.with_overrides(
@@ -154,7 +155,7 @@ def _local_recipe(opts, sources) -> Recipe:
         max_batch_size=batch,
         max_seq_len=sources.max_seq_len,
         max_num_tokens=LOCAL_LIMITS["max_num_tokens"],
-        max_draft_len=(sources.block_size - 1) if draft else 0,
+        max_draft_len=max_draft_len(sources.block_size) if draft else 0,
         cuda_graph_batch_sizes=tuple(2**i for i in range(batch.bit_length()) if 2**i <= batch),
         llm_args={"dtype": "bfloat16"} if fp32 else {},
     )
@@ -171,7 +172,7 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
         if draft_dir is not None:  # a local draft for a preset target: checked against the preset's target facts
             facts = draft_facts_from_config(check_draft(draft_dir))
             recipe = dataclasses.replace(
-                recipe, draft_facts=facts, max_draft_len=min(recipe.max_draft_len, facts.block_size - 1)
+                recipe, draft_facts=facts, max_draft_len=min(recipe.max_draft_len, max_draft_len(facts.block_size))
             )
         recipe = _overrides(opts, recipe, opts.block_size)
         _check_weights(recipe)
@@ -416,7 +417,7 @@ def steps(opts, dep: Deployment, sources, hashes: dict[str, str]) -> list:
     params = RepoParams(
         max_batch_size=dep.recipe.max_batch_size,
         max_seq_len=dep.recipe.max_seq_len,
-        block_size=dep.recipe.max_draft_len + 1,
+        block_size=block_size_of(dep.recipe.max_draft_len),
         dtype="auto",
         target_dir="",
         draft_dir="",

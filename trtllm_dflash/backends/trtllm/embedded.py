@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from ...config import SamplingParams as OurSampling
+from ...config import block_size_of
 from ...generate import GenerationStats, speculative_stream
 from ...runtime import DFlashEngine
 
@@ -137,7 +138,7 @@ class LLM:
                 f"the embedded engine runs DFlash speculative decoding only, not {spec.get('decoding_type')!r}"
             )
         draft = spec.get("speculative_model") or spec.get("speculative_model_dir")
-        block = int(spec["max_draft_len"]) + 1 if draft else 1
+        block = block_size_of(int(spec["max_draft_len"])) if draft else 1
         self.engine = DFlashEngine.load(
             model, draft, no_draft=draft is None, dtype=DTYPES[dtype], block_size=block, progress=lambda m: None
         )
