@@ -114,7 +114,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from trtllm_dflash.cpu import machine_info
-    from trtllm_dflash.runtime import DFlashEngine
+    from trtllm_dflash.engine.runtime import DFlashEngine
 
     engine = DFlashEngine.load(
         a.target,

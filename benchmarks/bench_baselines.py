@@ -52,12 +52,12 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "baselines-smollm2-135m.json"))
     args = ap.parse_args(argv)
 
-    from trtllm_dflash.build import BuildOptions, run_build
-    from trtllm_dflash.client import CompletionRequest, complete
+    from trtllm_dflash.clients.client import CompletionRequest, complete
+    from trtllm_dflash.clients.quickstart import KINDS, demo_prompts
     from trtllm_dflash.cpu import machine_info
-    from trtllm_dflash.quickstart import KINDS, demo_prompts
+    from trtllm_dflash.deploy import BuildOptions, run_build
     from trtllm_dflash.resolve import cache_dir
-    from trtllm_dflash.serve import ServerConfig, TritonServer
+    from trtllm_dflash.serving.serve import ServerConfig, TritonServer
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     isas = runnable_isas(args.isa)

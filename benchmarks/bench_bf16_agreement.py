@@ -65,9 +65,9 @@ def main() -> None:
     from bench_acceptance import prompt_sets
 
     from trtllm_dflash.cpu import machine_info
+    from trtllm_dflash.engine.runtime import DFlashEngine
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.resolve import resolve_target
-    from trtllm_dflash.runtime import DFlashEngine
 
     engine = DFlashEngine.load(a.target, a.draft, dtype="bf16", speculation="fixed", progress=lambda m: None)
     if engine.draft is None:

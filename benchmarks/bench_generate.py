@@ -27,8 +27,8 @@ import torch
 
 from trtllm_dflash.cpu import machine_info
 from trtllm_dflash.data import gsm8k_records
-from trtllm_dflash.generate import GenerationStats
-from trtllm_dflash.runtime import DFlashEngine
+from trtllm_dflash.engine.generate import GenerationStats
+from trtllm_dflash.engine.runtime import DFlashEngine
 
 DEFAULT_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",

@@ -49,8 +49,8 @@ def main(argv=None):
     from bench_engines import cpu_ticks
 
     from trtllm_dflash.cpu import machine_info
+    from trtllm_dflash.engine.runtime import DFlashEngine
     from trtllm_dflash.models.packed import PackedLinear
-    from trtllm_dflash.runtime import DFlashEngine
 
     engine = DFlashEngine.load(args.target, no_draft=True, dtype=args.dtype, progress=lambda m: None)
     target = engine.target

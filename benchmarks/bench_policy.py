@@ -38,7 +38,7 @@ os.environ.update(server_thread_env())  # before torch loads: a served model's s
 
 
 def run(engine, scheduler, prompt: str, max_new_tokens: int) -> dict:
-    from trtllm_dflash.generate import GenerationStats
+    from trtllm_dflash.engine.generate import GenerationStats
 
     stats, tokens = GenerationStats(), 0
     t0 = time.perf_counter()
@@ -67,9 +67,9 @@ def main(argv=None):
 
     import torch
 
+    from trtllm_dflash.clients.quickstart import demo_prompts, streamed_prompt
     from trtllm_dflash.cpu import machine_info
-    from trtllm_dflash.quickstart import demo_prompts, streamed_prompt
-    from trtllm_dflash.runtime import DFlashEngine
+    from trtllm_dflash.engine.runtime import DFlashEngine
 
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     say("loading the target, the draft and the draft-free build...")

@@ -39,8 +39,8 @@ def questions(n: int) -> list[str]:
 
 
 def converse(conversation, asks: list[str], max_new_tokens: int) -> list[dict]:
-    """One conversation from its start (`trtllm_dflash.chat.Conversation`, as `trtdflash chat` runs it)."""
-    from trtllm_dflash.generate import GenerationStats
+    """One conversation from its start (`trtllm_dflash.clients.chat.Conversation`, as `trtdflash chat` runs it)."""
+    from trtllm_dflash.engine.generate import GenerationStats
 
     conversation.reset()
     turns = []
@@ -106,10 +106,10 @@ def main(argv=None):
 
     import torch
 
-    from trtllm_dflash.chat import Conversation
+    from trtllm_dflash.clients.chat import Conversation
     from trtllm_dflash.cpu import machine_info
-    from trtllm_dflash.prefix_cache import DEFAULT_TOKENS
-    from trtllm_dflash.runtime import DFlashEngine
+    from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS
+    from trtllm_dflash.engine.runtime import DFlashEngine
 
     engine = DFlashEngine.load(args.target, dtype=args.dtype, progress=lambda m: print(m, file=sys.stderr))
     budgets = {"cache": DEFAULT_TOKENS, "no cache": 0}

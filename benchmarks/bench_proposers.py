@@ -228,12 +228,12 @@ def main() -> None:
 
     from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.data import answers_records, magpie_records
-    from trtllm_dflash.lookup import MAX_GUESSES, NgramIndex
+    from trtllm_dflash.engine.lookup import MAX_GUESSES, NgramIndex
+    from trtllm_dflash.engine.runtime import DFlashEngine
     from trtllm_dflash.models.checkpoint import load_draft
     from trtllm_dflash.models.draft_ngram import read_draft_ngram
     from trtllm_dflash.models.draft_vocab import read_draft_vocab
     from trtllm_dflash.resolve import resolve_draft
-    from trtllm_dflash.runtime import DFlashEngine
 
     engine = DFlashEngine.load(
         "smollm2-135m", a.draft, dtype="fp32", speculation="fixed", draft_ngram=a.draft_ngram, progress=lambda m: None

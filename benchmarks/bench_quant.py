@@ -119,10 +119,10 @@ def main() -> None:
 
     from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.data import gsm8k_records
+    from trtllm_dflash.engine.runtime import DFlashEngine
     from trtllm_dflash.models.checkpoint import load_draft
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.resolve import resolve_draft, resolve_target
-    from trtllm_dflash.runtime import DFlashEngine
 
     load = os.getloadavg()
     cache = Path(a.cache)

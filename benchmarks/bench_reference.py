@@ -45,10 +45,10 @@ import torch
 
 from trtllm_dflash.cpu import machine_info
 from trtllm_dflash.data import gsm8k_records
+from trtllm_dflash.engine.generate import GenerationStats
+from trtllm_dflash.engine.runtime import DTYPES, DFlashEngine
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.generate import GenerationStats
 from trtllm_dflash.resolve import DRAFTS_DIR, resolve_target
-from trtllm_dflash.runtime import DTYPES, DFlashEngine
 
 INSTALL_HINT = "pip install --no-deps dflash==0.1.0"
 

@@ -23,10 +23,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from trtllm_dflash.build import BuildOptions, run_build
+from trtllm_dflash.clients.loadgen import Job, compare, default_prompts, plot_pareto, run_load
 from trtllm_dflash.cpu import machine_info
-from trtllm_dflash.loadgen import Job, compare, default_prompts, plot_pareto, run_load
-from trtllm_dflash.serve import ServerConfig, TritonServer
+from trtllm_dflash.deploy import BuildOptions, run_build
+from trtllm_dflash.serving.serve import ServerConfig, TritonServer
 
 
 def main(argv=None):

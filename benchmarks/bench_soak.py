@@ -19,12 +19,12 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from trtllm_dflash.build import BuildOptions, run_build
+from trtllm_dflash.clients.loadgen import soak
 from trtllm_dflash.config import DTYPE_CHOICES
 from trtllm_dflash.cpu import machine_info, resolve_dtype
 from trtllm_dflash.data import gsm8k_records
-from trtllm_dflash.loadgen import soak
-from trtllm_dflash.serve import ServerConfig, TritonServer
+from trtllm_dflash.deploy import BuildOptions, run_build
+from trtllm_dflash.serving.serve import ServerConfig, TritonServer
 
 CHAT = [
     "How do I make a good cup of coffee at home?",

@@ -80,9 +80,9 @@ def measure(
 
     import torch
 
+    from trtllm_dflash.engine.runtime import DTYPES
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.resolve import resolve_target
-    from trtllm_dflash.runtime import DTYPES
 
     tm = TargetModel.load(resolve_target(target, lambda m: None), DTYPES[dtype], pack=pack)
     cache = tm.new_cache(1, context + max(tokens) + 1)

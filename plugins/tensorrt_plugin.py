@@ -1,7 +1,7 @@
 """TensorRT plugin `trtdflash::block_attention`: the drafter engine's attention, run by the same Triton kernel.
 
 Importing this module registers the plugin with TensorRT's Python plugin API (`tensorrt.plugin`, TensorRT >= 10.6,
-"quickly deployable plugins"). The ONNX drafter (trtllm_dflash/build/draft_engine.py) carries the attention as a
+"quickly deployable plugins"). The ONNX drafter (trtllm_dflash/deploy/draft_engine.py) carries the attention as a
 node with op_type `block_attention` and a string attribute `plugin_namespace="trtdflash"`; TensorRT's ONNX parser
 imports any node it does not know through its plugin registry by (op_type, plugin_version, plugin_namespace)
 (onnx/onnx-tensorrt `onnxOpImporters.cpp`, FallbackPluginImporter), and the node's int attributes `causal`

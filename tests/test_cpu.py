@@ -6,8 +6,8 @@ import os
 import subprocess
 import sys
 
-from trtllm_dflash.build import BuildOptions, make_plan
 from trtllm_dflash.cpu import BF16_HARDWARE_FLAGS, cpu_flags, cpu_model, fastest_dtype
+from trtllm_dflash.deploy import BuildOptions, make_plan
 
 GENERATE = [
     sys.executable,

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from trtllm_dflash.config import SamplingParams
-from trtllm_dflash.generate import GenerationStats, speculative_stream
+from trtllm_dflash.engine.generate import GenerationStats, speculative_stream
+from trtllm_dflash.engine.policy import BlockPolicy
+from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.models.checkpoint import load_draft
-from trtllm_dflash.policy import BlockPolicy
-from trtllm_dflash.runtime import DFlashEngine
 
 PROMPTS = [
     ("Write a Python function that checks whether a number is prime.", True),

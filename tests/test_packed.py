@@ -8,11 +8,11 @@ from test_lossless import MAX_NEW, PROMPTS
 from torch import nn
 
 from trtllm_dflash.cpu import cpu_flags
+from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models import bf16_gemm
 from trtllm_dflash.models.packed import PackedLinear, can_pack, pack_linears, packs
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.runtime import DFlashEngine
 
 
 @pytest.fixture(scope="module")
@@ -238,8 +238,8 @@ INT8_DRAFT = """
 import torch
 from trtllm_dflash.models import bf16_gemm
 from trtllm_dflash.models.packed import PackedLinear
-from trtllm_dflash.runtime import DFlashEngine
-from trtllm_dflash.generate import GenerationStats
+from trtllm_dflash.engine.runtime import DFlashEngine
+from trtllm_dflash.engine.generate import GenerationStats
 engine = DFlashEngine.load("smollm2-135m", dtype="bf16", speculation="fixed", progress=lambda m: None)
 plain = DFlashEngine(engine.target, None, 1)
 linears = [m for m in engine.draft.modules() if isinstance(m, PackedLinear)] + [engine.draft._vocab[1]]
@@ -419,7 +419,7 @@ def test_silu_mul_kernel_is_torchs_activation_and_row_invariant(isa):
 ARGMAX = """
 import torch
 from trtllm_dflash.models import bf16_gemm
-from trtllm_dflash.sampling import greedy
+from trtllm_dflash.engine.sampling import greedy
 kernel = bf16_gemm.kernel()
 g = torch.Generator().manual_seed(4)
 for V in (49152, 16384, 37, 16, 1):

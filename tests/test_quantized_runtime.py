@@ -16,17 +16,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trtllm_dflash.build import BuildOptions, run_build
-from trtllm_dflash.client import CompletionRequest, complete
+from trtllm_dflash.clients.client import CompletionRequest, complete
 from trtllm_dflash.config import SamplingParams
+from trtllm_dflash.deploy import BuildOptions, run_build
+from trtllm_dflash.engine.generate import GenerationStats, speculative_stream
+from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.generate import GenerationStats, speculative_stream
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.models.quantized import QuantLinear, read_quant_spec
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.resolve import resolve_draft
-from trtllm_dflash.runtime import DFlashEngine
-from trtllm_dflash.serve import ServerConfig, TritonServer
+from trtllm_dflash.serving.serve import ServerConfig, TritonServer
 
 PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?"
 MAX_NEW = 24

@@ -98,12 +98,12 @@ def test_wheel_carries_everything_and_works_outside_the_source_tree(tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     probe = (
-        "import trtllm_dflash, pathlib; from trtllm_dflash.repository import TEMPLATE_DIR, template_files; "
+        "import trtllm_dflash, pathlib; from trtllm_dflash.serving.repository import TEMPLATE_DIR, template_files; "
         "from trtllm_dflash.resolve import resolve_draft; from trtllm_dflash.data import gsm8k_records; "
         "assert pathlib.Path(trtllm_dflash.__file__).is_relative_to(SITE), trtllm_dflash.__file__; "
         "assert TEMPLATE_DIR.is_relative_to(SITE) and template_files(('ensemble',)), TEMPLATE_DIR; "
         "assert resolve_draft(None, 'smollm2-135m').is_relative_to(SITE); "
-        "assert len(gsm8k_records()) == 7273; from trtllm_dflash.data import magpie_records; assert magpie_records(); from trtllm_dflash.build.recipes import load_recipe, recipes_root; "
+        "assert len(gsm8k_records()) == 7273; from trtllm_dflash.data import magpie_records; assert magpie_records(); from trtllm_dflash.deploy.recipes import load_recipe, recipes_root; "
         "assert recipes_root().is_relative_to(SITE) and load_recipe('gpt-oss-120b').num_gpus == 8; print('ok')"
     ).replace("SITE", repr(str(site)))
     r = subprocess.run(

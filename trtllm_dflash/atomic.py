@@ -19,7 +19,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import DFlashError
+from trtllm_dflash.errors import DFlashError
 
 AT_FDCWD, RENAME_EXCHANGE = -100, 2
 

@@ -12,13 +12,13 @@ import sys
 
 import click
 
-from .backends.trtllm.schema import DEFAULT_RELEASE as DEFAULT_TRTLLM_RELEASE
-from .backends.trtllm.schema import RELEASES as TRTLLM_RELEASES
-from .build.recipes import OPT_INS
-from .config import DRAFT_LOSSES, DTYPE_CHOICES
-from .errors import DFlashError
-from .prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
-from .threads import configure_threads
+from trtllm_dflash.config import DRAFT_LOSSES, DTYPE_CHOICES
+from trtllm_dflash.deploy.recipes import OPT_INS
+from trtllm_dflash.deploy.trtllm.schema import DEFAULT_RELEASE as DEFAULT_TRTLLM_RELEASE
+from trtllm_dflash.deploy.trtllm.schema import RELEASES as TRTLLM_RELEASES
+from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.threads import configure_threads
 
 DTYPE_HELP = (
     "auto: bf16 where the CPU has bf16 arithmetic (AVX-512 BF16, AMX) or AVX2 alone (our kernel: bf16 weights, "
@@ -180,9 +180,9 @@ def generate(
 ):
     """Generate text from a prompt with DFlash speculative decoding on the embedded PyTorch backend."""
     prompt = the_prompt(prompt, prompt_option)
-    from .config import SamplingParams
-    from .generate import GenerationStats
-    from .runtime import DFlashEngine
+    from trtllm_dflash.config import SamplingParams
+    from trtllm_dflash.engine.generate import GenerationStats
+    from trtllm_dflash.engine.runtime import DFlashEngine
 
     sampling = SamplingParams(temperature, top_p, top_k, seed)
     engine = DFlashEngine.load(
@@ -269,10 +269,10 @@ def chat(
 
     Reads one message a line from the terminal or from stdin; /reset starts a new conversation, /exit or Ctrl-D ends.
     Each turn's prompt is the whole conversation, and the earlier turns come from the prefix cache."""
-    from .chat import Conversation
-    from .config import SamplingParams
-    from .generate import GenerationStats
-    from .runtime import DFlashEngine
+    from trtllm_dflash.clients.chat import Conversation
+    from trtllm_dflash.config import SamplingParams
+    from trtllm_dflash.engine.generate import GenerationStats
+    from trtllm_dflash.engine.runtime import DFlashEngine
 
     if max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
@@ -443,7 +443,7 @@ def build(
     """Build a Triton model repository (plus checkpoints or GPU launch files, manifest.json) from a target and a DFlash draft."""
     from pathlib import Path
 
-    from .build import BuildOptions, run_build
+    from trtllm_dflash.deploy import BuildOptions, run_build
 
     opts = BuildOptions(
         output=Path(output),
@@ -498,7 +498,7 @@ def gpu_check(output, engine, target, draft, gpu, max_tokens):
     """Build, launch (Triton and trtllm-serve) and check DFlash deployments on this host: one PASS/FAIL table."""
     from pathlib import Path
 
-    from .build.gpu_check import CheckOptions, run_check, table
+    from trtllm_dflash.deploy.gpu_check import CheckOptions, run_check, table
 
     rows = run_check(
         CheckOptions(Path(output), engine=engine, target=target, draft=draft, gpu=gpu, max_tokens=max_tokens),
@@ -530,7 +530,7 @@ def serve(build_dir, host, grpc_port, http_port, metrics_port, openai_port, no_o
     """Serve a build with NVIDIA Triton Inference Server (plus an OpenAI-compatible API) until Ctrl-C / SIGTERM."""
     from pathlib import Path
 
-    from .serve import ServerConfig, serve_forever
+    from trtllm_dflash.serving.serve import ServerConfig, serve_forever
 
     config = ServerConfig(Path(build_dir), host, grpc_port, http_port, metrics_port, None if no_openai else openai_port)
     try:
@@ -541,7 +541,7 @@ def serve(build_dir, host, grpc_port, http_port, metrics_port, openai_port, no_o
 
 
 def _stream_completion(url, prompt, max_tokens, stream, sampling, stop_words, as_json):
-    from .client import CompletionRequest, complete
+    from trtllm_dflash.clients.client import CompletionRequest, complete
 
     request = CompletionRequest(prompt, max_tokens, stream, sampling, tuple(stop_words))
     done = complete(url, request, on_text=None if as_json else lambda piece: click.echo(piece, nl=False))
@@ -569,7 +569,7 @@ def _stream_completion(url, prompt, max_tokens, stream, sampling, stop_words, as
 def client(url, prompt, prompt_option, max_tokens, stream, temperature, top_p, top_k, seed, stop_words, as_json):
     """Send one prompt to a running server over gRPC (tritonclient) and print the text as it arrives."""
     prompt = the_prompt(prompt, prompt_option)
-    from .config import SamplingParams
+    from trtllm_dflash.config import SamplingParams
 
     _stream_completion(
         url, prompt, max_tokens, stream, SamplingParams(temperature, top_p, top_k, seed), stop_words, as_json
@@ -618,7 +618,7 @@ def client(url, prompt, prompt_option, max_tokens, stream, temperature, top_p, t
 def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output):
     """Load running servers with closed-loop streaming clients (each sends its next request when its last one ends):
     tokens/s, per-user speed, time to first token, inter-token latency and acceptance at each concurrency level."""
-    from .bench import run_bench
+    from trtllm_dflash.clients.bench import run_bench
 
     try:
         levels = [int(c) for c in concurrency.split(",")]
@@ -668,7 +668,7 @@ def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output)
 def quickstart(output, draft, prompt, max_tokens, dtype, compare, rounds):
     """Build the embedded default (SmolLM2-135M + draft, torch backend), start Triton, stream one completion over gRPC,
     then show DFlash's speed-up over the same server without a draft."""
-    from .quickstart import comparison_table, run_quickstart
+    from trtllm_dflash.clients.quickstart import comparison_table, run_quickstart
 
     result = run_quickstart(
         output,
@@ -787,7 +787,7 @@ def train_draft(
     resume,
 ):
     """Train a DFlash draft for a target on its own greedy answers (CPU is fine for small targets)."""
-    from .train.trainer import train_draft as run
+    from trtllm_dflash.train.trainer import train_draft as run
 
     run(
         target,
@@ -857,7 +857,7 @@ def draft_vocab(target, output, size, data, per_source, max_new_tokens, batch_si
     """Write a draft vocabulary: the draft then guesses only among the SIZE tokens the target writes most (a smaller
     draft LM head; verification still sees every token, so output is unchanged), and the n-gram prior its greedy
     guesses are re-weighted with."""
-    from .train.vocab import build_draft_vocab
+    from trtllm_dflash.train.vocab import build_draft_vocab
 
     stats = build_draft_vocab(
         target,
@@ -911,7 +911,7 @@ def convert(model, role, quant, kv_cache_quant, calib_data, calib_samples, exclu
     _quiet_hf()
     from tqdm import tqdm
 
-    from .convert import ConvertOptions, convert_checkpoint
+    from trtllm_dflash.convert import ConvertOptions, convert_checkpoint
 
     opts = ConvertOptions(
         model=model,

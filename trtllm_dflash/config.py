@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import DFlashError
+from trtllm_dflash.errors import DFlashError
 
 DTYPE_CHOICES = ("auto", "fp32", "bf16")  # embedded backend; auto: the faster on this CPU (cpu.fastest_dtype)
 DRAFT_LOSSES = ("decay", "dpace")  # train-draft slot weights: a fixed exp(-(k-1)/gamma), or D-PACE's dynamic ones

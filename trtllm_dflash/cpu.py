@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import platform
 
-from .cpuinfo import BF16_HARDWARE_FLAGS, cpu_flags, cpu_model, isa_summary
+from trtllm_dflash.cpuinfo import BF16_HARDWARE_FLAGS, cpu_flags, cpu_model, isa_summary
 
 __all__ = [
     "BF16_HARDWARE_FLAGS",
@@ -31,7 +31,7 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    from .models import bf16_gemm
+    from trtllm_dflash.models import bf16_gemm
 
     return {
         "cpu": cpu_model(),
@@ -56,8 +56,8 @@ def fastest_dtype() -> str:
     docs/performance.md#cpu-avx2-bf16); else 'fp32'."""
     import torch
 
-    from .models import bf16_gemm
-    from .models.packed import can_pack
+    from trtllm_dflash.models import bf16_gemm
+    from trtllm_dflash.models.packed import can_pack
 
     if cpu_flags() & set(BF16_HARDWARE_FLAGS) and can_pack(torch.bfloat16):
         return "bf16"
@@ -75,8 +75,8 @@ def trains_in_bf16() -> bool:
 
 def resolve_dtype(name: str) -> str:
     """A --dtype value as 'fp32' or 'bf16'."""
-    from .config import DTYPE_CHOICES
-    from .errors import DFlashError
+    from trtllm_dflash.config import DTYPE_CHOICES
+    from trtllm_dflash.errors import DFlashError
 
     if name not in DTYPE_CHOICES:
         raise DFlashError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}.")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .errors import DFlashError
+from trtllm_dflash.errors import DFlashError
 
 OP = "trtdflash::block_attention"
 
@@ -106,7 +106,7 @@ def _tracing() -> bool:
 
 def _cpu_kernel():
     """Our bf16 kernel module where it runs on this CPU (models/bf16_gemm.py), else None."""
-    from .models import bf16_gemm
+    from trtllm_dflash.models import bf16_gemm
 
     return bf16_gemm.kernel()
 
@@ -128,7 +128,7 @@ def _block_attention_op(
 
 @_block_attention_op.register_kernel("cuda")
 def _block_attention_cuda(q, k, v, ctx_k, ctx_v, ctx_lens, causal, window):
-    from .plugins.block_attention import block_attention as triton_block_attention  # GPU-only: triton
+    from trtllm_dflash.plugins.block_attention import block_attention as triton_block_attention  # GPU-only: triton
 
     return triton_block_attention(q, k, v, ctx_k, ctx_v, ctx_lens, causal, window)
 

@@ -14,9 +14,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DFlashError
-from .resources import package_dir
-from .untrusted import check_checkpoint_dir
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.resources import package_dir
+from trtllm_dflash.untrusted import check_checkpoint_dir
 
 
 @dataclass(frozen=True)

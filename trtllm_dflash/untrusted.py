@@ -20,7 +20,7 @@ from pathlib import Path
 
 from huggingface_hub.errors import StrictDataclassError
 
-from .errors import DFlashError
+from trtllm_dflash.errors import DFlashError
 
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 MAX_JSON = 16 << 20  # config.json, index and quantization configs are kilobytes; refuse anything absurd before parsing

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from .config import DraftConfig
-from .errors import DFlashError
+from trtllm_dflash.config import DraftConfig
+from trtllm_dflash.errors import DFlashError
 
 
 def validate_pair(

@@ -6,8 +6,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from trtllm_dflash.build.gpu_check import CheckOptions, run_check, table
 from trtllm_dflash.cli import main
+from trtllm_dflash.deploy.gpu_check import CheckOptions, run_check, table
 
 pytestmark = pytest.mark.slow
 

@@ -8,12 +8,12 @@ from importlib.metadata import version
 
 import pytest
 
-from trtllm_dflash.build import BuildOptions, run_build
-from trtllm_dflash.build.gpu_check import Launched
-from trtllm_dflash.build.trtllm_backend import CONTAINER_PACKAGES
-from trtllm_dflash.client import CompletionRequest, complete
+from trtllm_dflash.clients.client import CompletionRequest, complete
+from trtllm_dflash.deploy import BuildOptions, run_build
+from trtllm_dflash.deploy.gpu_check import Launched
+from trtllm_dflash.deploy.trtllm_backend import CONTAINER_PACKAGES
+from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.runtime import DFlashEngine
 
 PROMPT = "Write a Python function that adds two numbers."
 MAX_TOKENS = 24

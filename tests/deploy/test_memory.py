@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from trtllm_dflash.build.gpus import GB, GPUSpec, gpu_spec
-from trtllm_dflash.build.memory import plan_memory, plan_recipe
-from trtllm_dflash.build.recipes import Parallelism, load_recipe, presets
+from trtllm_dflash.deploy.gpus import GB, GPUSpec, gpu_spec
+from trtllm_dflash.deploy.memory import plan_memory, plan_recipe
+from trtllm_dflash.deploy.recipes import Parallelism, load_recipe, presets
 from trtllm_dflash.errors import DFlashError
 
 WEIGHT_ROWS = (

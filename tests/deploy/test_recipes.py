@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from trtllm_dflash.build.recipes import (
+from trtllm_dflash.config import DraftConfig
+from trtllm_dflash.deploy.recipes import (
     DraftFacts,
     ModelFacts,
     Parallelism,
@@ -14,7 +15,6 @@ from trtllm_dflash.build.recipes import (
     model_facts_from_hf_config,
     presets,
 )
-from trtllm_dflash.config import DraftConfig
 from trtllm_dflash.errors import DFlashError
 
 ALL = [rid for ids in presets().values() for rid in ids]

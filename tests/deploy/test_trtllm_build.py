@@ -8,11 +8,11 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from trtllm_dflash.backends.trtllm.schema import validate_llm_args
-from trtllm_dflash.build import BuildOptions, run_build
-from trtllm_dflash.build.recipes import load_recipe, presets
 from trtllm_dflash.cli import main
 from trtllm_dflash.config import DraftConfig
+from trtllm_dflash.deploy import BuildOptions, run_build
+from trtllm_dflash.deploy.recipes import load_recipe, presets
+from trtllm_dflash.deploy.trtllm.schema import validate_llm_args
 from trtllm_dflash.models.checkpoint import save_draft
 from trtllm_dflash.models.draft import DFlashDraftModel
 
@@ -60,7 +60,9 @@ def test_the_one_line_gpt_oss_120b_command_writes_a_validated_deployment(tmp_pat
     assert "TensorRT-LLM 1.4.0rc1" in deploy and "TensorRT-LLM TensorRT-LLM" not in deploy
     assert "nvcr.io/nvidia/tensorrt-llm/release:1.4.0rc1" in deploy and "install --no-deps trtllm-dflash" not in deploy
     carried = out / "python/trtllm_dflash"
-    assert (carried / "engine_model.py").is_file() and (carried / "backends/trtllm/releases/1.4.0rc1.json").is_file()
+    assert (carried / "serving/engine_model.py").is_file() and (
+        carried / "deploy/trtllm/releases/1.4.0rc1.json"
+    ).is_file()
     assert not (carried / "drafts").exists()
 
 

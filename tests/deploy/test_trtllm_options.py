@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from trtllm_dflash.backends.trtllm.options import llm_options, serve_options
-from trtllm_dflash.backends.trtllm.schema import DEFAULT_RELEASE, RELEASES, release, validate_llm_args
-from trtllm_dflash.build.recipes import load_recipe
+from trtllm_dflash.deploy.recipes import load_recipe
+from trtllm_dflash.deploy.trtllm.options import llm_options, serve_options
+from trtllm_dflash.deploy.trtllm.schema import DEFAULT_RELEASE, RELEASES, release, validate_llm_args
 from trtllm_dflash.errors import DFlashError
 
 

@@ -7,12 +7,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trtllm_dflash import kernels
 from trtllm_dflash.config import SamplingParams
+from trtllm_dflash.engine.generate import GenerationStats, speculative_stream
+from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.generate import GenerationStats, speculative_stream
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.models.draft import DFlashDraftModel, dflash_attention_mask
 from trtllm_dflash.resolve import resolve_draft
-from trtllm_dflash.runtime import DFlashEngine
 
 
 def inputs(b=3, nh=6, nkv=2, q=8, hd=64, c=40, lens=(0, 17, 40)):

@@ -9,7 +9,7 @@ import torch
 from conftest import make_random_draft
 
 from trtllm_dflash import kernels
-from trtllm_dflash.build import draft_engine as de
+from trtllm_dflash.deploy import draft_engine as de
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.resolve import resolve_draft
 

@@ -2,6 +2,7 @@
 the `tensorrt-cu12-bindings` wheel the README names, with only the native module stood in for (trt_standin.py)."""
 
 import importlib
+import json
 import sys
 from importlib.metadata import version
 
@@ -52,3 +53,16 @@ def test_the_validator_is_real(trt):
 
     with pytest.raises(ValueError, match="Return types can only be AutoTuneCombination or List"):
         trtp.autotune("check::formats")(formats)
+
+
+def test_the_drafter_engine_is_built_strongly_typed_as_tensorrt_11_requires(trt, tmp_path):
+    """TensorRT 11 removed weak typing and BuilderFlag.BF16: the drafter's network asks for STRONGLY_TYPED and sets no
+    precision flag (with the old code, `trt.BuilderFlag.BF16` raised here as it would on a TensorRT 11 host)."""
+    from trtllm_dflash.deploy.draft_engine import ENGINE_FILE, build_engine
+
+    record = trt_standin.install_builder(trt)
+    meta = {"block_size": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 32}
+    (tmp_path / "drafter.json").write_text(json.dumps(meta))
+    assert build_engine(tmp_path, "bf16", 4, 64, progress=lambda m: None) == tmp_path / ENGINE_FILE
+    assert record.network_flags == 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) and record.built
+    assert ("ctx_k", (2, 1, 2, 1, 8), (2, 2, 2, 32, 8), (2, 4, 2, 64, 8)) in record.profiles

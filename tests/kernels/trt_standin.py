@@ -92,3 +92,62 @@ def install() -> types.ModuleType:
         del sys.modules[name]
     sys.modules["tensorrt"] = trt
     return trt
+
+
+class BuilderRecord:
+    """What build_engine asked of the builder stand-in."""
+
+    network_flags = None
+    profiles: list = []
+    built = False
+
+
+def install_builder(trt: types.ModuleType) -> type[BuilderRecord]:
+    """TensorRT 11's builder surface as our drafter build uses it: strongly typed networks only, so `BuilderFlag`
+    has no precision members (FP16, BF16, INT8 were removed); parsing and building are recorded, not run."""
+    record = BuilderRecord
+    record.network_flags, record.profiles, record.built = None, [], False
+    trt.NetworkDefinitionCreationFlag = enum.IntEnum("NetworkDefinitionCreationFlag", [("STRONGLY_TYPED", 0)])
+    members = ["GPU_FALLBACK", "REFIT", "DISABLE_TIMING_CACHE", "VERSION_COMPATIBLE", "EXCLUDE_LEAN_RUNTIME"]
+    trt.BuilderFlag = enum.IntEnum("BuilderFlag", [(m, i) for i, m in enumerate(members)])
+
+    class Profile:
+        def set_shape(self, name, low, opt, high):
+            record.profiles.append((name, low, opt, high))
+
+    class Config:
+        def set_flag(self, flag):
+            pass
+
+        def add_optimization_profile(self, profile):
+            pass
+
+    class Builder:
+        def __init__(self, logger):
+            pass
+
+        def create_network(self, flags):
+            record.network_flags = flags
+            return object()
+
+        def create_builder_config(self):
+            return Config()
+
+        def create_optimization_profile(self):
+            return Profile()
+
+        def build_serialized_network(self, network, config):
+            record.built = True
+            return b"plan"
+
+    class OnnxParser:
+        num_errors = 0
+
+        def __init__(self, network, logger):
+            pass
+
+        def parse_from_file(self, path):
+            return True
+
+    trt.Builder, trt.OnnxParser = Builder, OnnxParser
+    return record

@@ -19,7 +19,7 @@ embedding or LM head) and its own config.json with `dflash_config`. `quantizatio
 calibration, excluded modules, ModelOpt version, time, peak RSS).
 """
 
-from .core import ConvertOptions, convert_checkpoint
-from .formats import FORMATS, KV_CACHE_FORMATS
+from trtllm_dflash.convert.core import ConvertOptions, convert_checkpoint
+from trtllm_dflash.convert.formats import FORMATS, KV_CACHE_FORMATS
 
 __all__ = ["ConvertOptions", "convert_checkpoint", "FORMATS", "KV_CACHE_FORMATS"]

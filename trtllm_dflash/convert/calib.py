@@ -6,7 +6,7 @@ import json
 import sysconfig
 from pathlib import Path
 
-from ..errors import DFlashError
+from trtllm_dflash.errors import DFlashError
 
 CALIB_MAX_TOKENS = 256  # per sample: enough context for activation ranges, cheap on CPU
 DRAFT_ANCHORS = 4  # draft blocks per calibration sample
@@ -50,7 +50,7 @@ CODE_CHARS = 2000  # one prompt = the first characters of one module: a few func
 def calibration_texts(source: str, samples: int) -> list[str]:
     """`samples` texts from a named source or a .txt / .jsonl file (one record per line: text, prompt, question or content)."""
     if source == "gsm8k":
-        from ..data import gsm8k_records
+        from trtllm_dflash.data import gsm8k_records
 
         texts = [f"{r['question']}\n{r['answer']}" for r in gsm8k_records()]
     elif source == "code":

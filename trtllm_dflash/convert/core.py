@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..atomic import locked, recover, replace_dir
-from ..config import DRAFT_ARCHITECTURE
-from ..errors import DFlashError
-from ..resolve import PRESETS, preset_for
-from ..untrusted import check_checkpoint_dir, check_links, read_json
-from .calib import CALIB_MAX_TOKENS, CALIB_SOURCES, calibration_texts
-from .formats import FORMATS, KV_CACHE_FORMATS, QuantFormat
+from trtllm_dflash.atomic import locked, recover, replace_dir
+from trtllm_dflash.config import DRAFT_ARCHITECTURE
+from trtllm_dflash.convert.calib import CALIB_MAX_TOKENS, CALIB_SOURCES, calibration_texts
+from trtllm_dflash.convert.formats import FORMATS, KV_CACHE_FORMATS, QuantFormat
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.resolve import PRESETS, preset_for
+from trtllm_dflash.untrusted import check_checkpoint_dir, check_links, read_json
 
 ROLES = ("target", "draft")
 CARD = "quantization.json"
@@ -211,7 +211,7 @@ def _quant_cfg(fmt: QuantFormat, kv: str, exclude: Iterable[str], layerwise: boo
     pin every disk-offloaded layer in a CPU dict (plugins/accelerate.py::_writeback_params_to_weights_map)."""
     import modelopt.torch.quantization as mtq
 
-    from .cpu_backend import register
+    from trtllm_dflash.convert.cpu_backend import register
 
     entries = [dict(e) for e in getattr(mtq, fmt.modelopt_cfg)["quant_cfg"]]
     if fmt.weight_scale_bits is not None:
@@ -281,9 +281,9 @@ def convert_checkpoint(
     started = time.time()
     fmt = FORMATS[opts.quant]
     if opts.role == "draft":
-        from .draft import DraftJob as Job
+        from trtllm_dflash.convert.draft import DraftJob as Job
     else:
-        from .target import TargetJob as Job
+        from trtllm_dflash.convert.target import TargetJob as Job
     job = Job(opts, progress)
     check_checkpoint_dir(job.source, opts.role.capitalize())  # before any reader opens the source's files
     _check_output(opts, job.source)

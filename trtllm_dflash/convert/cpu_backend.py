@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import E2M1_MAX, FP8_E4M3_MAX
+from trtllm_dflash.convert.formats import E2M1_MAX, FP8_E4M3_MAX
 
 BACKEND = "trtdflash_cpu_block"
 

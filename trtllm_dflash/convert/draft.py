@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..errors import DFlashError
-from ..models.checkpoint import check_draft, load_draft, read_draft_config
-from ..models.draft import DFlashDraftModel
-from ..models.target import TargetModel
-from ..resolve import DRAFTS_DIR, preset_for, resolve_target
-from .calib import CALIB_MAX_TOKENS, DRAFT_ANCHORS
-from .formats import SCALE_SUFFIXES
+from trtllm_dflash.convert.calib import CALIB_MAX_TOKENS, DRAFT_ANCHORS
+from trtllm_dflash.convert.formats import SCALE_SUFFIXES
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models.checkpoint import check_draft, load_draft, read_draft_config
+from trtllm_dflash.models.draft import DFlashDraftModel
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.resolve import DRAFTS_DIR, preset_for, resolve_target
 
 AGREEMENT_SAMPLES = 1  # a sanity check (NaN, gross error): fake-quantizing FP4 weights on CPU is slow
 

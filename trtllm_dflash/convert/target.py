@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DFlashError
-from ..resolve import resolve_target
-from .calib import CALIB_MAX_TOKENS
+from trtllm_dflash.convert.calib import CALIB_MAX_TOKENS
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.resolve import resolve_target
 
 AGREEMENT_SAMPLES = 1  # a sanity check (NaN, gross error): fake-quantizing FP4 weights on CPU is slow
 OFFLOAD_SHARD_SIZE = "512MB"  # ModelOpt's streaming writer buffers a whole shard in RAM before writing it

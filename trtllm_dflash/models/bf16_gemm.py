@@ -123,7 +123,7 @@ def variant() -> str | None:
     against ours) or `TRTDFLASH_BF16_KERNEL=off`. So an AMX Xeon can run as the other CPUs do: ATEN_CPU_CAPABILITY=avx2
     with ONEDNN_MAX_CPU_ISA=AVX2 as one with AVX2 alone, ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 as one with AVX-512 BF16
     and no AMX (an AMD Zen 4)."""
-    from ..cpuinfo import cpu_flags
+    from trtllm_dflash.cpuinfo import cpu_flags
 
     flags, capability = cpu_flags(), torch.backends.cpu.get_cpu_capability()
     if os.environ.get(ENV, "on") == "off":
@@ -150,7 +150,7 @@ def kernel():
         return None
     from torch.utils.cpp_extension import load
 
-    from ..resolve import cache_dir
+    from trtllm_dflash.resolve import cache_dir
 
     filename, flags = VARIANTS[name]
     module_name = f"trtdflash_bf16_gemm_{name}"

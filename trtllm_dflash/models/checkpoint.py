@@ -11,12 +11,19 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from ..atomic import replace_dir
-from ..config import DRAFT_ARCHITECTURE, DraftConfig
-from ..errors import DFlashError
-from ..untrusted import CONFIG_ERRORS, check_checkpoint_dir, check_config_values, check_links, one_line, read_json
-from .draft import DFlashDraftModel
-from .quantized import load_quantized_draft, quantized_shapes, read_quant_spec
+from trtllm_dflash.atomic import replace_dir
+from trtllm_dflash.config import DRAFT_ARCHITECTURE, DraftConfig
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models.draft import DFlashDraftModel
+from trtllm_dflash.models.quantized import load_quantized_draft, quantized_shapes, read_quant_spec
+from trtllm_dflash.untrusted import (
+    CONFIG_ERRORS,
+    check_checkpoint_dir,
+    check_config_values,
+    check_links,
+    one_line,
+    read_json,
+)
 
 
 def read_draft_config(path: Path) -> DraftConfig:

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import DraftConfig
-from ..errors import DFlashError
-from ..kernels import block_attention
-from . import bf16_gemm
-from .packed import PackedLinear, pack_linears, packs
+from trtllm_dflash.config import DraftConfig
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.kernels import block_attention
+from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.models.packed import PackedLinear, pack_linears, packs
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DFlashError
-from .draft_vocab import optional_file
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models.draft_vocab import optional_file
 
 FILE = "draft_ngram.npz"  # not .safetensors: a draft's *.safetensors are its weights to converters and builds
 FORMAT = 1

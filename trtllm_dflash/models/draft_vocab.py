@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DFlashError
+from trtllm_dflash.errors import DFlashError
 
 FILE = "draft_vocab.json"
 FORMAT = 1

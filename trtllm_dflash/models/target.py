@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
 
-from ..config import rope_of
-from ..errors import DFlashError
-from . import bf16_gemm
-from .packed import PackedLinear, pack_linears
-from .quantized import load_quantized_lm, read_quant_spec
+from trtllm_dflash.config import rope_of
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.models.packed import PackedLinear, pack_linears
+from trtllm_dflash.models.quantized import load_quantized_lm, read_quant_spec
 
 RECURRENT_HINTS = ("mamba", "rwkv", "recurrent", "linear_attention", "gated_deltanet", "xlstm")
 # Families whose HF decoder layer is exactly the one `_lean_forward` runs: pre-norm RMSNorm, q/k/v/o projections
@@ -259,7 +259,7 @@ class TargetModel:
     def _attention_kernel(self):
         """Our bf16 kernel module where it runs (bf16_gemm.py), for `attend` (slot_attention.h): a bf16 step's
         attention, one fixed order per token, so a decode step, a verify block and a batch of rows agree bit for bit."""
-        from . import bf16_gemm
+        from trtllm_dflash.models import bf16_gemm
 
         head_dim = getattr(self.layers[0].self_attn, "head_dim", 0) if self.lean else 0
         kernel = bf16_gemm.kernel() if self.dtype == torch.bfloat16 and head_dim else None
@@ -285,7 +285,7 @@ class TargetModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        from ..untrusted import check_checkpoint_dir, read_hf_config
+        from trtllm_dflash.untrusted import check_checkpoint_dir, read_hf_config
 
         check_checkpoint_dir(path, "Target")  # headers, config ranges, symlinks: before transformers opens a file
         hf_logging.disable_progress_bar()

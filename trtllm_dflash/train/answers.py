@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DFlashError
-from .records import greedy_batch, prompt_hash, read_dataset
-from .sources import load_prompts
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.train.records import greedy_batch, prompt_hash, read_dataset
+from trtllm_dflash.train.sources import load_prompts
 
 
 def corpus_prompts(specs: list[str], seed: int = 0) -> list[tuple[str, str]]:
@@ -47,7 +47,7 @@ def generate_answers(
 ) -> dict:
     """Answer the batches of `prompts` that fall to `shard` (index, count: every count-th batch from the index-th),
     appending {"key", "prompt_hash", "answer_ids", "finished"} to `path`; a rerun skips answered keys."""
-    from ..runtime import DFlashEngine
+    from trtllm_dflash.engine.runtime import DFlashEngine
 
     records = read_dataset(path)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))  # drops a torn last line
@@ -92,7 +92,7 @@ def generate_answers(
 def pack(run_dir: Path, dest: Path, target, card: dict) -> dict:
     """Merge the run's answer files into dest/answers.jsonl.gz (sorted by key; gzip without a timestamp, so the same
     answers pack to the same bytes) and write dest/card.json."""
-    from .records import target_fingerprint
+    from trtllm_dflash.train.records import target_fingerprint
 
     rows = {r["key"]: r for p in sorted(run_dir.glob("answers-*.jsonl")) for r in read_dataset(p)}
     if not rows:
@@ -142,11 +142,11 @@ def main() -> None:
 
 
 def run(a: argparse.Namespace) -> None:
-    from ..cpu import machine_info
-    from ..models.target import TargetModel
-    from ..resolve import resolve_target
-    from .magpie import deadline_at
-    from .sources import code_package_versions, source_names
+    from trtllm_dflash.cpu import machine_info
+    from trtllm_dflash.models.target import TargetModel
+    from trtllm_dflash.resolve import resolve_target
+    from trtllm_dflash.train.magpie import deadline_at
+    from trtllm_dflash.train.sources import code_package_versions, source_names
 
     index, _, count = a.shard.partition("/")
     if not (index.isdigit() and count.isdigit() and int(index) < int(count)):

@@ -13,10 +13,16 @@ from pathlib import Path
 
 import torch
 
-from ..data import answers_card, magpie_card
-from ..errors import DFlashError
-from .records import features_path, forward_features, greedy_batch, read_dataset
-from .sources import code_package_versions, known_answers, load_prompts, remaining_prompts, source_names
+from trtllm_dflash.data import answers_card, magpie_card
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.train.records import features_path, forward_features, greedy_batch, read_dataset
+from trtllm_dflash.train.sources import (
+    code_package_versions,
+    known_answers,
+    load_prompts,
+    remaining_prompts,
+    source_names,
+)
 
 
 def generate_dataset(
@@ -41,7 +47,7 @@ def generate_dataset(
     it has one row per token. Prompts whose key is already in the file are skipped (resume).
     Stops after `time_budget` seconds. Returns {"records", "response_tokens", "seconds"} of this call.
     """
-    from ..runtime import DFlashEngine
+    from trtllm_dflash.engine.runtime import DFlashEngine
 
     path.parent.mkdir(parents=True, exist_ok=True)
     records = read_dataset(path)
@@ -236,7 +242,7 @@ def answer_tokens(
 ) -> list[list[int]]:
     """The target's greedy answers to `per_source` prompts of each source (the packaged chat answers where the target
     wrote them), formatted as the deployment formats prompts: what a draft vocabulary counts."""
-    from ..runtime import DFlashEngine
+    from trtllm_dflash.engine.runtime import DFlashEngine
 
     engine = DFlashEngine(target, None, 1)
     out = []

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import SamplingParams
-from ..errors import DFlashError
-from ..sampling import sample, sampling_probs
-from .records import target_fingerprint
+from trtllm_dflash.config import SamplingParams
+from trtllm_dflash.engine.sampling import sample, sampling_probs
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.train.records import target_fingerprint
 
 TOPICS = (
     "cooking and recipes",
@@ -239,8 +239,8 @@ def generate_magpie(
 ) -> dict:
     """Sample, filter and answer candidates batch by batch into run_dir/magpie.jsonl until `num_questions` are
     accepted or time.time() passes `deadline`; resumes an earlier run with the same settings. Returns its stats."""
-    from ..runtime import DFlashEngine
-    from .records import greedy_batch
+    from trtllm_dflash.engine.runtime import DFlashEngine
+    from trtllm_dflash.train.records import greedy_batch
 
     run_dir.mkdir(parents=True, exist_ok=True)
     card_path, path = run_dir / "settings.json", run_dir / "magpie.jsonl"
@@ -414,9 +414,9 @@ def main() -> None:
     )
     a = ap.parse_args()
 
-    from ..cpu import machine_info
-    from ..models.target import TargetModel
-    from ..resolve import resolve_target
+    from trtllm_dflash.cpu import machine_info
+    from trtllm_dflash.models.target import TargetModel
+    from trtllm_dflash.resolve import resolve_target
 
     try:
         deadline = deadline_at(a.until) if a.until else None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..sampling import greedy
+from trtllm_dflash.engine.sampling import greedy
 
 
 def read_dataset(path: Path) -> list[dict]:

@@ -12,8 +12,15 @@ import re
 import sysconfig
 from pathlib import Path
 
-from ..data import CODE_COMPLETE_TEMPLATE, answers_card, answers_records, gsm8k_records, magpie_card, magpie_records
-from ..errors import DFlashError
+from trtllm_dflash.data import (
+    CODE_COMPLETE_TEMPLATE,
+    answers_card,
+    answers_records,
+    gsm8k_records,
+    magpie_card,
+    magpie_records,
+)
+from trtllm_dflash.errors import DFlashError
 
 
 def gsm8k_prompts() -> list[tuple[str, str]]:
@@ -264,7 +271,7 @@ INSTRUCT_TEMPLATES = (
 
 def instruct_prompts() -> list[tuple[str, str]]:
     """INSTRUCT_TEMPLATES over the magpie topics; keys are stable (template index, topic index) as either list grows."""
-    from .magpie import TOPICS
+    from trtllm_dflash.train.magpie import TOPICS
 
     return [
         (f"instruct:{i}:{j}", template.format(topic=topic))
@@ -282,7 +289,7 @@ def known_answers(
     A train/answers.py answer counts only for the prompt it answered: its key's prompt in `prompts` must hash the same
     (the code sources' prompts follow the installed libraries' docstrings). An answer cut short by its own token
     limit counts only where `max_new_tokens` cuts it at least as short."""
-    from .records import prompt_hash, target_fingerprint
+    from trtllm_dflash.train.records import prompt_hash, target_fingerprint
 
     fingerprint, names = target_fingerprint(target), source_names(sources)
     complete = lambda r: r["finished"] or max_new_tokens is None or len(r["answer_ids"]) >= max_new_tokens  # noqa: E731

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import DRAFT_LOSSES, DraftConfig
-from ..cpu import machine_info, resolve_dtype, trains_in_bf16
-from ..errors import DFlashError
-from ..models.checkpoint import CARD_FILE, load_draft, read_draft_config, save_draft
-from ..models.draft import DFlashDraftModel, dflash_attention_mask
-from .records import read_dataset, read_features
+from trtllm_dflash.config import DRAFT_LOSSES, DraftConfig
+from trtllm_dflash.cpu import machine_info, resolve_dtype, trains_in_bf16
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models.checkpoint import CARD_FILE, load_draft, read_draft_config, save_draft
+from trtllm_dflash.models.draft import DFlashDraftModel, dflash_attention_mask
+from trtllm_dflash.train.records import read_dataset, read_features
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # paper / ModelOpt loss decay per block size
 DPACE_ALPHA = 0.5  # D-PACE's smoothing of the draft's confidence (arXiv 2605.18810; SpecForge PR #578)
@@ -711,10 +711,10 @@ def train_draft(
     The draft ends up in <output>/draft (z-lab format, bf16, with training.json). `dtype` (auto, bf16, fp32): the data
     phase's and, unless `bf16` is given, the training's; auto picks each the faster on this CPU.
     """
-    from ..models.target import TargetModel
-    from ..resolve import resolve_target
-    from ..runtime import DTYPES
-    from .data import prepare_data
+    from trtllm_dflash.engine.runtime import DTYPES
+    from trtllm_dflash.models.target import TargetModel
+    from trtllm_dflash.resolve import resolve_target
+    from trtllm_dflash.train.data import prepare_data
 
     out_dir = Path(output).expanduser()
     check_output_dir(out_dir, resume)
@@ -747,7 +747,7 @@ def train_draft(
     if not args.target_layer_ids and args.init_from:  # a grown draft keeps the layers its start draft reads
         args.target_layer_ids = list(read_draft_config(Path(args.init_from)).target_layer_ids)
     if not args.target_layer_ids:
-        from ..config import build_target_layer_ids
+        from trtllm_dflash.config import build_target_layer_ids
 
         args.target_layer_ids = build_target_layer_ids(tm.num_layers, args.num_layers)
     if mask_token_id is None:

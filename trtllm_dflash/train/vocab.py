@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import DFlashError
-from ..models.draft_vocab import FILE, rank_tokens, write_draft_vocab
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models.draft_vocab import FILE, rank_tokens, write_draft_vocab
 
 
 def build_draft_vocab(
@@ -27,11 +27,11 @@ def build_draft_vocab(
     """Count the target's greedy answers to the sources' prompts and write the `size` most frequent tokens to
     `output` (a draft directory, or a file path); `ngram`: their n-grams too, into the n-gram prior's file beside it
     (models/draft_ngram.py). Returns the vocabulary file's source record."""
-    from ..cpu import resolve_dtype
-    from ..models.target import TargetModel
-    from ..resolve import resolve_target
-    from ..runtime import DTYPES
-    from .data import answer_tokens
+    from trtllm_dflash.cpu import resolve_dtype
+    from trtllm_dflash.engine.runtime import DTYPES
+    from trtllm_dflash.models.target import TargetModel
+    from trtllm_dflash.resolve import resolve_target
+    from trtllm_dflash.train.data import answer_tokens
 
     output = Path(output)
     path = output / FILE if output.is_dir() else output
@@ -54,8 +54,8 @@ def build_draft_vocab(
     }
     stats = write_draft_vocab(path, rank_tokens(answers), size, tm.lm_head.out_features, source) | {"path": str(path)}
     if ngram:
-        from ..models.draft_ngram import FILE as NGRAM_FILE
-        from ..models.draft_ngram import write_draft_ngram
+        from trtllm_dflash.models.draft_ngram import FILE as NGRAM_FILE
+        from trtllm_dflash.models.draft_ngram import write_draft_ngram
 
         ngram_path = path.parent / NGRAM_FILE
         stats["ngram"] = write_draft_ngram(ngram_path, answers, tm.lm_head.out_features, source) | {

@@ -1,8 +1,8 @@
 """Triton `dflash`: the embedded PyTorch DFlash runtime (draft + verify loop) as a decoupled python model.
 
-The request loop (parsing, streaming, cancellation) is trtllm_dflash/engine_model.py, shared with the TensorRT-LLM
+The request loop (parsing, streaming, cancellation) is trtllm_dflash/serving/engine_model.py, shared with the TensorRT-LLM
 backend's `tensorrt_llm` model. Requests are batched in flight: each request thread submits to one engine loop
-(trtllm_dflash/scheduler.py) that runs every running request's draft and verify in one forward each, admits
+(trtllm_dflash/engine/scheduler.py) that runs every running request's draft and verify in one forward each, admits
 waiting requests into free slots (max_batch_size of them) in arrival order, and publishes what it does as Triton
 custom metrics on the metrics port.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
-from trtllm_dflash.engine_model import EngineModel
-from trtllm_dflash.runtime import DFlashEngine
+from trtllm_dflash.engine.runtime import DFlashEngine
+from trtllm_dflash.serving.engine_model import EngineModel
 
 MAX_STREAMS = 1024  # open streams the model accepts; beyond max_batch_size they wait in the scheduler's queue
 METRICS_EVERY = 1.0  # seconds between metric updates, as often as tritonserver refreshes its own (--metrics-interval-ms

@@ -6,7 +6,7 @@ or completes a multi-byte character. The dflash model owns one IncrementalDetoke
 and sends correct text deltas; this step passes them through as `text_output`.
 
 It is also the first place that learns a client has left an ensemble stream (see
-trtllm_dflash/cancel.py) and tells the dflash model to stop.
+trtllm_dflash/serving/cancel.py) and tells the dflash model to stop.
 """
 
 import sys
@@ -20,7 +20,7 @@ if _CARRIED.is_dir():
 
 import triton_python_backend_utils as pb_utils
 
-from trtllm_dflash import cancel, protocol
+from trtllm_dflash.serving import cancel, protocol
 
 PASS_THROUGH = [protocol.post_name(t.name) for t in protocol.ENGINE_OUTPUTS if t.name != protocol.CANCEL_KEY]
 CANCEL_KEY = protocol.post_name(protocol.CANCEL_KEY)[0]

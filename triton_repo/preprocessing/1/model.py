@@ -16,9 +16,9 @@ if _CARRIED.is_dir():
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from trtllm_dflash.engine.runtime import encode_prompt
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.resolve import local_or_id
-from trtllm_dflash.runtime import encode_prompt
 
 
 def _param(args_config: dict, key: str) -> str:

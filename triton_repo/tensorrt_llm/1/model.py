@@ -3,7 +3,7 @@
 model.yaml (beside this file) holds the LLM-API options `trtdflash build` validated; relative paths in it are
 relative to this folder, so a build can be moved. TensorRT-LLM batches requests in flight itself, so requests
 are not serialized here. With TRTDFLASH_LLM_ENGINE=embedded (CPU machines, CI) the same code runs on our
-embedded engine behind the same API surface (trtllm_dflash/backends/trtllm/embedded.py).
+embedded engine behind the same API surface (trtllm_dflash/deploy/trtllm/embedded.py).
 """
 
 import json
@@ -20,16 +20,16 @@ if _CARRIED.is_dir():
 import triton_python_backend_utils as pb_utils
 import yaml
 
-from trtllm_dflash.backends.trtllm.llm_steps import clear_mpi_job_env, llm_steps
-from trtllm_dflash.engine_model import EngineModel
+from trtllm_dflash.deploy.trtllm.llm_steps import clear_mpi_job_env, llm_steps
 from trtllm_dflash.resolve import local_or_id
+from trtllm_dflash.serving.engine_model import EngineModel
 
 ENGINE_ENV = "TRTDFLASH_LLM_ENGINE"
 
 
 def _llm_api():
     if os.environ.get(ENGINE_ENV) == "embedded":
-        from trtllm_dflash.backends.trtllm.embedded import LLM, SamplingParams
+        from trtllm_dflash.deploy.trtllm.embedded import LLM, SamplingParams
     else:
         from tensorrt_llm import LLM, SamplingParams
     return LLM, SamplingParams

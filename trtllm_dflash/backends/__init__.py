@@ -1,1 +1,0 @@
-"""Serving backends other than the embedded PyTorch one; each knows its engine's configuration format."""

@@ -1,5 +1,0 @@
-"""`trtdflash build`: target + draft -> a self-contained, servable output directory (see core.py)."""
-
-from .core import BuildOptions, Plan, make_plan, read_build, run_build
-
-__all__ = ["BuildOptions", "Plan", "make_plan", "read_build", "run_build"]

@@ -1,0 +1,1 @@
+"""Clients: the gRPC client, the load generator and bench, chat, and the quick start."""

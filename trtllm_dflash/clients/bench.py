@@ -1,0 +1,142 @@
+"""`trtdflash bench`: load one or more running servers as `vllm bench serve` and `genai-perf` do, for an operator
+who has deployed a build (on GPUs, or the embedded one) and wants its throughput, latency and acceptance per
+concurrency level, or deployments side by side: a DFlash build and the same build without a draft, or a peer
+(vLLM, SGLang, trtllm-serve) through its OpenAI-compatible API on the same GPUs.
+
+The servers take turns level by level (`loadgen.compare`); the figures are measured at the client, as a user sees
+them, so the results file records the client's CPU and the servers' addresses, not the servers' hardware.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+
+from trtllm_dflash.clients.loadgen import compare, default_prompts, plot_pareto
+from trtllm_dflash.errors import DFlashError
+
+
+def parse_urls(urls: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """NAME=URL or URL (named by itself), in the order given; URL is HOST:PORT (Triton's gRPC) or http(s)://... (OpenAI)."""
+    out: dict[str, str] = {}
+    for spec in urls:
+        name, sep, url = spec.partition("=")
+        if not sep:
+            name, url = spec, spec
+        if not name or not url:
+            raise DFlashError(
+                f"--url {spec!r}: give URL or NAME=URL (HOST:PORT for Triton's gRPC, http://HOST:PORT for OpenAI's API)."
+            )
+        if name in out:
+            raise DFlashError(f"--url names {name!r} twice; give each server its own NAME=URL.")
+        out[name] = url
+    return out
+
+
+def read_prompts(path: str) -> list[str]:
+    """One prompt per line, or JSON lines with a "prompt" field (as vLLM's and genai-perf's input files carry)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DFlashError(f"--prompts {path}: no such file.")
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise DFlashError(f"--prompts {path} is not UTF-8 text.") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise DFlashError(f"--prompts {path}, line {n}: not valid JSON.") from None
+            if not isinstance(record.get("prompt"), str) or not record["prompt"]:
+                raise DFlashError(f'--prompts {path}, line {n}: a JSON line needs a non-empty "prompt" string.')
+            prompts.append(record["prompt"])
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise DFlashError(f"--prompts {path} holds no prompts.")
+    return prompts
+
+
+def table(levels: dict[str, list[dict]]) -> str:
+    """One row per level and server; with several servers, the first one's steady tokens/s over each other's (list the
+    DFlash build first: its speed-up)."""
+    names = list(levels)
+    width = max(8, *map(len, names))
+    head = (
+        f"{'users':>5}  {'server':<{width}}  {'tok/s':>7}  {'tok/s/user':>10}  {'TTFT p50':>9}  {'TTFT p99':>9}  "
+        f"{'ITL p50':>8}  {'acceptance':>10}  {'errors':>6}" + ("  1st/this" if len(names) > 1 else "")
+    )
+    rows = [head, "-" * len(head)]
+    for i, first in enumerate(levels[names[0]]):
+        for name in names:
+            lv = levels[name][i]
+            steady = lv["steady_tokens_per_s"] or lv["total_tokens_per_s"]
+            base = first["steady_tokens_per_s"] or first["total_tokens_per_s"]
+            ratio = f"{base / steady:>7.2f}x" if name != names[0] and steady else ""
+            accept = f"{lv['acceptance_length_median']:.2f}" if lv["acceptance_length_median"] else "-"
+            rows.append(
+                f"{lv['concurrency']:>5}  {name:<{width}}  {steady:>7.1f}  {lv['tokens_per_s_per_user']:>10.1f}  "
+                f"{lv['ttft_p50_s']:>7.3f} s  {lv['ttft_p99_s']:>7.3f} s  {lv['itl_p50_s'] * 1000:>5.0f} ms  "
+                f"{accept:>10}  {len(lv['errors']):>6}" + (f"  {ratio}" if len(names) > 1 else "").rstrip()
+            )
+    errors = [e for lvs in levels.values() for lv in lvs for e in lv["errors"]]
+    rows += [
+        "",
+        "tok/s: output tokens/s while every client had a request in flight; tok/s/user: the median request's;",
+        "ITL: time between streamed responses; acceptance: tokens per target forward (the median request's).",
+    ]
+    if errors:
+        rows.append(f"{len(errors)} requests failed; the first: {errors[0]}")
+    return "\n".join(rows)
+
+
+def run_bench(
+    urls,
+    concurrency: list[int],
+    *,
+    prompts_file: str | None = None,
+    max_tokens: int = 128,
+    requests: int = 0,
+    rounds: int = 1,
+    output: str | None = None,
+    progress=print,
+) -> dict:
+    """Load the servers, then the report (and, with `output`, the results JSON and the plot beside it)."""
+    from trtllm_dflash.cpu import cpu_model
+
+    servers = parse_urls(urls)
+    prompts = read_prompts(prompts_file) if prompts_file else default_prompts()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    levels = compare(
+        servers, prompts, concurrency, max_tokens=max_tokens, requests=requests, rounds=rounds, progress=progress
+    )
+    report = {
+        "benchmark": "trtdflash bench",
+        "date": started,
+        "client_cpu": cpu_model(),
+        "servers": servers,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "prompts": prompts_file or "default: held-out GSM8K and everyday questions",
+        "num_prompts": len(prompts),
+        "levels": levels,
+    }
+    if output:
+        out = Path(output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, out)  # whole or not at all
+        plot_pareto(
+            levels,
+            f"trtdflash bench, concurrency annotated\n{started[:16].replace('T', ' ')} UTC, client {report['client_cpu']}",
+            out.with_suffix(".png"),
+        )
+        progress(f"wrote {out} and {out.with_suffix('.png')}")
+    return report | {"table": table(levels)}

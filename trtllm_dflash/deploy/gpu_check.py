@@ -1,0 +1,324 @@
+"""`trtdflash gpu-check`: the one command an operator runs on a GPU host before trusting a deployment.
+
+It builds the preset that fits the host on one GPU (gpt-oss-20b on Hopper and Blackwell) as a DFlash deployment
+with its `--no-draft` twin, and such a pair per untested combination the default build replaced (`--opt-in`,
+recipes.OPT_INS), the opt-ins first: an opt-in may change the numerics (an FP8 KV cache, another MoE kernel), so
+each DFlash build is compared with a twin built the same way. It starts each with `./launch.sh` (Triton) and
+`./launch.sh openai` (trtllm-serve) exactly as DEPLOY.md says, and checks per server:
+
+  greedy    every prompt's greedy text equals the --no-draft twin's on the same launch path
+  tau > 1   DFlash accepted drafts (Triton path: the ensemble's acceptance_length, pooled)
+  counts    the draft counts are the engine's, not inferred from its iteration count
+  finish    a short request ends "length", a stop word "stop"
+  cancel    a stream left after its first response, and the next request still answers the same
+
+and prints one PASS/FAIL table with tau and tokens/s, saved as JSON. With `--engine embedded` (CI, any CPU) the same
+code runs on a local target with our engine behind the LLM API and the tritonserver nvidia-pytriton bundles:
+everything up to the engine swap. trtllm-serve exists only beside TensorRT-LLM, so the OpenAI path is skipped there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from trtllm_dflash.deploy.core import BuildOptions, make_plan, run_build
+from trtllm_dflash.deploy.gpus import GPUS
+from trtllm_dflash.errors import DFlashError
+
+PROMPTS = (
+    "What is 17 times 23? Answer with the number.",
+    "Write a Python function that reverses a string.",
+    "Name three primary colors.",
+    "Explain in one sentence why the sky is blue.",
+)
+ENGINE_ENV = "TRTDFLASH_LLM_ENGINE"  # = the tensorrt_llm Triton model's switch
+ARCH_RECIPE_GPU = {"hopper": "h100", "blackwell": "b200"}  # the one-GPU recipes' GPUs, by architecture
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    output: Path
+    engine: str = "trtllm"  # trtllm: TensorRT-LLM on this host's GPU; embedded: our engine behind the LLM API (CPU)
+    target: str | None = None  # a preset or a local checkpoint; None: the preset that fits this host's GPU
+    draft: str | None = None  # None: the preset's
+    gpu: str | None = None  # the recipe's GPU; None: this host's
+    max_tokens: int = 96
+    prompts: tuple[str, ...] = PROMPTS
+    startup_timeout: float = 1800.0  # a first start on a GPU host downloads the weights
+
+
+@dataclass
+class Row:
+    variant: str
+    path: str  # triton | openai
+    checks: dict[str, bool | None] = field(default_factory=dict)  # None: not applicable on this path
+    tau: float = 0.0
+    tokens_per_second: float = 0.0
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return all(v is not False for v in self.checks.values())
+
+
+def host_gpu() -> tuple[str, int]:
+    """(our name of this host's GPU, how many) from nvidia-smi."""
+    try:
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        raise DFlashError(
+            "nvidia-smi finds no GPU here; run the GPU check on a GPU host, or pass --engine embedded."
+        ) from None
+    names = [n.strip().lower() for n in names if n.strip()]
+    known = (
+        [g for g in sorted(GPUS, key=len, reverse=True) if g in names[0].replace(" ", "").replace("-", "")]
+        if names
+        else []
+    )
+    if not known:
+        raise DFlashError(f"The GPU check knows no recipe GPU in {names[0] if names else 'nothing'!r}; pass --gpu.")
+    return known[0], len(names)
+
+
+def pick_target(gpu: str) -> tuple[str, str]:
+    """(preset, recipe GPU) for one GPU of this kind."""
+    arch = GPUS[gpu].architecture
+    if arch not in ARCH_RECIPE_GPU:
+        raise DFlashError(f"No one-GPU DFlash recipe for {gpu} ({arch}); the presets run on Hopper and Blackwell.")
+    return "gpt-oss-20b", ARCH_RECIPE_GPU[arch]
+
+
+def _pairs(opts: CheckOptions, base: BuildOptions) -> list[tuple[str, BuildOptions, BuildOptions]]:
+    """(label, DFlash build, its --no-draft twin): each opt-in the default build replaced, then the default."""
+    replaced = make_plan(base, progress=lambda m: None).deployment.replaced
+    pairs = []
+    for label, opt_in in [(f"opt-in {name}", (name,)) for name in replaced] + [("default", ())]:
+        folder = opts.output / label.replace(" ", "-")
+        dflash = BuildOptions(**{**asdict(base), "output": folder / "dflash", "opt_in": opt_in})
+        pairs.append(
+            (
+                label,
+                dflash,
+                BuildOptions(**{**asdict(dflash), "output": folder / "no-draft", "draft": None, "no_draft": True}),
+            )
+        )
+    return pairs
+
+
+class Launched:
+    """`./launch.sh [openai]` of one deployment on free ports; stops its process group on exit."""
+
+    def __init__(self, deployment: Path, path: str, env: dict[str, str], timeout: float):
+        from trtllm_dflash.serving.serve import free_port
+
+        self.ports = {name: free_port() for name in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT")}
+        self.log = deployment / f"{path}.log"
+        with open(self.log, "wb") as log:
+            args = ["./launch.sh"] + (["openai"] if path == "openai" else [])
+            self.proc = subprocess.Popen(
+                args,
+                cwd=deployment,
+                env={**env, **{k: str(v) for k, v in self.ports.items()}},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        health = "/health" if path == "openai" else "/v2/health/ready"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise DFlashError(
+                    f"{deployment.name}: `{shlex.join(args)}` exited with {self.proc.returncode}; see {self.log}."
+                )
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['HTTP_PORT']}{health}", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise DFlashError(f"{deployment.name}: `{shlex.join(args)}` was not ready in {timeout:.0f} s; see {self.log}.")
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.ports['GRPC_PORT']}"
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['HTTP_PORT']}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def __enter__(self) -> Launched:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _triton_row(row: Row, server: Launched, opts: CheckOptions, reference: dict | None) -> list[str]:
+    from trtllm_dflash.clients.client import CompletionRequest, complete
+    from trtllm_dflash.clients.loadgen import Job, run_load
+
+    done = [complete(server.url, CompletionRequest(p, opts.max_tokens, True), timeout=600) for p in opts.prompts]
+    texts = [d.text for d in done]
+    drafting = reference is not None  # the twin, which has no draft, runs first and gives the reference
+    row.checks["greedy"] = None if reference is None else texts == reference.get("triton")
+    decoded = sum(d.num_tokens - 1 for d in done)
+    verifies = sum((d.num_tokens - 1) / d.acceptance_length for d in done if d.acceptance_length)
+    row.tau = decoded / verifies if verifies else 0.0  # pooled: every prompt's tokens over every prompt's verifies
+    row.checks["tau > 1"] = row.tau > 1 if drafting else None
+    row.checks["counts"] = (
+        all(not d.draft_counts_estimated and d.drafted_tokens > 0 for d in done) if drafting else None
+    )
+    row.tokens_per_second = sum(d.num_tokens for d in done) / max(sum(d.wall_time for d in done), 1e-9)
+    short = complete(server.url, CompletionRequest(opts.prompts[0], 4, True), timeout=600)
+    stop_word = texts[1].split()[1] if len(texts[1].split()) > 1 else None
+    stopped = (
+        complete(
+            server.url, CompletionRequest(opts.prompts[1], opts.max_tokens, True, stop_words=(stop_word,)), timeout=600
+        )
+        if stop_word
+        else None
+    )
+    row.checks["finish"] = short.finish_reason == "length" and (stopped is None or stopped.finish_reason == "stop")
+    left = run_load(server.url, [Job(opts.prompts[2], opts.max_tokens, leave_after=1)], 1).outcomes[0]
+    again = complete(server.url, CompletionRequest(opts.prompts[2], opts.max_tokens, True), timeout=600)
+    row.checks["cancel"] = left.left and not left.error and again.text == texts[2]
+    return texts
+
+
+def _openai_row(row: Row, server: Launched, opts: CheckOptions, reference: dict | None) -> list[str]:
+    from trtllm_dflash.clients.loadgen import Job, run_load
+
+    run = run_load(server.openai_url, [Job(p, opts.max_tokens, stream=True) for p in opts.prompts], 1)
+    errors = [o.error for o in run.outcomes if o.error]
+    if errors:
+        raise DFlashError(f"{row.variant}: the OpenAI path failed a request: {errors[0]}")
+    texts = [o.text for o in run.outcomes]
+    row.checks["greedy"] = None if reference is None else texts == reference.get("openai")
+    row.tokens_per_second = sum(o.tokens for o in run.outcomes) / max(sum(o.latency for o in run.outcomes), 1e-9)
+    left = run_load(server.openai_url, [Job(opts.prompts[2], opts.max_tokens, leave_after=1)], 1).outcomes[0]
+    again = run_load(server.openai_url, [Job(opts.prompts[2], opts.max_tokens)], 1).outcomes[0]
+    row.checks["cancel"] = left.left and not again.error and again.text == texts[2]
+    return texts
+
+
+def _environment(opts: CheckOptions) -> dict[str, str]:
+    """launch.sh's environment: as it is on a GPU host; with the embedded engine, nvidia-pytriton's tritonserver on PATH."""
+    env = {k: v for k, v in os.environ.items() if k != ENGINE_ENV}
+    if opts.engine != "embedded":
+        return env
+    from trtllm_dflash.serving.serve import locate_tritonserver
+
+    binary, backends, extra = locate_tritonserver()
+    shim = opts.output / "bin" / "tritonserver"
+    shim.parent.mkdir(parents=True, exist_ok=True)
+    flags = f" --backend-directory={shlex.quote(str(backends))}" if backends else ""
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in extra.items() if k != "PATH")
+    shim.write_text(f'#!/bin/sh\n{exports}exec {shlex.quote(str(binary))}{flags} --allow-gpu-metrics=false "$@"\n')
+    shim.chmod(0o755)
+    return {
+        **env,
+        ENGINE_ENV: "embedded",
+        "PATH": os.pathsep.join((str(shim.parent), str(Path(sys.executable).parent), env["PATH"])),
+    }
+
+
+def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> list[Row]:
+    """Build, launch and check every variant on every path; writes gpu-check.json into opts.output."""
+    if opts.engine not in ("trtllm", "embedded"):
+        raise DFlashError(f"--engine must be trtllm or embedded, got {opts.engine!r}.")
+    if opts.engine == "embedded" and not (opts.target and (Path(opts.target).expanduser() / "config.json").is_file()):
+        raise DFlashError(
+            "--engine embedded needs --target DIR, a local checkpoint: the embedded engine runs it on CPU."
+        )
+    if opts.engine == "trtllm":
+        gpu, _ = host_gpu()
+        preset, recipe_gpu = pick_target(gpu)
+        target, gpu = opts.target or preset, opts.gpu or recipe_gpu
+        paths = ("triton", "openai")
+    else:
+        target, gpu, paths = opts.target, opts.gpu, ("triton",)
+    opts.output.mkdir(parents=True, exist_ok=True)
+    base = BuildOptions(
+        output=opts.output / "dflash",
+        target=target,
+        draft=opts.draft,
+        backend="trtllm",
+        gpu=gpu,
+        max_batch_size=4 if opts.engine == "embedded" else None,
+        max_seq_len=1024 if opts.engine == "embedded" else None,
+    )
+    env, rows = _environment(opts), []
+    for label, dflash, twin in _pairs(opts, base):
+        reference = None
+        for name, build in ((f"{label}, no draft", twin), (label, dflash)):
+            progress(f"gpu-check: building {name} ({build.output})")
+            run_build(build, progress=lambda m: None)
+            texts = {}
+            for path in paths:
+                row = Row(name, path)
+                progress(f"gpu-check: {name} through ./launch.sh{' openai' if path == 'openai' else ''}")
+                try:
+                    with Launched(build.output, path, env, opts.startup_timeout) as server:
+                        texts[path] = (_triton_row if path == "triton" else _openai_row)(row, server, opts, reference)
+                except DFlashError as e:
+                    row.checks["started"], row.note = False, str(e)
+                rows.append(row)
+            reference = texts
+    (opts.output / "gpu-check.json").write_text(
+        json.dumps(
+            {
+                "target": target,
+                "gpu": gpu,
+                "engine": opts.engine,
+                "passed": all(r.passed for r in rows),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "rows": [asdict(r) for r in rows],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    names = list(dict.fromkeys(k for r in rows for k in r.checks))
+    mark = {True: "ok", False: "FAIL", None: "-"}
+    lines = [
+        f"{'deployment':<30} {'path':<7} " + " ".join(f"{n:>8}" for n in names) + f" {'tau':>6} {'tok/s':>8}  verdict"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.variant:<30} {r.path:<7} "
+            + " ".join(f"{mark[r.checks.get(n)]:>8}" for n in names)
+            + f" {r.tau:>6.2f} {r.tokens_per_second:>8.1f}  {'PASS' if r.passed else 'FAIL'}"
+            + (f"  {r.note}" if r.note else "")
+        )
+    return "\n".join(lines)

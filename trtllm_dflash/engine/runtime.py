@@ -1,0 +1,330 @@
+"""The embedded PyTorch runtime: target + draft + tokenizer, text in, text out (streaming).
+
+This is what `trtdflash generate` and the Triton `dflash` model both call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from trtllm_dflash.config import SPECULATION, SamplingParams
+from trtllm_dflash.cpu import resolve_dtype
+from trtllm_dflash.engine.generate import Batch, GenerationStats, Request, speculative_stream
+from trtllm_dflash.engine.policy import OPTIMISTIC, BlockPolicy
+from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
+from trtllm_dflash.engine.scheduler import Scheduler
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models.checkpoint import held_out_tau, load_draft, read_draft_config
+from trtllm_dflash.models.draft import DFlashDraftModel
+from trtllm_dflash.models.draft_ngram import read_draft_ngram
+from trtllm_dflash.models.draft_vocab import read_draft_vocab
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.resolve import resolve_draft, resolve_target
+from trtllm_dflash.threads import server_threads
+from trtllm_dflash.validate import validate_block_size, validate_pair
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MIN_SHARED_PREFIX = 4  # tokens: a BOS alone is not worth a forward of its own
+
+
+class IncrementalDetokenizer:
+    """Text deltas that are correct under streaming: no split multi-byte characters, no lost spaces.
+
+    Decodes a short window of tokens around the boundary (the vLLM prefix/read offset scheme), and
+    holds back text that may still become a stop string.
+    """
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # everything decoded so far (before stop-string truncation)
+        self.emitted = 0  # characters of self.text already returned
+        self.stopped = False
+
+    def _decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, new_ids: list[int], final: bool = False) -> str:
+        self.ids.extend(new_ids)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        elif final:
+            self.text += full[len(prefix) :]
+        for s in self.stop_strings:
+            i = self.text.find(s)
+            if i >= 0:
+                self.text, self.stopped = self.text[:i], True
+        safe = len(self.text)
+        if not (final or self.stopped):
+            for s in self.stop_strings:  # hold back a tail that could still grow into a stop string
+                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        safe = min(safe, len(self.text) - k)
+                        break
+        delta = self.text[self.emitted : safe]
+        self.emitted = safe
+        return delta
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool, max_positions: int) -> list[int]:
+    """Prompt text -> token ids (chat template if the tokenizer has one); shared with Triton's preprocessing model."""
+    if not isinstance(prompt, str) or not prompt:
+        raise DFlashError("The prompt is empty; pass some text.")
+    if chat and tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    else:  # text a frontend rendered with the chat template already starts with BOS: do not add a second one
+        bos = tokenizer.bos_token
+        ids = tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"]
+    if len(ids) >= max_positions:
+        raise DFlashError(f"The prompt is {len(ids)} tokens, but the context window is {max_positions}; shorten it.")
+    return list(ids)
+
+
+def shared_prefix(tokenizer, max_positions: int) -> list[int]:
+    """The tokens every chat prompt starts with (the template's head: a system prompt, the user turn's opening), or []
+    where there is no chat template or the head is too short to matter: what a server prefills once (Batch)."""
+    if not tokenizer.chat_template:
+        return []
+    try:
+        a, *others = [
+            encode_prompt(tokenizer, text, True, max_positions) for text in ("Hello", "1 + 2 = ?", "¿Qué tal?")
+        ]
+    except Exception:  # a template that refuses a lone user turn: no shared head, requests still say what is wrong
+        return []
+    n = 0
+    while n < len(a) and all(n < len(o) and o[n] == a[n] for o in others):
+        n += 1
+    return a[:n] if n >= MIN_SHARED_PREFIX else []
+
+
+def _with_stats(events, stats: GenerationStats):
+    """(tokens, statistics snapshot) events -> tokens, with `stats` brought up to each snapshot first."""
+    try:
+        for tokens, snapshot in events:
+            stats.__dict__.update(snapshot.__dict__)
+            yield tokens
+    finally:
+        events.close()
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+class DFlashEngine:
+    def __init__(
+        self,
+        target: TargetModel,
+        draft: DFlashDraftModel | None,
+        block_size: int,
+        speculation: str = "adaptive",
+        draft_tau: float | None = None,
+        lookup: bool = True,
+    ):
+        """`draft_tau`: the draft card's held-out acceptance length, which bounds what the policy expects of a probe.
+        `lookup`: where a row's last tokens occurred before, verify what followed them instead of drafting (lookup.py)."""
+        self.target, self.draft, self.block_size = target, draft, block_size
+        self.lookup = lookup and draft is not None  # a build without a draft decodes plainly: nothing to look up for
+        self.tokenizer = target.tokenizer
+        self.prefix = shared_prefix(self.tokenizer, target.max_positions) if self.tokenizer is not None else []
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        gen_cfg = getattr(target.model, "generation_config", None)
+        gen_eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+        ids = {eos} | (set(gen_eos) if isinstance(gen_eos, list) else {gen_eos})
+        self.eos_token_ids = frozenset(i for i in ids if i is not None)
+        if speculation not in SPECULATION:
+            raise DFlashError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}.")
+        block = block_size if draft is not None else 1
+        ceiling = OPTIMISTIC if draft_tau is None else BlockPolicy.conditional_for_tau(draft_tau, block)
+        self.policy = BlockPolicy(
+            block,
+            adaptive=speculation == "adaptive",
+            ragged=target.ragged,
+            ceiling=ceiling,
+            short=block > 1 and draft.config.short_blocks > 0,
+        )
+        self._calibrated_rows = 0
+
+    @property
+    def dtype(self) -> str:
+        return next(name for name, dt in DTYPES.items() if dt == self.target.dtype)
+
+    @property
+    def draft_weights(self) -> str | None:
+        """What the draft's weights are kept as ("int8" where load() chose it, else the dtype); None without a draft."""
+        return None if self.draft is None else "int8" if self.draft.int8 else self.dtype
+
+    @classmethod
+    def load(
+        cls,
+        target: str,
+        draft: str | None = None,
+        *,
+        no_draft: bool = False,
+        dtype: str = "auto",
+        block_size: int | None = None,
+        speculation: str = "adaptive",
+        draft_vocab: bool = True,
+        lookup: bool = True,
+        draft_ngram: bool = True,
+        int8_draft: bool = True,
+        progress=print,
+    ) -> DFlashEngine:
+        """`draft_vocab`: use the draft's vocabulary file (models/draft_vocab.py) where it has one; `draft_ngram` its
+        n-gram prior on greedy guesses (models/draft_ngram.py); `int8_draft`: keep a bf16 draft's weights as int8
+        where our kernel multiplies them (bf16_gemm.int8_weights: on AVX2 alone), verification keeping the output the
+        target's."""
+        dtype = resolve_dtype(dtype)
+        target_path = resolve_target(target, progress)
+        draft_path = None if no_draft else resolve_draft(draft, target)
+        draft_cfg = read_draft_config(draft_path) if draft_path is not None else None
+        if block_size is not None and block_size > 1 and draft_cfg is None:
+            raise DFlashError(
+                f"--block-size {block_size} needs a draft, but target '{target}' has no default draft; pass --draft or use --block-size 1."
+            )
+        block = validate_block_size(block_size, draft_cfg)
+        tm = TargetModel.load(target_path, DTYPES[dtype])
+        dm = None
+        if draft_cfg is not None and block > 1:
+            validate_pair(
+                draft_cfg,
+                hidden_size=tm.hidden_size,
+                num_layers=tm.num_layers,
+                vocab_rows=tm.vocab_rows,
+                rope_parameters=tm.rope_parameters,
+            )
+            dm = load_draft(draft_path, DTYPES[dtype])
+            dm.pack(int8=int8_draft)
+            if draft_vocab:
+                dm.use_vocab(read_draft_vocab(draft_path, tm.lm_head.out_features), tm.lm_head)
+            if draft_ngram:
+                dm.ngram = read_draft_ngram(draft_path, tm.lm_head.out_features)
+                if dm.ngram is not None:
+                    dm.ngram.use_vocab(dm.vocab_token_ids)
+            tm.set_taps(draft_cfg.target_layer_ids)
+        return cls(tm, dm, block, speculation, held_out_tau(draft_path) if dm is not None else None, lookup)
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, chat, self.target.max_positions)
+
+    def calibrate(self, max_rows: int = 1) -> None:
+        """Measure step costs for the adaptive policy (once per engine, up to `max_rows` rows)."""
+        if self.policy.adaptive and max_rows > self._calibrated_rows:
+            Batch(self.target, self.draft, self.block_size, slots=1, policy=self.policy, lookup=self.lookup).calibrate(
+                max_rows
+            )
+            self._calibrated_rows = max_rows
+
+    def scheduler(
+        self,
+        max_batch_size: int,
+        slot_tokens: int,
+        on_step=None,
+        log=print,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
+    ) -> Scheduler:
+        """The in-flight batching loop over this engine (one per server); `prefix_cache_tokens`: how many prompt tokens'
+        K/V and features it keeps for later prompts that start the same way (prefix_cache.py)."""
+        self.calibrate(max_batch_size)
+        batch = Batch(
+            self.target,
+            self.draft,
+            self.block_size,
+            slots=max_batch_size,
+            policy=self.policy,
+            lookup=self.lookup,
+            threads=server_threads(),
+            prefix=self.prefix,
+            cache_tokens=prefix_cache_tokens,
+        )
+        return Scheduler(batch, slot_tokens, on_step, log)
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        block_size: int | None = None,
+        stop_strings: tuple[str, ...] = (),
+        stop_token_ids: tuple[int, ...] = (),
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stats: GenerationStats | None = None,
+        scheduler: Scheduler | None = None,
+        poll=None,
+    ) -> Iterator[tuple[list[int], str]]:
+        """Yield (new token ids, new text) per step; `stats` is filled in as it goes.
+
+        Alone (the CLI) the request gets its own batch of one; with a `scheduler` it joins the server's running batch,
+        and `poll()` returning True (a client that left) cancels it.
+        """
+        if max_new_tokens < 1:
+            raise DFlashError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+        stops = frozenset(stop_token_ids) | (frozenset() if ignore_eos else self.eos_token_ids)
+        stats = stats if stats is not None else GenerationStats()
+        detok = IncrementalDetokenizer(self.tokenizer, stop_strings)
+        handle = None
+        if scheduler is not None:  # the engine thread fills its own statistics; each event brings a copy of them
+            handle = scheduler.submit(Request(prompt_ids, max_new_tokens, sampling, stops, min_tokens))
+            steps = _with_stats(handle.tokens(poll), stats)
+        else:
+            block = (
+                self.block_size
+                if block_size is None
+                else validate_block_size(block_size, self.draft.config if self.draft else None)
+            )
+            if block == self.block_size:
+                self.calibrate()
+            policy = self.policy if block == self.block_size else None
+            steps = speculative_stream(
+                self.target,
+                self.draft if block > 1 else None,
+                prompt_ids,
+                max_new_tokens,
+                block,
+                sampling,
+                stops,
+                stats,
+                min_tokens,
+                policy,
+                self.lookup,
+                self.prefix,
+            )
+        try:
+            for ids in steps:
+                delta = detok.push(ids, final=bool(stats.finish_reason))
+                if detok.stopped:
+                    stats.finish_reason = "stop"
+                    yield ids, delta
+                    return
+                yield ids, delta
+            if handle is not None and not stats.finish_reason:  # ended without a reason: the client cancelled
+                stats.finish_reason = "cancelled"
+        finally:
+            if handle is not None:
+                handle.cancel()
+            steps.close()
+
+    def generate(self, prompt: str, *, chat: bool = True, **kwargs) -> GenerationResult:
+        stats = GenerationStats()
+        ids, text = [], []
+        for new_ids, delta in self.stream(self.encode(prompt, chat), stats=stats, **kwargs):
+            ids.extend(new_ids)
+            text.append(delta)
+        return GenerationResult("".join(text), ids, stats)

@@ -1,0 +1,86 @@
+"""Fill the Triton model repository template (top-level `triton_repo/`, shipped as `trtllm_dflash.triton_repo`) for one build.
+
+The template's config.pbtxt files carry `${name}` placeholders, as Triton's TensorRT-LLM templates
+do (tools/fill_template.py); paths are written relative to each model's directory so the build
+output can be moved or copied as a whole.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from string import Template
+
+from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
+from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.resources import package_dir
+from trtllm_dflash.serving.protocol import pbtxt_values
+
+TEMPLATE_DIR = package_dir("triton_repo")
+USER_MODEL = "ensemble"
+
+
+@dataclass(frozen=True)
+class RepoParams:
+    """Every value the templates need; paths are relative to a model directory (triton_repo/<model>/)."""
+
+    max_batch_size: int
+    max_seq_len: int
+    block_size: int
+    dtype: str
+    target_dir: str
+    draft_dir: str  # "" = no draft (autoregressive)
+    tokenizer_dir: str
+    apply_chat_template: bool
+    engine_model: str = "dflash"  # the ensemble's engine step; a `tensorrt_llm` model has the same I/O
+    speculation: str = "adaptive"  # block length per step: adaptive (measured costs) or fixed (always the full block)
+    lookup: bool = True  # prompt-lookup guesses where a request's text repeats (lookup.py)
+    int8_draft: bool = True  # bf16 on AVX2 alone: the draft's weights as int8 (DFlashEngine.load)
+    prefix_cache_tokens: int = (
+        PREFIX_CACHE_TOKENS  # prompt tokens whose K/V the engine keeps for later prompts (prefix_cache.py)
+    )
+
+    def models(self) -> tuple[str, ...]:
+        return ("preprocessing", self.engine_model, "postprocessing", USER_MODEL)
+
+    def values(self) -> dict[str, str]:
+        """Placeholder values: these fields, and the tensor lists rendered from the wire contract (protocol.py)."""
+        fields = {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()}
+        return fields | pbtxt_values()
+
+
+def template_files(models: tuple[str, ...]) -> list[Path]:
+    """Template files of these models relative to TEMPLATE_DIR, for the build plan: no caches or dotfiles
+    (a wheel has no `.gitkeep`; emit_repository makes the version folders)."""
+    if not (TEMPLATE_DIR / USER_MODEL / "config.pbtxt").is_file():
+        raise DFlashError(f"The Triton repository template is missing at {TEMPLATE_DIR}; reinstall trtllm-dflash.")
+    return sorted(
+        rel
+        for rel in (p.relative_to(TEMPLATE_DIR) for p in TEMPLATE_DIR.rglob("*") if p.is_file())
+        if rel.parts[0] in models
+        and "__pycache__" not in rel.parts
+        and not any(part.startswith(".") for part in rel.parts)
+    )
+
+
+def emit_repository(dest: Path, params: RepoParams) -> list[Path]:
+    """Write the filled repository into dest (which must not exist); returns the files written."""
+    values = params.values()
+    written, files = [], template_files(params.models())
+    for model in params.models():
+        (dest / model / "1").mkdir(parents=True, exist_ok=True)  # Triton needs a version folder, even an empty one
+    for rel in files:
+        out = dest / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if rel.name == "config.pbtxt":
+            text = Template((TEMPLATE_DIR / rel).read_text()).safe_substitute(values)
+            if "${" in text:
+                raise DFlashError(
+                    f"Template {rel} has a placeholder the build does not fill; the template and trtllm_dflash disagree."
+                )
+            out.write_text(text)
+        else:
+            shutil.copyfile(TEMPLATE_DIR / rel, out)
+        written.append(out)
+    return written
