@@ -1,5 +1,16 @@
-"""`trtdflash build`: target + draft -> a self-contained, servable output directory (see core.py)."""
+"""`trtdflash build`: target + draft -> a self-contained, servable output directory (see core.py).
 
-from trtllm_dflash.deploy.core import BuildOptions, Plan, make_plan, read_build, run_build
+The names below load on first use: a deployment's Triton model imports `trtllm_dflash.deploy.trtllm.llm_steps` from
+the carried copy of the package, which has no Triton templates or recipes, so importing this package must not load
+the build machinery."""
 
-__all__ = ["BuildOptions", "Plan", "make_plan", "read_build", "run_build"]
+import importlib
+
+_EXPORTS = {"BuildOptions": "options", "Plan": "core", "make_plan": "core", "read_build": "core", "run_build": "core"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
