@@ -98,3 +98,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+TRTLLM_BLOCK = 4  # the block of the TensorRT-LLM deployment below (max_draft_len 3)
+
+
+@pytest.fixture(scope="session")
+def trtllm_deployment(target_dir, tmp_path_factory):
+    """A TensorRT-LLM deployment of the local SmolLM2 target and the shipped draft, built once for the session."""
+    from trtllm_dflash.deploy import BuildOptions, run_build
+
+    out = tmp_path_factory.mktemp("trtllm") / "smollm2-trtllm"
+    options = BuildOptions(
+        output=out,
+        target=str(target_dir),
+        draft="smollm2-135m",
+        backend="trtllm",
+        block_size=TRTLLM_BLOCK,
+        max_seq_len=256,
+        max_batch_size=2,
+    )
+    return run_build(options, progress=lambda m: None)

@@ -9,7 +9,6 @@ from importlib.metadata import version
 import pytest
 
 from trtllm_dflash.clients.client import CompletionRequest, complete
-from trtllm_dflash.deploy import BuildOptions, run_build
 from trtllm_dflash.deploy.gpu_check import Launched
 from trtllm_dflash.deploy.trtllm_backend import CONTAINER_PACKAGES
 from trtllm_dflash.engine.runtime import DFlashEngine
@@ -65,20 +64,8 @@ def container(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def deployment(target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("deploy") / "smollm2-trtllm"
-    return run_build(
-        BuildOptions(
-            output=out,
-            target=str(target_dir),
-            draft="smollm2-135m",
-            backend="trtllm",
-            block_size=BLOCK,
-            max_seq_len=256,
-            max_batch_size=2,
-        ),
-        progress=lambda m: None,
-    )
+def deployment(trtllm_deployment):
+    return trtllm_deployment
 
 
 def test_launch_sh_serves_the_deployment_without_the_package(container, deployment, target_dir):

@@ -12,7 +12,6 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from trtllm_dflash.clients.client import CompletionRequest, complete
-from trtllm_dflash.deploy import BuildOptions, run_build
 from trtllm_dflash.deploy.trtllm.llm_steps import clear_mpi_job_env, count_drafts, llm_steps
 from trtllm_dflash.engine.generate import GenerationStats
 from trtllm_dflash.engine.runtime import DFlashEngine
@@ -26,20 +25,8 @@ BLOCK = 4
 
 
 @pytest.fixture(scope="module")
-def build_dir(target_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("trtllm") / "build"
-    return run_build(
-        BuildOptions(
-            output=out,
-            target=str(target_dir),
-            draft="smollm2-135m",
-            backend="trtllm",
-            block_size=BLOCK,
-            max_seq_len=256,
-            max_batch_size=2,
-        ),
-        progress=lambda m: None,
-    )
+def build_dir(trtllm_deployment):
+    return trtllm_deployment
 
 
 @pytest.fixture(scope="module")
