@@ -118,7 +118,7 @@ def main(argv=None):
     import torch
 
     from trtllm_dflash.cpu import machine_info
-    from trtllm_dflash.engine.generate import GenerationStats
+    from trtllm_dflash.engine.request import GenerationStats
 
     sets = {k: v for k, v in prompt_sets().items() if k in args.kinds}
     names, loops = [*specs, "no draft"], {}

@@ -38,7 +38,7 @@ os.environ.update(server_thread_env())  # before torch loads: a served model's s
 
 
 def run(engine, scheduler, prompt: str, max_new_tokens: int) -> dict:
-    from trtllm_dflash.engine.generate import GenerationStats
+    from trtllm_dflash.engine.request import GenerationStats
 
     stats, tokens = GenerationStats(), 0
     t0 = time.perf_counter()

@@ -40,7 +40,7 @@ def questions(n: int) -> list[str]:
 
 def converse(conversation, asks: list[str], max_new_tokens: int) -> list[dict]:
     """One conversation from its start (`trtllm_dflash.clients.chat.Conversation`, as `trtdflash chat` runs it)."""
-    from trtllm_dflash.engine.generate import GenerationStats
+    from trtllm_dflash.engine.request import GenerationStats
 
     conversation.reset()
     turns = []

@@ -45,7 +45,7 @@ import torch
 
 from trtllm_dflash.cpu import machine_info
 from trtllm_dflash.data import gsm8k_records
-from trtllm_dflash.engine.generate import GenerationStats
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.engine.runtime import DTYPES, DFlashEngine
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.resolve import DRAFTS_DIR, resolve_target

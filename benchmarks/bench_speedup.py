@@ -61,7 +61,7 @@ def prompt_sets(n_math: int, n_chat: int) -> dict[str, list[str]]:
 
 
 def measure_warm(args, sets) -> list[dict]:
-    from trtllm_dflash.engine.generate import GenerationStats
+    from trtllm_dflash.engine.request import GenerationStats
     from trtllm_dflash.engine.runtime import DFlashEngine
 
     rows = []

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from trtllm_dflash.config import SamplingParams
-from trtllm_dflash.engine.generate import GenerationStats, speculative_stream
+from trtllm_dflash.engine.batch import speculative_stream
 from trtllm_dflash.engine.policy import BlockPolicy
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.models.checkpoint import load_draft
 
@@ -129,9 +130,9 @@ class VerifiesOneGuess(BlockPolicy):
     def choose(self, rows, lookup=None):
         return [min(2, max(r.remaining, 1)) for r in rows], [False] * len(rows)
 
-    def observe(self, rows, ks, accepted, draft_seconds, verify_seconds, looked=None, beyond=None, width=None):
-        self.seen.append((ks[0], accepted[0], self.oracle.calls, beyond[0]))
-        super().observe(rows, ks, accepted, draft_seconds, verify_seconds, looked, beyond, width)
+    def observe(self, rows, step):
+        self.seen.append((step.ks[0], step.accepted[0], self.oracle.calls, step.beyond[0]))
+        super().observe(rows, step)
 
 
 def test_a_step_checks_the_drafts_guess_one_slot_beyond_its_block(target, draft, references):
@@ -177,9 +178,9 @@ class CyclesBlocks(BlockPolicy):
         k = 2 + len(self.seen) % (self.max_block - 1)
         return [min(k, max(r.remaining, 1)) for r in rows], [False] * len(rows)
 
-    def observe(self, rows, ks, accepted, draft_seconds, verify_seconds, looked=None, beyond=None, width=None):
-        self.seen.append((ks[0], self.draft.width if ks[0] > 1 else None))
-        super().observe(rows, ks, accepted, draft_seconds, verify_seconds, looked, beyond, width)
+    def observe(self, rows, step):
+        self.seen.append((step.ks[0], self.draft.width if step.ks[0] > 1 else None))
+        super().observe(rows, step)
 
 
 @pytest.mark.parametrize("short", [False, True])

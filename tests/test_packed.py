@@ -239,7 +239,7 @@ import torch
 from trtllm_dflash.models import bf16_gemm
 from trtllm_dflash.models.packed import PackedLinear
 from trtllm_dflash.engine.runtime import DFlashEngine
-from trtllm_dflash.engine.generate import GenerationStats
+from trtllm_dflash.engine.request import GenerationStats
 engine = DFlashEngine.load("smollm2-135m", dtype="bf16", speculation="fixed", progress=lambda m: None)
 plain = DFlashEngine(engine.target, None, 1)
 linears = [m for m in engine.draft.modules() if isinstance(m, PackedLinear)] + [engine.draft._vocab[1]]

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from trtllm_dflash.clients.client import CompletionRequest, complete
 from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.deploy import BuildOptions, run_build
-from trtllm_dflash.engine.generate import GenerationStats, speculative_stream
+from trtllm_dflash.engine.batch import speculative_stream
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import load_draft

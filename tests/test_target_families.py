@@ -5,7 +5,8 @@ import torch
 import transformers
 
 from trtllm_dflash.config import DraftConfig, SamplingParams
-from trtllm_dflash.engine.generate import GenerationStats, speculative_stream
+from trtllm_dflash.engine.batch import speculative_stream
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.models.target import TargetModel
 

@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -181,7 +182,7 @@ def generate(
     """Generate text from a prompt with DFlash speculative decoding on the embedded PyTorch backend."""
     prompt = the_prompt(prompt, prompt_option)
     from trtllm_dflash.config import SamplingParams
-    from trtllm_dflash.engine.generate import GenerationStats
+    from trtllm_dflash.engine.request import GenerationStats
     from trtllm_dflash.engine.runtime import DFlashEngine
 
     sampling = SamplingParams(temperature, top_p, top_k, seed)
@@ -271,7 +272,7 @@ def chat(
     Each turn's prompt is the whole conversation, and the earlier turns come from the prefix cache."""
     from trtllm_dflash.clients.chat import Conversation
     from trtllm_dflash.config import SamplingParams
-    from trtllm_dflash.engine.generate import GenerationStats
+    from trtllm_dflash.engine.request import GenerationStats
     from trtllm_dflash.engine.runtime import DFlashEngine
 
     if max_new_tokens < 1:
@@ -928,6 +929,36 @@ def convert(model, role, quant, kv_cache_quant, calib_data, calib_samples, exclu
     convert_checkpoint(
         opts, progress=lambda m: click.echo(m, err=True), track=lambda it, desc: tqdm(it, desc=desc, file=sys.stderr)
     )
+
+
+@main.command("convert-draft")
+@click.argument("source")
+@click.argument("output", type=click.Path(path_type=str))
+@click.option(
+    "--target",
+    default=None,
+    help="z-lab -> speculators: the draft's target (preset or directory), whose embedding and LM head speculators "
+    "stores beside the draft. Default: the draft's preset target.",
+)
+@click.option("--target-name", default=None, help="The verifier's name_or_path to record (default: the target's).")
+@user_errors
+def convert_draft(source, output, target, target_name):
+    """Convert a DFlash draft between z-lab's format (TensorRT-LLM's) and vLLM's speculators format, either way: the
+    direction is the one away from SOURCE's format. Tensors are copied unchanged."""
+    from trtllm_dflash.models.speculators import is_speculators, to_speculators, to_zlab
+    from trtllm_dflash.resolve import resolve_draft, resolve_target
+
+    src = resolve_draft(source, target or "")
+    if is_speculators(src):
+        out = to_zlab(src, Path(output))
+        click.echo(f"Wrote the z-lab DFlash draft {out} (from speculators format).")
+        return
+    if target is None:
+        raise DFlashError("Converting to the speculators format stores the target's embedding: pass --target.")
+    out = to_speculators(
+        src, Path(output), resolve_target(target, lambda m: click.echo(m, err=True)), target_name or target
+    )
+    click.echo(f"Wrote the speculators DFlash draft {out} (verifier {target_name or target}).")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from trtllm_dflash.errors import DFlashError
@@ -17,6 +17,7 @@ SPECULATION = (
 )  # block length per step from measured costs and acceptance, or always the full block
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention kinds the draft and the memory plan know
 
 
 def max_draft_len(block_size: int) -> int:
@@ -37,6 +38,16 @@ def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     return [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
 
 
+def attention_params(hidden: int, head_dim: int, q_heads: int, kv_heads: int) -> int:
+    """q, k, v and o projections (biases and QK-norm weights are under 0.1% and left out)."""
+    return hidden * head_dim * (2 * q_heads + 2 * kv_heads)
+
+
+def gated_mlp_params(hidden: int, intermediate: int) -> int:
+    """A SwiGLU MLP or one expert: gate, up and down projections."""
+    return 3 * hidden * intermediate
+
+
 def rope_of(text_config) -> dict:
     """A target config's RoPE settings in transformers 5 form (rope_parameters), legacy rope_theta folded in."""
     rope = dict(getattr(text_config, "rope_parameters", None) or {})
@@ -44,9 +55,31 @@ def rope_of(text_config) -> dict:
     return rope
 
 
+# The sizes every draft is built from; each must be a positive integer however the draft is described.
+DRAFT_SIZES = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "block_size",
+)
+
+
 @dataclass
 class DraftConfig:
-    """A DFlash draft's config.json (z-lab format, read by TensorRT-LLM, vLLM and SGLang)."""
+    """A DFlash draft's config.json (z-lab format, read by TensorRT-LLM, vLLM and SGLang), and the one description
+    of a draft's architecture: a checkpoint's config.json (from_dict), a fresh draft (for_target) and a GPU
+    preset's `draft:` section (build_configs/*/model.yaml, under the same key names) all become one, checked in
+    __post_init__ so that each way in fails with the same sentence.
+
+    `mask_token_id` is None only for a preset whose draft's mask token no public source confirms: TensorRT-LLM
+    reads dflash_config.mask_token_id from the draft checkpoint when it loads it, so the build never needs the
+    number. A draft read from config.json always has one (from_dict requires it), and to_dict refuses to write
+    a config.json without it.
+    """
 
     hidden_size: int
     num_hidden_layers: int
@@ -56,7 +89,7 @@ class DraftConfig:
     intermediate_size: int
     vocab_size: int
     block_size: int
-    mask_token_id: int
+    mask_token_id: int | None
     target_layer_ids: list[int]
     num_target_layers: int | None = None
     rms_norm_eps: float = 1e-6
@@ -70,8 +103,21 @@ class DraftConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # every other key, kept for a faithful round trip
 
     def __post_init__(self):
-        if self.layer_types is None:
-            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        for name in DRAFT_SIZES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise DFlashError(f"The draft's {name} must be a positive integer, got {value!r}.")
+        self.target_layer_ids = list(self.target_layer_ids)
+        if not self.target_layer_ids:
+            raise DFlashError("The draft has no target_layer_ids.")
+        self.layer_types = list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise DFlashError(
+                f"The draft lists {len(self.layer_types)} layer types for {self.num_hidden_layers} layers."
+            )
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise DFlashError(f"The draft has an unknown layer type {bad[0]!r:.60}; known: {', '.join(LAYER_TYPES)}.")
 
     @property
     def rope_theta(self) -> float:
@@ -87,10 +133,22 @@ class DraftConfig:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
     @property
+    def param_count(self) -> int:
+        """Draft layers + `fc` (concatenated target features -> hidden) + hidden_norm + final norm; no embedding
+        or LM head (the draft uses the target's)."""
+        per_layer = (
+            attention_params(self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads)
+            + gated_mlp_params(self.hidden_size, self.intermediate_size)
+            + 2 * self.hidden_size
+        )
+        fc = len(self.target_layer_ids) * self.hidden_size * self.hidden_size
+        return self.num_hidden_layers * per_layer + fc + 2 * self.hidden_size
+
+    @property
     def short_blocks(self) -> float:
         """The share of training blocks cut to a random shorter width (train-draft --short-blocks; 0: none): a draft
         so trained guesses as well from a block's first k + 1 slots as from all of them, so a block of k tokens is
-        drafted over k + 1 slots alone (generate.py). Kept in dflash_config, beside z-lab's optional keys."""
+        drafted over k + 1 slots alone (propose.py). Kept in dflash_config, beside z-lab's optional keys."""
         return float(self.extra.get("dflash_config", {}).get("short_blocks") or 0.0)
 
     @classmethod
@@ -147,10 +205,10 @@ class DraftConfig:
         block_size = dflash.get("block_size", raw.get("block_size"))
         if block_size is None:
             raise DFlashError("The draft's config.json has no block_size (top level or in dflash_config).")
-        # Qwen3Config normalises legacy rope_theta/rope_scaling into rope_parameters.
-        std = Qwen3Config(
-            **{k: v for k, v in raw.items() if k not in ("dflash_config", "architectures", "auto_map", "model_type")}
-        )
+        # Qwen3Config normalises legacy rope_theta/rope_scaling into rope_parameters. layer_types is read from raw
+        # and checked against the layer count in __post_init__, with the same sentence as a preset's draft.
+        skip = ("dflash_config", "architectures", "auto_map", "model_type", "layer_types")
+        std = Qwen3Config(**{k: v for k, v in raw.items() if k not in skip})
         n_layers = std.num_hidden_layers
         layer_ids = dflash.get("target_layer_ids")
         if layer_ids is None:
@@ -212,6 +270,11 @@ class DraftConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        if self.mask_token_id is None:
+            raise DFlashError(
+                "This draft has no mask_token_id (a preset's facts, not a checkpoint's); it cannot be written as a "
+                "config.json."
+            )
         rope_scaling = (
             None
             if self.rope_parameters.get("rope_type", "default") == "default"
@@ -252,6 +315,60 @@ class DraftConfig:
         else:
             out["block_size"] = self.block_size
         return out
+
+
+ENGINE_FILE = "engine.json"  # beside the embedded engine model's config.pbtxt in a built repository
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a built repository's embedded engine runs: chosen once by `build`, written as JSON into the repository
+    (ENGINE_FILE, as a TensorRT-LLM deployment's LLM-API options are model.yaml) and read back typed by the Triton
+    model, so no option is re-typed or parsed from a string between the two.
+
+    Invariants: `dtype` is resolved (fp32 or bf16); `block_size` >= 1, and 1 where `draft_dir` is "" (no draft);
+    `speculation` is one of SPECULATION; `prefix_cache_tokens` >= 0; paths are relative to the engine model's
+    directory."""
+
+    target_dir: str
+    draft_dir: str  # "" = no draft (autoregressive)
+    dtype: str
+    block_size: int
+    speculation: str  # block length per step: adaptive (measured costs) or fixed (always the full block)
+    lookup: bool  # prompt-lookup guesses where a request's text repeats (engine/lookup.py)
+    int8_draft: bool  # bf16 on AVX2 alone: the draft's weights as int8 (DFlashEngine.load)
+    prefix_cache_tokens: int  # prompt tokens whose K/V the engine keeps for later prompts (engine/prefix_cache.py)
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind = {"str": str, "int": int, "bool": bool}[f.type]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise DFlashError(f"Engine option {f.name} must be of type {f.type}, got {json.dumps(value)[:40]}.")
+        if self.dtype not in DTYPE_CHOICES[1:]:
+            raise DFlashError(f"Engine option dtype must be one of {', '.join(DTYPE_CHOICES[1:])}, got {self.dtype!r}.")
+        if self.speculation not in SPECULATION:
+            raise DFlashError(f"--speculation must be one of {', '.join(SPECULATION)}, got {self.speculation!r}.")
+        if self.block_size < 1 or (self.block_size > 1 and not self.draft_dir):
+            raise DFlashError(f"Engine option block_size {self.block_size} does not fit draft_dir {self.draft_dir!r}.")
+        if self.prefix_cache_tokens < 0:
+            raise DFlashError(f"--prefix-cache-tokens must be 0 (off) or more, got {self.prefix_cache_tokens}.")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> EngineOptions:
+        """Options as `to_json` wrote them; anything else is one sentence naming `where`."""
+        try:
+            raw = json.loads(text)
+        except ValueError:
+            raise DFlashError(f"{where} is not JSON; rebuild the repository with `trtdflash build`.") from None
+        names = {f.name for f in fields(cls)}
+        if not isinstance(raw, dict) or set(raw) != names:
+            got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
+            raise DFlashError(f"{where} holds {got}, not the engine options {sorted(names)}; rebuild the repository.")
+        return cls(**raw)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from click.testing import CliRunner
 
 from trtllm_dflash.cli import main
 from trtllm_dflash.clients.chat import Conversation
-from trtllm_dflash.engine.generate import GenerationStats
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.errors import DFlashError
 

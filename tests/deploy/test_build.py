@@ -2,17 +2,19 @@
 
 import json
 import os
-import re
 import shutil
+from dataclasses import fields
 
 import pytest
 from click.testing import CliRunner
 
 from trtllm_dflash.cli import main
+from trtllm_dflash.config import ENGINE_FILE, EngineOptions
 from trtllm_dflash.deploy import BuildOptions, run_build
 from trtllm_dflash.deploy import steps as build_module
 from trtllm_dflash.engine.policy import OPTIMISTIC, BlockPolicy
 from trtllm_dflash.engine.runtime import DFlashEngine
+from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.resolve import sha256_file
 
 
@@ -45,7 +47,13 @@ def test_build_links_weights_writes_manifest_and_skips_valid_work(random_draft_d
     run_build(_opts(out, random_draft_dir), progress=msgs.append)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["build"]  # no temp siblings left
     manifest = json.loads((out / "manifest.json").read_text())
-    assert list(manifest["steps"]) == ["target_checkpoint", "tokenizer", "draft_checkpoint", "triton_repo"]
+    assert list(manifest["steps"]) == [
+        "target_checkpoint",
+        "tokenizer",
+        "draft_checkpoint",
+        "triton_repo",
+        "engine_options",
+    ]
     assert manifest["options"]["backend"] == "torch" and manifest["resolved"]["block_size"] == 16
     assert manifest["versions"]["trtllm-dflash"] and manifest["created"]
     weights = out / "checkpoints/target/model.safetensors"
@@ -54,8 +62,10 @@ def test_build_links_weights_writes_manifest_and_skips_valid_work(random_draft_d
         for rel, meta in step["outputs"].items():
             if (out / rel).stat().st_size < 1 << 20:
                 assert sha256_file(out / rel) == meta["sha256"], rel
-    config = (out / "triton_repo/dflash/config.pbtxt").read_text()
-    assert '"../../checkpoints/draft"' in config and "${" not in config
+    assert "${" not in (out / "triton_repo/dflash/config.pbtxt").read_text()
+    engine = _engine_options(out)
+    assert (out / "triton_repo/dflash" / engine.draft_dir / "config.json").is_file()
+    assert (out / "triton_repo/dflash" / engine.target_dir / "config.json").is_file()
 
     msgs.clear()
     run_build(_opts(out, random_draft_dir), progress=msgs.append)
@@ -63,7 +73,7 @@ def test_build_links_weights_writes_manifest_and_skips_valid_work(random_draft_d
 
     msgs.clear()
     run_build(_opts(out, random_draft_dir, max_batch_size=2), progress=msgs.append)
-    assert sum("reusing the previous output" in m for m in msgs) == 3
+    assert sum("reusing the previous output" in m for m in msgs) == 4  # max_batch_size: the templates alone
     assert "max_batch_size: 2" in (out / "triton_repo/ensemble/config.pbtxt").read_text()
     assert weights.stat().st_ino == (target_dir / "model.safetensors").stat().st_ino
 
@@ -74,19 +84,19 @@ def test_build_links_weights_writes_manifest_and_skips_valid_work(random_draft_d
     (other / "training.json").write_text('{"final_metrics": {"val_tau": 3.0}}\n')
     msgs.clear()
     run_build(_opts(out, other, max_batch_size=2), progress=msgs.append)
-    assert [m.split(":")[0] for m in msgs if "reusing" not in m and m.startswith("[")] == ["[3/4] draft_checkpoint"]
+    assert [m.split(":")[0] for m in msgs if "reusing" not in m and m.startswith("[")] == ["[3/5] draft_checkpoint"]
     assert (out / "checkpoints/draft/training.json").is_file()
     versions = [out / "triton_repo" / m / "1" for m in ("ensemble", "preprocessing", "dflash", "postprocessing")]
     assert all(v.is_dir() for v in versions)
     shutil.rmtree(versions[0])  # an output a build before this fix left without one is rebuilt, not reused
     msgs.clear()
     run_build(_opts(out, other, max_batch_size=2), progress=msgs.append)
-    assert versions[0].is_dir() and any(m.startswith("[4/4] triton_repo: fill") for m in msgs)
+    assert versions[0].is_dir() and any(m.startswith("[4/5] triton_repo: fill") for m in msgs)
 
 
-def _model_params(out):
-    config = (out / "triton_repo/dflash/config.pbtxt").read_text()
-    return dict(re.findall(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}', config))
+def _engine_options(out) -> EngineOptions:
+    path = out / "triton_repo/dflash" / ENGINE_FILE
+    return EngineOptions.from_json(path.read_text(), str(path))
 
 
 def test_engine_options_reach_the_served_model(random_draft_dir, tmp_path):
@@ -109,13 +119,40 @@ def test_engine_options_reach_the_served_model(random_draft_dir, tmp_path):
         ],
     )
     assert r.exit_code == 0, r.output
-    params = _model_params(out)
-    assert params["int8_draft"] == "false" and params["lookup"] == "false" and params["speculation"] == "fixed"
+    opts = _engine_options(out)
+    assert (opts.int8_draft, opts.lookup, opts.speculation) == (False, False, "fixed")
     model_py = (out / "triton_repo/dflash/1/model.py").read_text()
-    assert [k for k in params if f'param("{k}")' not in model_py] == []
+    assert [f.name for f in fields(EngineOptions) if f"opts.{f.name}" not in model_py] == []
     run_build(_opts(out, random_draft_dir), progress=lambda m: None)  # the defaults
-    params = _model_params(out)
-    assert params["int8_draft"] == "true" and params["lookup"] == "true" and params["speculation"] == "adaptive"
+    opts = _engine_options(out)
+    assert (opts.int8_draft, opts.lookup, opts.speculation) == (True, True, "adaptive")
+    assert opts.draft_dir and opts.block_size > 1 and opts.dtype in ("fp32", "bf16")
+
+
+def test_engine_options_that_are_not_what_build_writes_get_one_sentence():
+    good = dict(
+        target_dir="t",
+        draft_dir="d",
+        dtype="fp32",
+        block_size=16,
+        speculation="adaptive",
+        lookup=True,
+        int8_draft=True,
+        prefix_cache_tokens=0,
+    )
+    assert EngineOptions.from_json(EngineOptions(**good).to_json(), "engine.json") == EngineOptions(**good)
+    for bad, says in (
+        (good | {"lookup": "true"}, "lookup must be of type bool"),
+        (good | {"block_size": True}, "block_size must be of type int"),
+        (good | {"speculation": "greedy"}, "--speculation must be one of"),
+        (good | {"draft_dir": ""}, "does not fit draft_dir"),
+        (good | {"block_size": 0}, "does not fit draft_dir"),
+        ({k: v for k, v in good.items() if k != "dtype"}, "not the engine options"),
+    ):
+        with pytest.raises(DFlashError, match=says):
+            EngineOptions.from_json(json.dumps(bad), "engine.json")
+    with pytest.raises(DFlashError, match="is not JSON"):
+        EngineOptions.from_json("{", "engine.json")
 
 
 def test_a_failed_build_leaves_the_previous_output_untouched(random_draft_dir, tmp_path, monkeypatch):

@@ -135,7 +135,7 @@ def test_kv_heads_fewer_than_tp_keep_one_per_rank_and_attention_dp_keeps_all():
 
 def test_dflash_arena_is_dense_in_seq_and_batch():
     r = load_recipe("qwen3-8b")
-    d = r.draft_facts
+    d = r.draft_config
     plan = plan_memory(
         r.model_facts, d, Parallelism(), "fp8", "fp8", 32, 16384, "h100", 1, max_num_tokens=8192, max_draft_len=15
     )

@@ -1,21 +1,25 @@
 """Recipes: every preset loads and validates; lookups fail with a sentence listing what exists."""
 
 import dataclasses
+import shutil
 
 import pytest
+import torch
+import yaml
 
 from trtllm_dflash.config import DraftConfig
+from trtllm_dflash.deploy import recipes
+from trtllm_dflash.deploy.memory import plan_recipe
 from trtllm_dflash.deploy.recipes import (
-    DraftFacts,
     ModelFacts,
     Parallelism,
     Recipe,
-    draft_facts_from_config,
     load_recipe,
     model_facts_from_hf_config,
     presets,
 )
 from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models.draft import DFlashDraftModel
 
 ALL = [rid for ids in presets().values() for rid in ids]
 
@@ -49,8 +53,8 @@ def test_required_recipes_exist():
 def test_every_recipe_loads(rid):
     r = _load(rid)
     assert r.id == rid and r.num_gpus == r.parallel.tp * r.parallel.pp
-    assert r.draft_hf_id.startswith("z-lab/") and r.draft_facts is not None
-    assert r.draft_facts.hidden_size == r.model_facts.hidden_size
+    assert r.draft_hf_id.startswith("z-lab/") and r.draft_config is not None
+    assert r.draft_config.hidden_size == r.model_facts.hidden_size
 
 
 def test_gpt_oss_layouts():
@@ -124,7 +128,7 @@ def test_hf_config_counts_checkpoint_shapes():
         model_facts_from_hf_config({k: v for k, v in cfg.items() if k != "vocab_size"})
 
 
-def test_draft_facts_from_draft_config_match_the_recipe():
+def test_the_published_draft_config_plans_like_the_preset():
     # z-lab/Qwen3-8B-DFlash-b16 config.json, as published.
     raw = {
         "architectures": ["DFlashDraftModel"],
@@ -142,7 +146,32 @@ def test_draft_facts_from_draft_config_match_the_recipe():
         "rope_theta": 1000000,
         "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
     }
-    assert draft_facts_from_config(DraftConfig.from_dict(raw)) == load_recipe("qwen3-8b").draft_facts
+    published, r = DraftConfig.from_dict(raw), load_recipe("qwen3-8b")
+    for name in recipes._DRAFT_KEYS:  # every fact a preset's draft section gives
+        assert getattr(published, name) == getattr(r.draft_config, name), name
+    assert plan_recipe(dataclasses.replace(r, draft_config=published)) == plan_recipe(r)
+
+
+def test_draft_param_count_is_the_modules_less_qk_norms():
+    # param_count leaves out the per-head QK-norm weights (under 0.1%); everything else is the module's own.
+    cfg = DraftConfig(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        intermediate_size=96,
+        vocab_size=100,
+        block_size=4,
+        mask_token_id=5,
+        target_layer_ids=[0, 2],
+    )
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg)
+    numel = sum(p.numel() for p in model.parameters())
+    assert cfg.param_count == numel - cfg.num_hidden_layers * 2 * cfg.head_dim
+    # z-lab/Qwen3-8B-DFlash-b16: ~1.05 B parameters
+    assert load_recipe("qwen3-8b").draft_config.param_count == pytest.approx(1.05e9, rel=0.01)
 
 
 @pytest.mark.parametrize(
@@ -186,19 +215,94 @@ def test_quant_needs_the_right_gpu():
 
 def test_draft_must_match_the_target():
     r = load_recipe("qwen3-8b")
-    d = r.draft_facts
-    for facts, message in (
+    d = r.draft_config
+    for draft, message in (
         (dataclasses.replace(d, hidden_size=2560), "hidden size 2560 differs"),
         (dataclasses.replace(d, vocab_size=151000), r"vocabulary \(151000\) differs"),
-        (dataclasses.replace(d, target_layer_ids=(1, 40)), "layer id 40 is outside"),
+        (dataclasses.replace(d, target_layer_ids=[1, 40]), "layer id 40 is outside"),
         (dataclasses.replace(d, mask_token_id=151936), "mask token id 151936 is outside"),
     ):
         with pytest.raises(DFlashError, match=message):
-            dataclasses.replace(r, draft_facts=facts)
+            dataclasses.replace(r, draft_config=draft)
+    with pytest.raises(DFlashError, match="tp 4 does not divide the draft's 30 attention heads"):
+        dataclasses.replace(
+            r.with_overrides(tp=4), draft_config=dataclasses.replace(d, num_attention_heads=30, num_key_value_heads=6)
+        )
 
 
 def test_facts_reject_inconsistent_architectures():
     with pytest.raises(DFlashError, match="sliding-attention layers but no sliding_window"):
         ModelFacts(2, 64, 4, 4, 16, 128, 100, 512, ("sliding_attention", "full_attention"))
-    with pytest.raises(DFlashError, match="lists 1 layer types for 2 layers"):
-        DraftFacts(2, 64, 4, 4, 16, 128, 100, 8, (0,), layer_types=("full_attention",))
+
+
+DRAFT = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=100,
+    block_size=8,
+    mask_token_id=None,
+    target_layer_ids=[0],
+)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(layer_types=["full_attention"]), "The draft lists 1 layer types for 2 layers."),
+        (dict(target_layer_ids=[]), "The draft has no target_layer_ids."),
+        (dict(num_hidden_layers=0), "The draft's num_hidden_layers must be a positive integer, got 0."),
+        (dict(block_size=0), "The draft's block_size must be a positive integer, got 0."),
+        (dict(layer_types=["full_attention", "linear_attention"]), "unknown layer type 'linear_attention'; known"),
+    ],
+)
+def test_a_draft_is_checked_alike_from_a_preset_and_from_config_json(tmp_path, monkeypatch, change, message):
+    """The same sentence whether the draft comes from a preset's `draft:` section or a checkpoint's config.json."""
+    with pytest.raises(DFlashError, match=message):
+        DraftConfig(**{**DRAFT, **change})
+    with pytest.raises(DFlashError, match=message):
+        _preset_with_draft(tmp_path, monkeypatch, {**DRAFT, **change})
+    raw = {k: v for k, v in {**DRAFT, **change}.items() if k not in ("mask_token_id", "target_layer_ids")}
+    raw["dflash_config"] = {"mask_token_id": 5, "target_layer_ids": change.get("target_layer_ids", [0])}
+    with pytest.raises(DFlashError, match=message):
+        DraftConfig.from_dict(raw)
+
+
+def _preset_with_draft(tmp_path, monkeypatch, draft: dict) -> Recipe:
+    """qwen3-8b/h100 with its model.yaml's `draft:` section replaced, loaded from a copy of the preset."""
+    src = recipes.recipes_root() / "qwen3-8b"
+    root = tmp_path / "presets"
+    shutil.copytree(src, root / "qwen3-8b")
+    meta = yaml.safe_load((src / recipes.MODEL_FILE).read_text())
+    meta["draft"] = {"hf_id": meta["draft"]["hf_id"], **draft}
+    (root / "qwen3-8b" / recipes.MODEL_FILE).write_text(yaml.safe_dump(meta))
+    monkeypatch.setattr(recipes, "recipes_root", lambda: root)
+    return load_recipe("qwen3-8b", "h100")
+
+
+def test_a_preset_draft_takes_the_config_json_names(tmp_path, monkeypatch):
+    published = yaml.safe_load((recipes.recipes_root() / "qwen3-8b" / recipes.MODEL_FILE).read_text())["draft"]
+    published.pop("hf_id")
+    assert _preset_with_draft(tmp_path, monkeypatch, published) == load_recipe("qwen3-8b", "h100")
+    old = {"num_layers" if k == "num_hidden_layers" else k: v for k, v in published.items()}
+    with pytest.raises(DFlashError, match=r"model.yaml: draft: unknown key 'num_layers'; allowed: .*num_hidden_layers"):
+        _preset_with_draft(tmp_path / "old", monkeypatch, old)
+    with pytest.raises(DFlashError, match=r"draft: unknown key 'rope_parameters'"):
+        _preset_with_draft(tmp_path / "rope", monkeypatch, {**published, "rope_parameters": {}})
+    pattern = {**published, "layer_types_pattern": ["full_attention"]}
+    assert (
+        _preset_with_draft(tmp_path / "pattern", monkeypatch, pattern).draft_config.layer_types
+        == ["full_attention"] * 5
+    )
+
+
+def test_a_draft_without_a_mask_token_plans_but_is_never_written():
+    """A preset may leave the mask token to TensorRT-LLM (it reads it from the draft checkpoint); such a draft
+    description still plans and builds, but it is no config.json."""
+    r = load_recipe("llama-3.1-8b-instruct")
+    assert r.draft_config.mask_token_id is None and plan_recipe(r).fits
+    with pytest.raises(DFlashError, match="has no mask_token_id"):
+        r.draft_config.to_dict()

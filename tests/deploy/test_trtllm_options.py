@@ -21,6 +21,7 @@ def test_gpt_oss_throughput_options():
         "decoding_type": "DFlash",
         "max_draft_len": 3,
         "speculative_model": "/models/draft",
+        "draft_len_schedule": {1: 3, r.max_batch_size: 3},  # planned (test_schedule.py): 3 pays at every load
     }
     assert o["attention_dp_config"]["enable_balance"] is True
     assert o["cuda_graph_config"]["batch_sizes"][-1] == r.max_batch_size

@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
-from trtllm_dflash.engine.generate import Batch, Request
+from trtllm_dflash.engine.batch import Batch
 from trtllm_dflash.engine.policy import BlockPolicy
 from trtllm_dflash.engine.prefix_cache import BLOCK
+from trtllm_dflash.engine.request import Request
 from trtllm_dflash.engine.runtime import DFlashEngine, shared_prefix
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models import bf16_gemm

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trtllm_dflash.config import SamplingParams
-from trtllm_dflash.engine.generate import GenerationStats
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.models.checkpoint import load_draft
 

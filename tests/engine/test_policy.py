@@ -3,6 +3,7 @@
 import pytest
 
 from trtllm_dflash.engine.policy import BlockPolicy
+from trtllm_dflash.engine.step import StepRecord
 
 
 class Row:
@@ -16,10 +17,12 @@ def feed(policy: BlockPolicy, row, accepted_runs: list[int]) -> None:
     for a in accepted_runs:
         policy.observe(
             [row],
-            [k],
-            [a],
-            draft_seconds=policy._estimate(policy.draft_cost, k),
-            verify_seconds=policy._estimate(policy.verify_cost, k),
+            StepRecord(
+                ks=[k],
+                accepted=[a],
+                draft_seconds=policy._estimate(policy.draft_cost, k),
+                verify_seconds=policy._estimate(policy.verify_cost, k),
+            ),
         )
     policy._yield = realized
 
@@ -77,7 +80,9 @@ def test_each_row_gets_its_own_block_length():
 
 def plain_steps(policy: BlockPolicy, rows: list, steps: int, seconds: float) -> None:
     for _ in range(steps):
-        policy.observe(rows, [1] * len(rows), [0] * len(rows), draft_seconds=0.0, verify_seconds=seconds)
+        policy.observe(
+            rows, StepRecord(ks=[1] * len(rows), accepted=[0] * len(rows), draft_seconds=0.0, verify_seconds=seconds)
+        )
 
 
 def test_a_draft_that_misses_decodes_plainly_and_probes_one_row_within_its_budget():
@@ -166,7 +171,7 @@ def test_drafting_steps_dearer_than_calibrated_are_learned():
     assert ks[0] > 1
     draft_s, verify_s = 1.35 * p._estimate(p.draft_cost, 8), 1.35 * p._estimate(p.verify_cost, sum(ks))
     for _ in range(40):
-        p.observe([math, chat], ks, [2, 0], draft_seconds=draft_s, verify_seconds=verify_s)
+        p.observe([math, chat], StepRecord(ks=ks, accepted=[2, 0], draft_seconds=draft_s, verify_seconds=verify_s))
         plain_steps(p, [math, chat], 1, 0.030)
     assert p.factor[True] > 1.15 and abs(p.factor[False] - 1.0) < 0.05
     assert p.choose([math, chat])[0] == [1, 1]
@@ -184,7 +189,10 @@ def test_drafting_is_priced_like_plain_steps_until_a_drafting_step_is_measured()
     assert p.factor[False] > 1.3
     drafting = [8] * 8
     assert p.step_cost(drafting) == p._curve(64, 8) * p.factor[False]
-    p.observe(rows, drafting, [0] * 8, draft_seconds=0.016, verify_seconds=p._estimate(p.verify_cost, 64))
+    p.observe(
+        rows,
+        StepRecord(ks=drafting, accepted=[0] * 8, draft_seconds=0.016, verify_seconds=p._estimate(p.verify_cost, 64)),
+    )
     assert p.factor[True] is not None and p.step_cost(drafting) == p._curve(64, 8) * p.factor[True]
 
 
@@ -225,10 +233,12 @@ def test_rows_that_accept_less_than_estimated_teach_the_policy_to_draft_less():
     for _ in range(60):  # the row keeps its counts (observed elsewhere) but this batch's drafts come in at half
         p.observe(
             [math, chat],
-            ks,
-            [0, 0],
-            draft_seconds=p._estimate(p.draft_cost, 8),
-            verify_seconds=p._estimate(p.verify_cost, sum(ks)),
+            StepRecord(
+                ks=ks,
+                accepted=[0, 0],
+                draft_seconds=p._estimate(p.draft_cost, 8),
+                verify_seconds=p._estimate(p.verify_cost, sum(ks)),
+            ),
         )
         feed(p, math, [3, 3])  # keeps math's counts where they were (about 2 of its 7 accepted)
     assert p.realized < 0.6
@@ -257,7 +267,7 @@ def test_lookup_guesses_cost_no_draft_and_keep_their_own_record():
         6, 0
     )  # as a drafting step it would be dearer: a lookup row is priced without the draft
     for _ in range(24):  # its lookups pay
-        p.observe([row], [6], [5], draft_seconds=0.0, verify_seconds=0.032, looked=[True])
+        p.observe([row], StepRecord(ks=[6], accepted=[5], draft_seconds=0.0, verify_seconds=0.032, looked=[True]))
     assert p.choose([row], [5]) == ([6], [True])
     assert p._counts(row).accepted == [0.0] * 7  # the draft's record is untouched
     busy = BlockPolicy(8, adaptive=True)  # where every verified token costs compute (a large batch on a CPU)
@@ -265,7 +275,7 @@ def test_lookup_guesses_cost_no_draft_and_keep_their_own_record():
     busy.draft_cost.update({8: 0.030})
     other = Row()
     for _ in range(24):  # this row's lookups never pay: a block of them is not worth its verify
-        busy.observe([other], [6], [0], draft_seconds=0.0, verify_seconds=0.180, looked=[True])
+        busy.observe([other], StepRecord(ks=[6], accepted=[0], draft_seconds=0.0, verify_seconds=0.180, looked=[True]))
     assert busy.choose([other], [5]) == ([1], [False])
 
 
@@ -280,7 +290,7 @@ def test_a_lookup_row_may_verify_beyond_the_drafts_block():
     row = Row()
     assert p.choose([row], [31])[0][0] < 32  # unmeasured lookups are priced with the prior: 32 tokens would not pay
     for _ in range(40):
-        p.observe([row], [32], [31], draft_seconds=0.0, verify_seconds=0.060, looked=[True])
+        p.observe([row], StepRecord(ks=[32], accepted=[31], draft_seconds=0.0, verify_seconds=0.060, looked=[True]))
     ks, looked = p.choose([row], [31])
     assert ks[0] > 16 and looked == [True]
     assert p.lookup_population.accepted[30] == 40 and len(p.population.accepted) == 7
@@ -304,11 +314,13 @@ def test_a_row_held_at_short_blocks_learns_the_next_slot_from_its_spare_guess():
             realized = list(p._yield)
             p.observe(
                 [row],
-                ks,
-                [ks[0] - 1],
-                draft_seconds=0.008,
-                verify_seconds=p._estimate(p.verify_cost, ks[0]),
-                beyond=[spare if ks[0] > 1 else None],
+                StepRecord(
+                    ks=ks,
+                    accepted=[ks[0] - 1],
+                    draft_seconds=0.008,
+                    verify_seconds=p._estimate(p.verify_cost, ks[0]),
+                    beyond=[spare if ks[0] > 1 else None],
+                ),
             )
             p._yield = realized
         chosen[spare] = p.choose([row])[0][0]

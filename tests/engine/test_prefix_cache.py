@@ -7,8 +7,9 @@ import torch
 from click.testing import CliRunner
 
 from trtllm_dflash.cli import main
-from trtllm_dflash.engine.generate import Batch, GenerationStats, Request
+from trtllm_dflash.engine.batch import Batch
 from trtllm_dflash.engine.prefix_cache import BLOCK, Entry, PrefixCache, chunk_ends, chunk_keys
+from trtllm_dflash.engine.request import GenerationStats, Request
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.models import bf16_gemm
 from trtllm_dflash.models.checkpoint import load_draft

@@ -12,7 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trtllm_dflash.config import DraftConfig, SamplingParams
-from trtllm_dflash.engine.generate import Batch, GenerationStats, Request, speculative_stream
+from trtllm_dflash.engine.batch import Batch, speculative_stream
+from trtllm_dflash.engine.request import GenerationStats, Request
 from trtllm_dflash.engine.sampling import greedy
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.models.target import TargetModel

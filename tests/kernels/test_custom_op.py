@@ -7,7 +7,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trtllm_dflash import kernels
 from trtllm_dflash.config import SamplingParams
-from trtllm_dflash.engine.generate import GenerationStats, speculative_stream
+from trtllm_dflash.engine.batch import speculative_stream
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import load_draft

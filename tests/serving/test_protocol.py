@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trtllm_dflash.config import SamplingParams
-from trtllm_dflash.engine.generate import GenerationStats
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.serving import protocol
 from trtllm_dflash.serving.repository import RepoParams, emit_repository
@@ -211,7 +211,7 @@ def test_response_arrays_carry_the_standard_statistics():
 
 @pytest.mark.parametrize("engine", ["dflash", "tensorrt_llm"])
 def test_rendered_repository_names_the_engine_and_declares_the_contract(tmp_path, engine):
-    emit_repository(tmp_path / "repo", RepoParams(2, 256, 4, "fp32", "t", "d", "tok", True, engine_model=engine))
+    emit_repository(tmp_path / "repo", RepoParams(2, 256, "tok", True, engine_model=engine))
     ensemble = (tmp_path / "repo/ensemble/config.pbtxt").read_text()
     assert f'model_name: "{engine}"' in ensemble
     assert all(f'name: "{t.name}"' in ensemble for t in protocol.ENSEMBLE_INPUTS)

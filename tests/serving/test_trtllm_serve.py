@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 
 from trtllm_dflash.clients.client import CompletionRequest, complete
 from trtllm_dflash.deploy.trtllm.llm_steps import clear_mpi_job_env, count_drafts, llm_steps
-from trtllm_dflash.engine.generate import GenerationStats
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.serving.serve import ServerConfig, TritonServer
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from trtllm_dflash.config import SamplingParams
-from trtllm_dflash.engine.generate import GenerationStats
 from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.errors import DFlashError
 
 

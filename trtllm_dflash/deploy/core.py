@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from trtllm_dflash.atomic import locked, recover, replace_dir
-from trtllm_dflash.config import block_size_of
+from trtllm_dflash.config import ENGINE_FILE, EngineOptions, block_size_of
 from trtllm_dflash.deploy.options import (
     DTYPE_BYTES,
     TORCH_MAX_BATCH,
@@ -39,7 +39,7 @@ from trtllm_dflash.deploy.options import (
     resolve_sources,
     stage,
 )
-from trtllm_dflash.deploy.steps import Step, stage_step, target_steps, template_step, versions
+from trtllm_dflash.deploy.steps import Step, stage_step, target_steps, template_step, text_step, versions
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.resolve import PRESETS, preset_for, sha256_file
 from trtllm_dflash.serving.repository import RepoParams
@@ -101,22 +101,28 @@ def _torch_steps(opts: BuildOptions, src: Sources, hashes: dict[str, str]) -> li
                 hashes,
             )
         )
+    params = RepoParams(
+        max_batch_size=opts.max_batch_size or TORCH_MAX_BATCH,
+        max_seq_len=src.max_seq_len,
+        tokenizer_dir="../../tokenizer",
+        apply_chat_template=opts.chat_template,
+    )
+    engine = EngineOptions(
+        target_dir="../../checkpoints/target",
+        draft_dir="../../checkpoints/draft" if src.draft_dir else "",
+        dtype=opts.dtype,
+        block_size=src.block_size,
+        speculation=opts.speculation,
+        lookup=opts.lookup,
+        int8_draft=opts.int8_draft,
+        prefix_cache_tokens=opts.prefix_cache_tokens,
+    )
+    steps.append(template_step(params))
     steps.append(
-        template_step(
-            RepoParams(
-                max_batch_size=opts.max_batch_size or TORCH_MAX_BATCH,
-                max_seq_len=src.max_seq_len,
-                block_size=src.block_size,
-                dtype=opts.dtype,
-                target_dir="../../checkpoints/target",
-                draft_dir="../../checkpoints/draft" if src.draft_dir else "",
-                tokenizer_dir="../../tokenizer",
-                apply_chat_template=opts.chat_template,
-                speculation=opts.speculation,
-                lookup=opts.lookup,
-                int8_draft=opts.int8_draft,
-                prefix_cache_tokens=opts.prefix_cache_tokens,
-            )
+        text_step(
+            "engine_options",
+            "write the engine's options",
+            {f"triton_repo/{params.engine_model}/{ENGINE_FILE}": engine.to_json()},
         )
     )
     return steps

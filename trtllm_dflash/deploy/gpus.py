@@ -6,6 +6,10 @@ Sources: NVIDIA product pages and datasheets (H100 SXM 80 GB, H200 141 GB, DGX B
 DGX B300 2.3 TB / 8 = 288 GB, GB200 NVL72 13.4 TB / 72 = 186 GB, L40S 48 GB, A100 80 GB); formats from
 the TensorRT-LLM support matrix (FP8 from SM89, NVFP4 and MXFP4-weights x MXFP8-activations on SM100/SM103;
 gpt-oss MXFP4 experts run weight-only W4A16 through the TRITON MoE backend on Hopper).
+
+Bandwidth and tensor-core peaks (dense, no sparsity) are the datasheets' per-GPU figures (A100 SXM 80 GB, L40S,
+H100 SXM, H200 SXM, DGX B200 / GB200 NVL72 / HGX B300 divided per GPU); they price a step for the draft-length
+planner (deploy/schedule.py) and nothing else, and a GPU host replaces them with measurements.
 """
 
 from __future__ import annotations
@@ -28,6 +32,16 @@ class GPUSpec:
     fp8: bool  # FP8 (E4M3) tensor cores: FP8 weights and FP8 KV cache
     nvfp4: bool  # NVFP4 tensor cores: NVFP4 weights and NVFP4 KV cache
     mxfp4_mxfp8: bool  # MXFP4 weights x MXFP8 activations natively (gpt-oss MoE on Blackwell)
+    hbm_bytes_per_s: float = 0.0  # memory bandwidth
+    tflops: tuple[tuple[str, float], ...] = ()  # dense tensor-core peak per operand format: bf16, fp8, fp4
+
+    def peak_flops(self, fmt: str) -> float:
+        """FLOP/s of `fmt` (bf16 | fp8 | fp4); a format without tensor cores runs at the next wider one's."""
+        peaks = dict(self.tflops)
+        for f in ("fp4", "fp8", "bf16")[("fp4", "fp8", "bf16").index(fmt) :]:
+            if f in peaks:
+                return peaks[f] * 1e12
+        raise DFlashError(f"GPU {self.name} has no tensor-core peak on record.")
 
     @property
     def mxfp4_weight_only(self) -> bool:
@@ -38,13 +52,83 @@ class GPUSpec:
 GPUS: dict[str, GPUSpec] = {
     g.name: g
     for g in (
-        GPUSpec("a100", 80 * GB, "ampere", 80, fp8=False, nvfp4=False, mxfp4_mxfp8=False),
-        GPUSpec("l40s", 48 * GB, "ada", 89, fp8=True, nvfp4=False, mxfp4_mxfp8=False),
-        GPUSpec("h100", 80 * GB, "hopper", 90, fp8=True, nvfp4=False, mxfp4_mxfp8=False),
-        GPUSpec("h200", 141 * GB, "hopper", 90, fp8=True, nvfp4=False, mxfp4_mxfp8=False),
-        GPUSpec("b200", 180 * GB, "blackwell", 100, fp8=True, nvfp4=True, mxfp4_mxfp8=True),
-        GPUSpec("gb200", 186 * GB, "blackwell", 100, fp8=True, nvfp4=True, mxfp4_mxfp8=True),
-        GPUSpec("b300", 288 * GB, "blackwell", 103, fp8=True, nvfp4=True, mxfp4_mxfp8=True),
+        GPUSpec(
+            "a100",
+            80 * GB,
+            "ampere",
+            80,
+            fp8=False,
+            nvfp4=False,
+            mxfp4_mxfp8=False,
+            hbm_bytes_per_s=2.039e12,
+            tflops=(("bf16", 312),),
+        ),
+        GPUSpec(
+            "l40s",
+            48 * GB,
+            "ada",
+            89,
+            fp8=True,
+            nvfp4=False,
+            mxfp4_mxfp8=False,
+            hbm_bytes_per_s=0.864e12,
+            tflops=(("bf16", 362), ("fp8", 733)),
+        ),
+        GPUSpec(
+            "h100",
+            80 * GB,
+            "hopper",
+            90,
+            fp8=True,
+            nvfp4=False,
+            mxfp4_mxfp8=False,
+            hbm_bytes_per_s=3.35e12,
+            tflops=(("bf16", 989), ("fp8", 1979)),
+        ),
+        GPUSpec(
+            "h200",
+            141 * GB,
+            "hopper",
+            90,
+            fp8=True,
+            nvfp4=False,
+            mxfp4_mxfp8=False,
+            hbm_bytes_per_s=4.8e12,
+            tflops=(("bf16", 989), ("fp8", 1979)),
+        ),
+        GPUSpec(
+            "b200",
+            180 * GB,
+            "blackwell",
+            100,
+            fp8=True,
+            nvfp4=True,
+            mxfp4_mxfp8=True,
+            hbm_bytes_per_s=8e12,
+            tflops=(("bf16", 2250), ("fp8", 4500), ("fp4", 9000)),
+        ),
+        GPUSpec(
+            "gb200",
+            186 * GB,
+            "blackwell",
+            100,
+            fp8=True,
+            nvfp4=True,
+            mxfp4_mxfp8=True,
+            hbm_bytes_per_s=8e12,
+            tflops=(("bf16", 2500), ("fp8", 5000), ("fp4", 10000)),
+        ),
+        GPUSpec(
+            "b300",
+            288 * GB,
+            "blackwell",
+            103,
+            fp8=True,
+            nvfp4=True,
+            mxfp4_mxfp8=True,
+            hbm_bytes_per_s=8e12,
+            tflops=(("bf16", 2250), ("fp8", 4500), ("fp4", 13500)),
+        ),
     )
 }
 

@@ -34,8 +34,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from trtllm_dflash.config import DraftConfig, attention_params, gated_mlp_params
 from trtllm_dflash.deploy.gpus import GPUSpec, gpu_spec
-from trtllm_dflash.deploy.recipes import DraftFacts, ModelFacts, Parallelism, Recipe, attention_params, gated_mlp_params
+from trtllm_dflash.deploy.recipes import ModelFacts, Parallelism, Recipe
 from trtllm_dflash.errors import DFlashError
 
 GRAPH_BYTES = 200 * 10**6
@@ -91,7 +92,7 @@ def _linear_bytes(params: float, quant: str, num_linears: int) -> float:
     return params * _QUANT_BYTES[quant] + num_linears * _PER_TENSOR_SCALE_BYTES[quant]
 
 
-def _weight_rows(m: ModelFacts, d: DraftFacts | None, p: Parallelism, quant: str) -> list[tuple[str, float]]:
+def _weight_rows(m: ModelFacts, d: DraftConfig | None, p: Parallelism, quant: str) -> list[tuple[str, float]]:
     attn_shard = 1 if p.attention_dp else p.tp
     layers = math.ceil(m.num_layers / p.pp)
     vocab_rows = m.vocab_size / attn_shard
@@ -116,11 +117,14 @@ def _weight_rows(m: ModelFacts, d: DraftFacts | None, p: Parallelism, quant: str
     ]
     if d is not None:
         d_attn = attention_params(
-            d.hidden_size, d.head_dim, d.num_heads // attn_shard, _local_kv_heads(d.num_kv_heads, attn_shard)
+            d.hidden_size,
+            d.head_dim,
+            d.num_attention_heads // attn_shard,
+            _local_kv_heads(d.num_key_value_heads, attn_shard),
         )
         d_layer = d_attn + gated_mlp_params(d.hidden_size, d.intermediate_size) / attn_shard + 2 * d.hidden_size
         fc = len(d.target_layer_ids) * d.hidden_size * d.hidden_size
-        rows.append(("draft weights (bf16)", (d.num_layers * d_layer + fc + 2 * d.hidden_size) * 2))
+        rows.append(("draft weights (bf16)", (d.num_hidden_layers * d_layer + fc + 2 * d.hidden_size) * 2))
     return rows
 
 
@@ -139,7 +143,7 @@ def _kv_bytes(m: ModelFacts, p: Parallelism, kv_dtype: str, batch: int, seq: int
 
 def _runtime_rows(
     m: ModelFacts,
-    d: DraftFacts | None,
+    d: DraftConfig | None,
     p: Parallelism,
     batch: int,
     seq: int,
@@ -150,8 +154,8 @@ def _runtime_rows(
     attn_shard = 1 if p.attention_dp else p.tp
     rows = []
     if d is not None:
-        d_kv = _local_kv_heads(d.num_kv_heads, attn_shard)
-        arena = (seq + d.block_size) * (batch + 1) * d.num_layers * d_kv * d.head_dim * 2 * 2
+        d_kv = _local_kv_heads(d.num_key_value_heads, attn_shard)
+        arena = (seq + d.block_size) * (batch + 1) * d.num_hidden_layers * d_kv * d.head_dim * 2 * 2
         rows.append(("DFlash context arena", arena))
         rows.append(("DFlash capture buffer", num_tokens * d.hidden_size * len(d.target_layer_ids) * ACT_BYTES))
     q_kv = (m.num_heads // attn_shard + 2 * _local_kv_heads(m.num_kv_heads, attn_shard)) * m.head_dim
@@ -170,7 +174,7 @@ def _runtime_rows(
 
 def plan_memory(
     model: ModelFacts,
-    draft: DraftFacts | None,
+    draft: DraftConfig | None,
     parallel: Parallelism,
     quant: str,
     kv_cache_dtype: str,
@@ -230,7 +234,7 @@ def plan_recipe(recipe: Recipe) -> MemoryPlan:
     """plan_memory with a recipe's settings."""
     return plan_memory(
         recipe.model_facts,
-        recipe.draft_facts,
+        recipe.draft_config,
         recipe.parallel,
         recipe.quant,
         recipe.kv_cache_dtype,

@@ -18,7 +18,8 @@ from trtllm_dflash.models.draft_ngram import FILE as NGRAM_FILE
 from trtllm_dflash.models.draft_ngram import read_draft_ngram
 from trtllm_dflash.models.draft_vocab import FILE as VOCAB_FILE
 from trtllm_dflash.models.draft_vocab import read_draft_vocab
-from trtllm_dflash.resolve import resolve_draft, resolve_target, sha256_file
+from trtllm_dflash.models.speculators import resolve_any_draft
+from trtllm_dflash.resolve import resolve_target, sha256_file
 from trtllm_dflash.untrusted import read_hf_config
 from trtllm_dflash.validate import validate_block_size, validate_pair
 
@@ -239,7 +240,7 @@ def resolve_sources(opts: BuildOptions, progress: Callable[[str], None]) -> Sour
     b = DTYPE_BYTES[opts.dtype]
     kv_per_token = 2 * n_layers * kv_heads * head_dim * b
 
-    draft_dir = None if opts.no_draft else resolve_draft(opts.draft, opts.target)
+    draft_dir = None if opts.no_draft else resolve_any_draft(opts.draft, opts.target)
     if draft_dir is None and not opts.no_draft:
         raise DFlashError(
             f"Target '{opts.target}' has no packaged DFlash draft (yet); pass --draft DIR, or --no-draft for a plain autoregressive build."

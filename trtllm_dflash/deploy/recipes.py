@@ -1,8 +1,9 @@
 """Deployment recipes: a target's and its DFlash draft's architecture facts plus one GPU layout, checked once.
 
 A preset is a folder `build_configs/<preset>/` holding `model.yaml` (the target's and the draft's facts, each
-written once) and one file per deployment, `<gpu>.yaml` or `<gpu>-<profile>.yaml` (GPU count, parallelism,
-quantization, limits, LLM-API extras). A `Recipe` is valid by construction: every layout, quantization and
+written once; the draft's under its config.json's key names, read into the same DraftConfig as a checkpoint's)
+and one file per deployment, `<gpu>.yaml` or `<gpu>-<profile>.yaml` (GPU count, parallelism, quantization,
+limits, LLM-API extras). A `Recipe` is valid by construction: every layout, quantization and
 draft/target rule below runs in `__post_init__`, so a recipe derived with `with_overrides` (the CLI's --tp,
 --ep, --quant, ...) or `dataclasses.replace` is checked again and fails with one sentence.
 
@@ -21,24 +22,20 @@ from typing import Any
 
 import yaml
 
-from trtllm_dflash.config import DraftConfig, max_draft_len
+from trtllm_dflash.config import (
+    DRAFT_SIZES,
+    LAYER_TYPES,
+    DraftConfig,
+    attention_params,
+    gated_mlp_params,
+    max_draft_len,
+)
 from trtllm_dflash.deploy.gpus import GPUS, GPUSpec, gpu_spec
 from trtllm_dflash.errors import DFlashError
 
 QUANTS = ("none", "fp8", "nvfp4", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "nvfp4")
-LAYER_TYPES = ("full_attention", "sliding_attention")
 WEIGHT_DTYPES = ("bfloat16", "float16")
-
-
-def attention_params(hidden: int, head_dim: int, q_heads: int, kv_heads: int) -> int:
-    """q, k, v and o projections (biases and QK-norm weights are under 0.1% and left out)."""
-    return hidden * head_dim * (2 * q_heads + 2 * kv_heads)
-
-
-def gated_mlp_params(hidden: int, intermediate: int) -> int:
-    """A SwiGLU MLP or one expert: gate, up and down projections."""
-    return 3 * hidden * intermediate
 
 
 @dataclass(frozen=True)
@@ -118,55 +115,6 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
-class DraftFacts:
-    """A DFlash draft: Qwen3-style layers, no embedding or LM head (it uses the target's)."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    block_size: int
-    target_layer_ids: tuple[int, ...]
-    mask_token_id: int | None = None  # None: TensorRT-LLM reads dflash_config.mask_token_id from the draft
-    layer_types: tuple[str, ...] = ()
-    sliding_window: int | None = None
-
-    def __post_init__(self):
-        object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
-        object.__setattr__(self, "layer_types", tuple(self.layer_types) or ("full_attention",) * self.num_layers)
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "intermediate_size",
-            "vocab_size",
-            "block_size",
-        ):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise DFlashError(f"The draft's {name} must be a positive integer, got {getattr(self, name)!r}.")
-        if not self.target_layer_ids:
-            raise DFlashError("The draft has no target_layer_ids.")
-        if len(self.layer_types) != self.num_layers:
-            raise DFlashError(f"The draft lists {len(self.layer_types)} layer types for {self.num_layers} layers.")
-
-    @property
-    def param_count(self) -> int:
-        """Draft layers + `fc` (concatenated target features -> hidden) + hidden_norm + final norm."""
-        per_layer = (
-            attention_params(self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads)
-            + gated_mlp_params(self.hidden_size, self.intermediate_size)
-            + 2 * self.hidden_size
-        )
-        fc = len(self.target_layer_ids) * self.hidden_size * self.hidden_size
-        return self.num_layers * per_layer + fc + 2 * self.hidden_size
-
-
-@dataclass(frozen=True)
 class Parallelism:
     """tp x pp GPUs; MoE experts split over ep and each expert over tp // ep; attention-DP replicates attention."""
 
@@ -194,7 +142,7 @@ class Recipe:
     hf_id: str
     model_facts: ModelFacts
     draft_hf_id: str | None
-    draft_facts: DraftFacts | None
+    draft_config: DraftConfig | None  # a preset's `draft:` facts or a local draft's config.json
     gpu: str
     num_gpus: int
     parallel: Parallelism
@@ -210,6 +158,9 @@ class Recipe:
     moe_backend: str | None = None
     llm_args: dict[str, Any] = field(default_factory=dict)  # further LLM-API keys, merged by llm_options
     checkpoint: str | None = None  # the quantized checkpoint to load (a ModelOpt export) when quant is not as shipped
+    # The draft's published acceptance: (τ, at block size, source), from the preset's model.yaml; None: not known.
+    # It plans the draft length by load (deploy/schedule.py); max_draft_len above is that plan's cap.
+    draft_acceptance: tuple[float, int, str] | None = None
 
     @property
     def weights(self) -> str:
@@ -279,7 +230,7 @@ def _check_limits(r: Recipe) -> None:
 
 
 def _check_layout(r: Recipe) -> None:
-    p, m, d = r.parallel, r.model_facts, r.draft_facts
+    p, m, d = r.parallel, r.model_facts, r.draft_config
     if p.tp * p.pp != r.num_gpus:
         raise DFlashError(
             f"{r.id}: tp {p.tp} x pp {p.pp} = {p.tp * p.pp} GPUs, but the recipe runs on "
@@ -290,7 +241,9 @@ def _check_layout(r: Recipe) -> None:
     if p.attention_dp and p.tp == 1:
         raise DFlashError(f"{r.id}: attention-DP needs tp > 1 (it spreads requests over the tp ranks).")
     if not p.attention_dp:
-        shapes = [("target", m.num_heads, m.num_kv_heads)] + ([("draft", d.num_heads, d.num_kv_heads)] if d else [])
+        shapes = [("target", m.num_heads, m.num_kv_heads)] + (
+            [("draft", d.num_attention_heads, d.num_key_value_heads)] if d else []
+        )
         for who, heads, kv in shapes:
             if heads % p.tp:
                 raise DFlashError(
@@ -347,7 +300,7 @@ def _check_quant(r: Recipe) -> None:
 
 
 def _check_draft(r: Recipe) -> None:
-    d, m = r.draft_facts, r.model_facts
+    d, m = r.draft_config, r.model_facts
     if d is None:
         if r.max_draft_len:
             raise DFlashError(f"{r.id}: max_draft_len is {r.max_draft_len} but the recipe has no DFlash draft.")
@@ -432,28 +385,10 @@ def model_facts_from_hf_config(
     )
 
 
-def draft_facts_from_config(cfg: DraftConfig) -> DraftFacts:
-    """DraftFacts from our validated DraftConfig (z-lab config.json format)."""
-    return DraftFacts(
-        num_layers=cfg.num_hidden_layers,
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size,
-        vocab_size=cfg.vocab_size,
-        block_size=cfg.block_size,
-        target_layer_ids=tuple(cfg.target_layer_ids),
-        mask_token_id=cfg.mask_token_id,
-        layer_types=tuple(cfg.layer_types),
-        sliding_window=cfg.sliding_window,
-    )
-
-
 # ---------------------------------------------------------------- recipe files
 
 MODEL_FILE = "model.yaml"
-_MODEL_KEYS = {"hf_id", "defaults", "target", "draft"}
+_MODEL_KEYS = {"hf_id", "defaults", "target", "draft", "draft_acceptance"}
 _DEPLOYMENT_KEYS = {
     "checkpoint",
     "num_gpus",
@@ -507,12 +442,20 @@ def _read_yaml(path: Path, allowed: set[str]) -> dict[str, Any]:
     return data
 
 
-def _facts(cls, raw: dict[str, Any], where: str):
+# A preset's `draft:` keys: the architecture facts of the draft's config.json, under its names (DraftConfig's).
+# The rest of DraftConfig (RoPE, norms, the round-trip extras) is the checkpoint's business: TensorRT-LLM reads it
+# from the draft itself, and neither the layout checks nor the memory plan need it.
+_DRAFT_KEYS = {*DRAFT_SIZES, "target_layer_ids", "mask_token_id", "layer_types", "sliding_window"}
+
+
+def _facts(cls, raw: dict[str, Any], where: str, *, names: set[str] | None = None, layers: str = "num_layers"):
+    """`cls(**raw)` with a sentence naming `where` for an unknown key (`names`: the allowed ones, by default
+    every field) or a missing one; `layer_types_pattern` repeats over the `layers` count."""
     raw = dict(raw)
     pattern = raw.pop("layer_types_pattern", None)
     if pattern is not None:
-        raw["layer_types"] = tuple(pattern) * (raw.get("num_layers", 0) // max(len(pattern), 1))
-    names = {f.name for f in dataclasses.fields(cls)} - {"checkpoint_params"}
+        raw["layer_types"] = list(pattern) * (raw.get(layers, 0) // max(len(pattern), 1))
+    names = names or {f.name for f in dataclasses.fields(cls)} - {"checkpoint_params"}
     unknown = sorted(set(raw) - names)
     if unknown:
         raise DFlashError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(names))}.")
@@ -559,7 +502,17 @@ def load_recipe(model: str, gpu: str | None = None, profile: str | None = None) 
     target = _facts(ModelFacts, meta.get("target") or {}, f"{preset_dir / MODEL_FILE}: target")
     raw_draft = dict(meta.get("draft") or {})
     draft_hf_id = raw_draft.pop("hf_id", None)
-    draft = _facts(DraftFacts, raw_draft, f"{preset_dir / MODEL_FILE}: draft") if raw_draft else None
+    draft = (
+        _facts(
+            DraftConfig,
+            raw_draft,
+            f"{preset_dir / MODEL_FILE}: draft",
+            names=_DRAFT_KEYS,
+            layers="num_hidden_layers",
+        )
+        if raw_draft
+        else None
+    )
     if gpu not in GPUS:
         raise DFlashError(f"{path}: unknown GPU {gpu!r}; known GPUs: {', '.join(sorted(GPUS))}.")
     return Recipe(
@@ -568,7 +521,7 @@ def load_recipe(model: str, gpu: str | None = None, profile: str | None = None) 
         hf_id=meta["hf_id"],
         model_facts=target,
         draft_hf_id=draft_hf_id,
-        draft_facts=draft,
+        draft_config=draft,
         gpu=gpu,
         num_gpus=dep.get("num_gpus", 1),
         parallel=_facts(Parallelism, dep.get("parallel") or {}, f"{path}: parallel"),
@@ -584,7 +537,20 @@ def load_recipe(model: str, gpu: str | None = None, profile: str | None = None) 
         moe_backend=dep.get("moe_backend"),
         llm_args=dict(dep.get("llm_args") or {}),
         checkpoint=dep.get("checkpoint"),
+        draft_acceptance=_acceptance(meta.get("draft_acceptance"), f"{preset_dir / MODEL_FILE}: draft_acceptance"),
     )
+
+
+def _acceptance(raw, where: str) -> tuple[float, int, str] | None:
+    """model.yaml's `draft_acceptance: {tau, block_size, source}`: a published acceptance length and where from."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"tau", "block_size", "source"}:
+        raise DFlashError(f"{where} must hold exactly tau, block_size and source.")
+    tau, block, source = raw["tau"], raw["block_size"], raw["source"]
+    if not isinstance(block, int) or block < 2 or not isinstance(tau, (int, float)) or not 1 <= tau <= block:
+        raise DFlashError(f"{where}: tau must lie between 1 and block_size (an integer of 2 or more), got {raw}.")
+    return float(tau), block, str(source)
 
 
 # Combinations upstream shows no DFlash test of (NVIDIA/TensorRT-LLM tests/integration/defs/accuracy/

@@ -29,13 +29,12 @@ from pathlib import Path
 
 import yaml
 
-from trtllm_dflash.config import block_size_of, max_draft_len
+from trtllm_dflash.config import max_draft_len
 from trtllm_dflash.deploy.memory import MemoryPlan, plan_recipe
 from trtllm_dflash.deploy.recipes import (
     Parallelism,
     Recipe,
     conservative,
-    draft_facts_from_config,
     is_gpu_preset,
     load_recipe,
     model_facts_from_hf_config,
@@ -45,7 +44,8 @@ from trtllm_dflash.deploy.steps import PlannedFile, Step, stage_step, target_ste
 from trtllm_dflash.deploy.trtllm.schema import FIRST_DFLASH_RELEASE, release
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import check_draft
-from trtllm_dflash.resolve import resolve_draft, sha256_file
+from trtllm_dflash.models.speculators import resolve_any_draft
+from trtllm_dflash.resolve import sha256_file
 from trtllm_dflash.serving.repository import RepoParams
 
 ENGINE_MODEL = "tensorrt_llm"
@@ -136,7 +136,7 @@ def _local_recipe(opts, sources) -> Recipe:
     facts = model_facts_from_hf_config(
         {**config, "torch_dtype": "bfloat16"} if fp32 else config
     )  # fp32 is served in bf16
-    draft = draft_facts_from_config(check_draft(sources.draft_dir)) if sources.draft_dir else None
+    draft = check_draft(sources.draft_dir) if sources.draft_dir else None
     gpu = (opts.gpu or LOCAL_GPU).lower()
     tp = opts.tp or 1
     batch = opts.max_batch_size or LOCAL_LIMITS["max_batch_size"]
@@ -146,7 +146,7 @@ def _local_recipe(opts, sources) -> Recipe:
         hf_id=str(sources.target_dir),
         model_facts=facts,
         draft_hf_id=None,
-        draft_facts=draft,
+        draft_config=draft,
         gpu=gpu,
         num_gpus=tp,
         parallel=Parallelism(tp=tp, ep=opts.ep or 1),
@@ -166,19 +166,19 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
     if is_gpu_preset(opts.target):
         recipe = load_recipe(opts.target, opts.gpu, opts.recipe)
         if opts.no_draft:
-            recipe = dataclasses.replace(recipe, draft_hf_id=None, draft_facts=None, max_draft_len=0)
+            recipe = dataclasses.replace(recipe, draft_hf_id=None, draft_config=None, max_draft_len=0)
         sources = None
-        draft_dir = resolve_draft(opts.draft, opts.target) if opts.draft else None
+        draft_dir = resolve_any_draft(opts.draft, opts.target) if opts.draft else None
         if draft_dir is not None:  # a local draft for a preset target: checked against the preset's target facts
-            facts = draft_facts_from_config(check_draft(draft_dir))
+            draft = check_draft(draft_dir)
             recipe = dataclasses.replace(
-                recipe, draft_facts=facts, max_draft_len=min(recipe.max_draft_len, max_draft_len(facts.block_size))
+                recipe, draft_config=draft, max_draft_len=min(recipe.max_draft_len, max_draft_len(draft.block_size))
             )
         recipe = _overrides(opts, recipe, opts.block_size)
         _check_weights(recipe)
         recipe, tested = conservative(recipe, opts.opt_in)
         draft_files = (draft_dir / "config.json", *sorted(draft_dir.glob("*.safetensors"))) if draft_dir else ()
-        hub_draft = recipe.draft_hf_id if recipe.draft_facts is not None and not draft_dir else None
+        hub_draft = recipe.draft_hf_id if recipe.draft_config is not None and not draft_dir else None
         dep = Deployment(
             recipe,
             plan_recipe(recipe),
@@ -310,8 +310,8 @@ def deploy_md(dep: Deployment) -> str:
         + " from Hugging Face on first start (set `HF_TOKEN` for gated models)"
     )
     draft = (
-        f"DFlash draft `{dep.draft_ref}`, {r.max_draft_len} draft tokens per step (block {r.draft_facts.block_size})"
-        if r.draft_facts
+        f"DFlash draft `{dep.draft_ref}`, {r.max_draft_len} draft tokens per step (block {r.draft_config.block_size})"
+        if r.draft_config
         else "no draft (plain autoregressive decoding)"
     )
     tested = (
@@ -417,10 +417,6 @@ def steps(opts, dep: Deployment, sources, hashes: dict[str, str]) -> list:
     params = RepoParams(
         max_batch_size=dep.recipe.max_batch_size,
         max_seq_len=dep.recipe.max_seq_len,
-        block_size=block_size_of(dep.recipe.max_draft_len),
-        dtype="auto",
-        target_dir="",
-        draft_dir="",
         tokenizer_dir=dep.tokenizer_ref,
         apply_chat_template=opts.chat_template,
         engine_model=ENGINE_MODEL,

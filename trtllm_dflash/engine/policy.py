@@ -14,7 +14,7 @@ cheap), and only where that block could pay: once when the row is new, then only
 of the plain steps covers the probe's expected loss (its cost less what its expected tokens would take at the best
 allocation's rate: a row near break-even is probed often, one the draft never serves rarely).
 A greedy drafting row also learns the slot after its block: the draft guesses it too (one slot more of its forward),
-and where every verified guess is accepted the bonus token says whether that guess was right (generate.py), so a row
+and where every verified guess is accepted the bonus token says whether that guess was right (step.py), so a row
 held at short blocks by other requests' record measures whether a longer one would pay, without paying to verify it.
 A row whose recent tokens occurred before (lookup.py) may verify the tokens that followed them instead of drafting:
 such a row costs only its verify tokens, and its block length (up to 1 + lookup.MAX_GUESSES, beyond the draft's block)
@@ -30,6 +30,7 @@ import weakref
 from dataclasses import dataclass
 
 from trtllm_dflash.engine.lookup import MAX_GUESSES
+from trtllm_dflash.engine.step import StepRecord
 
 PRIOR = 0.6  # conditional acceptance assumed before anything is measured
 PRIOR_WEIGHT = 4.0  # a row's own counts outweigh the population's after a few steps
@@ -178,7 +179,7 @@ class BlockPolicy:
 
     def width(self, kmax: int) -> int:
         """Slots each drafting row drafts when the longest drafted block is kmax tokens: with a draft trained on short
-        blocks, that block's and the spare guess's (generate.py; a sampling row has none), else the whole block."""
+        blocks, that block's and the spare guess's (propose.py; a sampling row has none), else the whole block."""
         return min(self.max_block, kmax + 1) if self.short else self.max_block
 
     def _curve(self, tokens: int, drafting: int, levels=None, width: int | None = None) -> float:
@@ -312,25 +313,16 @@ class BlockPolicy:
             for t in costs:
                 costs[t] *= scale
 
-    def observe(
-        self,
-        rows: list,
-        ks: list[int],
-        accepted: list[int],
-        draft_seconds: float,
-        verify_seconds: float,
-        looked: list[bool] | None = None,
-        beyond: list[bool | None] | None = None,
-        width: int | None = None,
-    ) -> None:
-        """Learn from a finished step: its measured costs and each row's accepted run (`looked[i]`: row i verified
-        lookup guesses; `beyond[i]`: where row i's guesses were all accepted, whether its guess for the slot after its
-        block was the target's token too, None where not known; `width`: the slots each drafting row drafted, default
-        the whole block)."""
-        width = width or self.max_block
+    def observe(self, rows: list, step: StepRecord) -> None:
+        """Learn from a finished step (step.py): its measured costs and each row's accepted run (`step.looked[i]`: row
+        i verified lookup guesses; `step.beyond[i]`: where row i's guesses were all accepted, whether its guess for the
+        slot after its block was the target's token too; `step.width`: the slots each drafting row drafted)."""
+        ks, accepted = step.ks, step.accepted
+        draft_seconds, verify_seconds = step.draft_seconds, step.verify_seconds
+        looked, beyond = step.looked or (False,) * len(rows), step.beyond
+        width = step.width or self.max_block
         if not self.adaptive:
             return
-        looked = looked or [False] * len(rows)
         drafting = sum(k > 1 and not lk for k, lk in zip(ks, looked))
         chosen = [
             (r, k, a) for r, k, a, lk in zip(rows, ks, accepted, looked) if k > 1 and not lk and r is not self._probed

@@ -12,17 +12,19 @@ import torch
 
 from trtllm_dflash.config import SPECULATION, SamplingParams
 from trtllm_dflash.cpu import resolve_dtype
-from trtllm_dflash.engine.generate import Batch, GenerationStats, Request, speculative_stream
+from trtllm_dflash.engine.batch import Batch, speculative_stream
 from trtllm_dflash.engine.policy import OPTIMISTIC, BlockPolicy
 from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
+from trtllm_dflash.engine.request import GenerationStats, Request
 from trtllm_dflash.engine.scheduler import Scheduler
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import held_out_tau, load_draft, read_draft_config
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.models.draft_ngram import read_draft_ngram
 from trtllm_dflash.models.draft_vocab import read_draft_vocab
+from trtllm_dflash.models.speculators import resolve_any_draft
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.resolve import resolve_draft, resolve_target
+from trtllm_dflash.resolve import resolve_target
 from trtllm_dflash.threads import server_threads
 from trtllm_dflash.validate import validate_block_size, validate_pair
 
@@ -191,7 +193,7 @@ class DFlashEngine:
         target's."""
         dtype = resolve_dtype(dtype)
         target_path = resolve_target(target, progress)
-        draft_path = None if no_draft else resolve_draft(draft, target)
+        draft_path = None if no_draft else resolve_any_draft(draft, target)
         draft_cfg = read_draft_config(draft_path) if draft_path is not None else None
         if block_size is not None and block_size > 1 and draft_cfg is None:
             raise DFlashError(

@@ -12,10 +12,13 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import ClassVar
 
-from trtllm_dflash.engine.generate import Batch, Request
+from trtllm_dflash.engine.batch import Batch
 from trtllm_dflash.engine.prefix_cache import BLOCK
+from trtllm_dflash.engine.request import Request
+from trtllm_dflash.engine.step import StepRecord
 from trtllm_dflash.errors import DFlashError
 
 DONE = object()
@@ -25,32 +28,65 @@ PREFILL_TOKENS = (
 # 2-core CPU, and one of a few thousand tokens waits a few steps, not one step per 64-token chunk
 
 
+def _gauge(help: str):
+    return field(default=0, metadata={"prometheus": "gauge", "help": help})
+
+
+def _counter(help: str):
+    return field(default=0, metadata={"prometheus": "counter", "help": help})
+
+
 @dataclass
 class EngineMetrics:
-    """What a Prometheus scrape shows: gauges of the last step and running totals."""
+    """What a Prometheus scrape shows: gauges of the last step and running totals. Each published field carries its
+    kind and help text (`published`), so the Triton model's metric families are these fields, not a copy of them."""
 
-    running: int = 0
-    queued: int = 0
-    batch_size: int = 0  # rows in the last step
-    block_length: float = 0.0  # tokens verified per row in the last step (the rows' block lengths, averaged)
-    tokens_last_step: int = 0
-    steps: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # of those, copied from the prefix cache (prefix_cache.py)
-    generated_tokens: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    lookup_steps: int = 0  # row-steps that verified prompt-lookup guesses instead of the draft's (lookup.py)
-    lookup_accepted_tokens: int = 0
-    requests_finished: int = 0
-    requests_failed: int = 0
+    running: int = _gauge("Requests in the running batch")
+    queued: int = _gauge("Requests waiting for a slot")
+    batch_size: int = _gauge("Rows in the last engine step")
+    block_length: float = _gauge(
+        "Tokens verified per row in the last step (the block lengths the policy chose, averaged over rows)"
+    )
+    tokens_last_step: int = _gauge("Tokens committed by the last engine step, all rows")
+    steps: int = _counter("Engine steps (one draft + one verify forward for all rows)")
+    prompt_tokens: int = _counter("Prompt tokens prefilled")
+    cached_prompt_tokens: int = _counter("Prompt tokens whose K/V came from the prefix cache instead of a forward")
+    generated_tokens: int = _counter("Tokens generated")
+    drafted_tokens: int = _counter("Draft tokens proposed for verification")
+    accepted_tokens: int = _counter("Draft tokens accepted")
+    lookup_steps: int = _counter("Request-steps that verified prompt-lookup guesses instead of the draft's")
+    lookup_accepted_tokens: int = _counter("Prompt-lookup guesses accepted (also counted in accepted_tokens)")
+    requests_finished: int = _counter("Requests completed")
+    requests_failed: int = _counter("Requests that ended in an error")
     row_steps: int = 0  # sum over steps of the rows in them
     block_lengths: dict[int, int] = field(default_factory=dict)  # block length chosen -> row-steps
+    ACCEPTANCE_HELP: ClassVar[str] = "Committed tokens per row per step since start (1.0 = no speculation)"
 
     @property
     def acceptance_length(self) -> float:
         """Committed tokens per row-step over the server's life (1.0 = no speculation)."""
         return (self.accepted_tokens + self.row_steps) / self.row_steps if self.row_steps else 0.0
+
+    @classmethod
+    def published(cls) -> dict[str, tuple[str, str]]:
+        """name -> (gauge | counter, help) of every value a scrape shows (block_lengths: one counter per length)."""
+        out = {
+            f.name: (f.metadata["prometheus"], f.metadata["help"]) for f in fields(cls) if "prometheus" in f.metadata
+        }
+        return out | {"acceptance_length": ("gauge", cls.ACCEPTANCE_HELP)}
+
+    def add_step(self, step: StepRecord) -> None:
+        self.steps += 1
+        self.row_steps += step.rows
+        self.batch_size, self.block_length = step.rows, sum(step.ks) / step.rows
+        for k in step.ks:
+            self.block_lengths[k] = self.block_lengths.get(k, 0) + 1
+        self.drafted_tokens += step.drafted_tokens
+        self.accepted_tokens += step.accepted_tokens
+        self.lookup_steps += step.lookup_steps
+        self.lookup_accepted_tokens += step.lookup_accepted_tokens
+        self.tokens_last_step = step.tokens
+        self.generated_tokens += step.tokens
 
 
 class Handle:
@@ -192,18 +228,8 @@ class Scheduler:
                 for req in rows:
                     self._finish(self.running[req], error)
                 continue
-            m, (ks, drafted, accepted, looked, looked_accepted) = self.metrics, batch.last_step
-            m.steps += 1
-            m.row_steps += len(rows)
-            m.batch_size, m.block_length = len(rows), sum(ks) / len(ks)
-            for k in ks:
-                m.block_lengths[k] = m.block_lengths.get(k, 0) + 1
-            m.drafted_tokens += drafted
-            m.accepted_tokens += accepted
-            m.lookup_steps += looked
-            m.lookup_accepted_tokens += looked_accepted
-            m.tokens_last_step = sum(len(t) for t in out.values())
-            m.generated_tokens += m.tokens_last_step
+            m = self.metrics
+            m.add_step(batch.last_step)
             for req, tokens in out.items():
                 if tokens:
                     self.running[req].put(tokens)

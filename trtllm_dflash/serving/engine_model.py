@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import triton_python_backend_utils as pb_utils
 
-from trtllm_dflash.engine.generate import GenerationStats
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.serving import cancel, protocol
 

@@ -27,8 +27,8 @@ import numpy as np
 from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.errors import DFlashError
 
-if TYPE_CHECKING:  # a type only: Triton's postprocessing stub imports this module, and generate.py imports torch
-    from trtllm_dflash.engine.generate import GenerationStats
+if TYPE_CHECKING:  # a type only: Triton's postprocessing stub imports this module, and the engine imports torch
+    from trtllm_dflash.engine.request import GenerationStats
 
 Getter = Callable[[str], "np.ndarray | None"]  # input name -> its array (batch dim first), None if absent
 

@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from string import Template
 
-from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.resources import package_dir
 from trtllm_dflash.serving.protocol import pbtxt_values
@@ -23,23 +22,15 @@ USER_MODEL = "ensemble"
 
 @dataclass(frozen=True)
 class RepoParams:
-    """Every value the templates need; paths are relative to a model directory (triton_repo/<model>/)."""
+    """Every value the templates need; paths are relative to a model directory (triton_repo/<model>/). The engine
+    model's own options are not template values: `dflash` reads config.EngineOptions from its ENGINE_FILE, and
+    `tensorrt_llm` its LLM-API options from model.yaml."""
 
     max_batch_size: int
     max_seq_len: int
-    block_size: int
-    dtype: str
-    target_dir: str
-    draft_dir: str  # "" = no draft (autoregressive)
     tokenizer_dir: str
     apply_chat_template: bool
     engine_model: str = "dflash"  # the ensemble's engine step; a `tensorrt_llm` model has the same I/O
-    speculation: str = "adaptive"  # block length per step: adaptive (measured costs) or fixed (always the full block)
-    lookup: bool = True  # prompt-lookup guesses where a request's text repeats (lookup.py)
-    int8_draft: bool = True  # bf16 on AVX2 alone: the draft's weights as int8 (DFlashEngine.load)
-    prefix_cache_tokens: int = (
-        PREFIX_CACHE_TOKENS  # prompt tokens whose K/V the engine keeps for later prompts (prefix_cache.py)
-    )
 
     def models(self) -> tuple[str, ...]:
         return ("preprocessing", self.engine_model, "postprocessing", USER_MODEL)

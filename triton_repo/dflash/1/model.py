@@ -13,61 +13,43 @@ from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from trtllm_dflash.config import ENGINE_FILE, EngineOptions
 from trtllm_dflash.engine.runtime import DFlashEngine
+from trtllm_dflash.engine.scheduler import EngineMetrics
 from trtllm_dflash.serving.engine_model import EngineModel
 
 MAX_STREAMS = 1024  # open streams the model accepts; beyond max_batch_size they wait in the scheduler's queue
 METRICS_EVERY = 1.0  # seconds between metric updates, as often as tritonserver refreshes its own (--metrics-interval-ms
 # defaults to 2000); each update of a metric is a round trip to the server process that holds the GIL
-GAUGES = {
-    "running": "Requests in the running batch",
-    "queued": "Requests waiting for a slot",
-    "batch_size": "Rows in the last engine step",
-    "block_length": "Tokens verified per row in the last step (the block lengths the policy chose, averaged over rows)",
-    "tokens_last_step": "Tokens committed by the last engine step, all rows",
-    "acceptance_length": "Committed tokens per row per step since start (1.0 = no speculation)",
-}
-COUNTERS = {
-    "steps": "Engine steps (one draft + one verify forward for all rows)",
-    "prompt_tokens": "Prompt tokens prefilled",
-    "cached_prompt_tokens": "Prompt tokens whose K/V came from the prefix cache instead of a forward",
-    "generated_tokens": "Tokens generated",
-    "drafted_tokens": "Draft tokens proposed for verification",
-    "accepted_tokens": "Draft tokens accepted",
-    "lookup_steps": "Request-steps that verified prompt-lookup guesses instead of the draft's",
-    "lookup_accepted_tokens": "Prompt-lookup guesses accepted (also counted in accepted_tokens)",
-    "requests_finished": "Requests completed",
-    "requests_failed": "Requests that ended in an error",
-}
+METRICS = EngineMetrics.published()  # name -> (gauge | counter, help): the engine's metrics are the families
 
 
 class TritonPythonModel(EngineModel):
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        param = lambda key: config["parameters"][key]["string_value"]  # noqa: E731
         here = Path(args["model_repository"])
-        draft = param("draft_dir")
+        opts = EngineOptions.from_json((here / ENGINE_FILE).read_text(), str(here / ENGINE_FILE))
         self.engine = DFlashEngine.load(
-            str(here / param("target_dir")),
-            str(here / draft) if draft else None,
-            no_draft=not draft,
-            dtype=param("dtype"),
-            block_size=int(param("block_size")),
-            speculation=param("speculation"),
-            lookup=param("lookup") == "true",
-            int8_draft=param("int8_draft") == "true",
+            str(here / opts.target_dir),
+            str(here / opts.draft_dir) if opts.draft_dir else None,
+            no_draft=not opts.draft_dir,
+            dtype=opts.dtype,
+            block_size=opts.block_size,
+            speculation=opts.speculation,
+            lookup=opts.lookup,
+            int8_draft=opts.int8_draft,
             progress=pb_utils.Logger.log_info,
         )
-        max_batch, max_seq_len = int(config["max_batch_size"]), int(param("max_seq_len"))
+        max_batch = int(config["max_batch_size"])
+        max_seq_len = int(config["parameters"]["max_seq_len"]["string_value"])
         # A Metric needs its MetricFamily alive: both are kept for the model's life.
         self.families = {
-            k: pb_utils.MetricFamily(f"dflash_{k}", d, pb_utils.MetricFamily.GAUGE) for k, d in GAUGES.items()
+            k: pb_utils.MetricFamily(f"dflash_{k}", d, pb_utils.MetricFamily.GAUGE)
+            if kind == "gauge"
+            else pb_utils.MetricFamily(f"dflash_{k}_total", d, pb_utils.MetricFamily.COUNTER)
+            for k, (kind, d) in METRICS.items()
         }
-        self.families |= {
-            k: pb_utils.MetricFamily(f"dflash_{k}_total", d, pb_utils.MetricFamily.COUNTER) for k, d in COUNTERS.items()
-        }
-        self.gauges = {k: self.families[k].Metric(labels={"model": "dflash"}) for k in GAUGES}
-        self.counters = {k: self.families[k].Metric(labels={"model": "dflash"}) for k in COUNTERS}
+        self.metrics = {k: family.Metric(labels={"model": "dflash"}) for k, family in self.families.items()}
         self.block_family = pb_utils.MetricFamily(
             "dflash_block_length_steps_total",
             "Requests' steps per chosen block length (each running request counts once per engine step)",
@@ -80,7 +62,7 @@ class TritonPythonModel(EngineModel):
             max_seq_len + self.engine.block_size,
             on_step=lambda m: self._stepped.set(),
             log=pb_utils.Logger.log_error,
-            prefix_cache_tokens=int(param("prefix_cache_tokens")),
+            prefix_cache_tokens=opts.prefix_cache_tokens,
         )
         self.start(
             name="dflash",
@@ -92,7 +74,7 @@ class TritonPythonModel(EngineModel):
         threading.Thread(target=self._publisher, name="dflash-metrics", daemon=True).start()
         pb_utils.Logger.log_info(
             f"dflash ready: block size {self.engine.block_size}, draft {self.engine.draft_weights or 'no'}, "
-            f"in-flight batching up to {max_batch} requests, {param('speculation')} speculation"
+            f"in-flight batching up to {max_batch} requests, {opts.speculation} speculation"
             f"{', prompt lookup' if self.engine.lookup else ''}"
         )
 
@@ -113,7 +95,7 @@ class TritonPythonModel(EngineModel):
     def _publish(self, m):
         """Engine metrics -> Triton custom metrics: gauges set to their value, counters advanced by what happened since
         the last publish."""
-        values = {k: float(getattr(m, k)) for k in (*GAUGES, *COUNTERS)}
+        values = {k: float(getattr(m, k)) for k in METRICS}
         values |= {
             ("block", k): float(steps) for k, steps in dict(m.block_lengths).items()
         }  # a copy: the engine adds keys
@@ -121,10 +103,10 @@ class TritonPythonModel(EngineModel):
             last = self._published.get(key)
             if last == value:
                 continue
-            if key in self.gauges:
-                self.gauges[key].set(value)
-            elif key in self.counters:
-                self.counters[key].increment(value - (last or 0.0))
+            if key in METRICS and METRICS[key][0] == "gauge":
+                self.metrics[key].set(value)
+            elif key in METRICS:
+                self.metrics[key].increment(value - (last or 0.0))
             else:
                 if key not in self.block_counters:
                     self.block_counters[key] = self.block_family.Metric(

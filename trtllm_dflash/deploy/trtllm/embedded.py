@@ -22,7 +22,8 @@ from types import SimpleNamespace
 
 from trtllm_dflash.config import SamplingParams as OurSampling
 from trtllm_dflash.config import block_size_of
-from trtllm_dflash.engine.generate import GenerationStats, speculative_stream
+from trtllm_dflash.engine.batch import speculative_stream
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.engine.runtime import DFlashEngine
 
 DTYPES = {"auto": "fp32", "float32": "fp32", "bfloat16": "bf16"}  # auto: fp32 keeps greedy bit-exact on CPU

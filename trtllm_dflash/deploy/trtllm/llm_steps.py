@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, MutableMapping
 
-from trtllm_dflash.engine.generate import GenerationStats
+from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.engine.runtime import IncrementalDetokenizer
 from trtllm_dflash.serving.protocol import EngineRequest
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trtllm_dflash.deploy.recipes import Recipe
+from trtllm_dflash.deploy.schedule import plan_recipe_schedule
 from trtllm_dflash.deploy.trtllm.schema import validate_llm_args
 from trtllm_dflash.errors import DFlashError
 
@@ -65,7 +66,7 @@ def llm_options(
         owned = sorted(set(update) & set(_OWNED))
         if owned:
             raise DFlashError(f"{where}: {owned[0]} comes from {_OWNED[owned[0]]}, not from {source}.")
-    if (draft is None) != (recipe.draft_facts is None):
+    if (draft is None) != (recipe.draft_config is None):
         raise DFlashError(
             f"{where}: recipe {recipe.id} {'needs a DFlash draft' if draft is None else 'has no DFlash draft facts'}."
         )
@@ -99,6 +100,18 @@ def llm_options(
             "max_draft_len": recipe.max_draft_len,
             "speculative_model": draft,
         }
+        chosen = {
+            k
+            for u in (recipe.llm_args, extra or {})
+            for k in (u.get("speculative_config") or {})
+            if k in ("draft_len_schedule", "max_concurrency", "max_draft_len")
+        }
+        if not chosen:  # the operator's own choice of draft lengths stands; else the plan's
+            plan = plan_recipe_schedule(recipe, recipe.max_draft_len)
+            options["speculative_config"] |= {
+                "max_draft_len": plan.max_draft_len,
+                "draft_len_schedule": plan.schedule(),
+            }
     recipe_args = {k: v for k, v in recipe.llm_args.items() if serve or k != POSTPROCESS_WORKERS}
     options = _merge(_merge(options, recipe_args), extra or {})
     validate_llm_args(options, where, trtllm_version)

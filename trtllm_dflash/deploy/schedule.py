@@ -1,0 +1,210 @@
+"""Draft length by load: the `draft_len_schedule` that maximises expected committed tokens per second.
+
+A step with draft length K commits E(K) = 1 + p_1 + p_1 p_2 + ... + p_1...p_K tokens per request (p_j: the draft's
+conditional acceptance at position j) and costs T(batch, K). Speculation pays while verifying K more tokens per row
+is cheap, which holds where a step is bound by reading weights; as the batch grows the step becomes bound by
+compute, every rejected guess costs real FLOPs, and the best K falls, to 0 (no drafting) eventually. So the planner
+takes, per batch size, the K with the most E(K) / T(batch, K) and writes the result as TensorRT-LLM's
+`speculative_config.draft_len_schedule`.
+
+Two inputs, each shown with the plan: the acceptance per position (a draft card's acceptance length, or our own
+measurement), and T. On a GPU, T is a roofline of the recipe's GPU (`roofline_cost`: weight, KV-cache and LM-head bytes
+over HBM bandwidth against the FLOPs of batch x (K + 1) tokens at the format's tensor-core peak, the larger of the
+two, for the target's verify forward and the drafter's); on a CPU it is measured (the embedded engine's calibration).
+A GPU host can replace the roofline with measured costs; the schedule's shape is the same either way.
+
+TensorRT-LLM's readings of the schedule changed between releases: a key was the smallest batch size of its draft
+length (tensorrt_llm/_torch/speculative/drafter.py before 1.3), and is now the largest (`get_draft_len_for_batch_size`
+in tensorrt_llm/_torch/speculative/utils.py, main; batch sizes above the last key draft nothing). `schedule()` writes
+both ends of every run of equal lengths, up to max_batch_size, so either reading gives every batch size its planned
+length; its smallest key is 1 and maps to max_draft_len, as upstream's validator requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from trtllm_dflash.config import DraftConfig
+from trtllm_dflash.deploy.memory import _kv_bytes, _weight_rows
+from trtllm_dflash.deploy.recipes import Recipe
+from trtllm_dflash.errors import DFlashError
+
+BW_EFFICIENCY = 0.7  # share of HBM bandwidth a decode step's kernels reach
+FLOP_EFFICIENCY = 0.5  # share of the tensor-core peak a step's GEMMs reach
+# Per layer of a forward: what keeps a small batch's step above its roofline (kernel boundaries, synchronisation).
+# 50 µs puts Qwen3-8B's decode step on a B200 near SGLang's published ~5 ms (sglang PR #23000's baseline).
+LAYER_OVERHEAD_S = 50e-6
+CONTEXT = 2048  # tokens of context a running request holds on average, for the KV reads
+UNKNOWN_TAU = 3.0  # a draft with no published acceptance: about what chat traffic gets from the published drafts
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The draft's conditional acceptance per position (p_j, j = 1..max) and where it comes from."""
+
+    conditional: tuple[float, ...]
+    source: str
+
+    @classmethod
+    def from_tau(cls, tau: float, block_size: int, source: str) -> Acceptance:
+        """One acceptance length τ at `block_size` (τ counts the bonus token) as a constant p with
+        1 + p + ... + p^(block_size - 1) = τ, which is what a single published number allows."""
+        if not 1.0 <= tau <= block_size:
+            raise DFlashError(f"An acceptance length must lie between 1 and the block size {block_size}, got {tau}.")
+        lo, hi = 0.0, 1.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if sum(mid**j for j in range(block_size)) < tau else (lo, mid)
+        return cls(((lo + hi) / 2,) * (block_size - 1), f"{source}: τ {tau:g} at block {block_size}")
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for p in self.conditional[:k]:
+            run *= p
+            total += run
+        return total
+
+
+@dataclass(frozen=True)
+class Planned:
+    batch: int
+    draft_len: int
+    tokens_per_step: float  # per request, bonus included
+    speedup: float  # committed tokens per second against the same batch without drafting
+
+
+@dataclass(frozen=True)
+class DraftSchedule:
+    """The planned draft length per batch size (1..max_batch_size, powers of two and the maximum), with its inputs."""
+
+    rows: tuple[Planned, ...]
+    max_batch_size: int
+    inputs: tuple[tuple[str, str], ...]
+
+    def length_at(self, batch: int) -> int:
+        """The planned length of `batch` rows: that of the nearest planned batch size at or below it."""
+        return max((r for r in self.rows if r.batch <= batch), key=lambda r: r.batch).draft_len
+
+    @property
+    def max_draft_len(self) -> int:
+        return self.length_at(1)
+
+    def schedule(self) -> dict[int, int]:
+        """TensorRT-LLM's `draft_len_schedule`: both ends of every run of equal lengths (see the module's doc)."""
+        out: dict[int, int] = {}
+        start, k = 1, self.length_at(1)
+        for b in range(2, self.max_batch_size + 2):
+            kb = self.length_at(b) if b <= self.max_batch_size else None
+            if kb != k:
+                out[start], out[b - 1] = k, k
+                start, k = b, kb
+        return out
+
+    def table(self) -> str:
+        lines = ["| batch | draft length | tokens/step | expected speed-up |", "|---:|---:|---:|---:|"]
+        lines += [f"| {r.batch} | {r.draft_len} | {r.tokens_per_step:.2f} | {r.speedup:.2f}x |" for r in self.rows]
+        lines += ["", "Inputs: " + "; ".join(f"{k} {v}" for k, v in self.inputs) + "."]
+        return "\n".join(lines)
+
+
+def batch_sizes(max_batch_size: int) -> list[int]:
+    return sorted({2**i for i in range(max_batch_size.bit_length()) if 2**i <= max_batch_size} | {max_batch_size})
+
+
+def plan_schedule(
+    acceptance: Acceptance,
+    cost: Callable[[int, int], float],
+    max_batch_size: int,
+    max_draft_len: int,
+    inputs: tuple[tuple[str, str], ...] = (),
+) -> DraftSchedule:
+    """Per batch size, the draft length with the most expected tokens per second (the shorter on a tie); `cost(batch,
+    k)` is a step's seconds. Batch 1 chooses among 1..max_draft_len (TensorRT-LLM takes no DFlash deployment with
+    max_draft_len 0: the twin without a draft is the way to turn drafting off), and every larger batch among
+    0..that length, since TensorRT-LLM requires every scheduled length to be at most the batch-1 one."""
+    if max_draft_len < 1 or max_batch_size < 1:
+        raise DFlashError(f"Cannot plan draft lengths up to {max_draft_len} for batches up to {max_batch_size}.")
+    rows, top = [], max_draft_len
+    for b in batch_sizes(max_batch_size):
+        rate = {k: acceptance.expected_tokens(k) / cost(b, k) for k in range(top + 1)}
+        k = max((k for k in rate if k > 0 or b > 1), key=lambda k: (rate[k], -k))
+        top = k if b == 1 else top
+        rows.append(Planned(b, k, acceptance.expected_tokens(k), rate[k] / rate[0]))
+    return DraftSchedule(tuple(rows), max_batch_size, inputs)
+
+
+def _format(quant: str, recipe: Recipe) -> str:
+    """The operand format of the target's GEMMs under `quant` on the recipe's GPU."""
+    g = recipe.gpu_spec
+    if quant == "nvfp4" and g.nvfp4:
+        return "fp4"
+    if quant == "fp8" or (quant == "mxfp4" and g.mxfp4_mxfp8):
+        return "fp8" if g.fp8 else "bf16"
+    return "bf16"
+
+
+def roofline_cost(recipe: Recipe, context: int = CONTEXT) -> Callable[[int, int], float]:
+    """T(batch, K) on one GPU of the recipe: target verify of batch x (K + 1) tokens, plus for K > 0 the drafter's
+    forward over as many slots and the LM head on its K guesses. A MoE reads only the experts its tokens route to
+    (each token picks experts_per_token of num_experts; the expected distinct share is 1 - (1 - k/E)^tokens)."""
+    m, d, p, g = recipe.model_facts, recipe.draft_config, recipe.parallel, recipe.gpu_spec
+    if d is None:
+        raise DFlashError(f"{recipe.id} has no draft to plan draft lengths for.")
+    rows = dict(_weight_rows(m, d, p, recipe.quant))
+    experts = next((b for label, b in rows.items() if label == "target experts"), 0.0)
+    dense = sum(b for label, b in rows.items() if not label.startswith("draft") and label != "target experts")
+    draft_bytes = rows["draft weights (bf16)"]
+    head_bytes = m.vocab_size * m.hidden_size * 2 / (1 if p.attention_dp else p.tp)
+    active = (
+        m.param_count
+        if not m.is_moe
+        else m.param_count
+        - m.num_layers * m.hidden_size * m.intermediate_size * 3 * (m.num_experts - m.experts_per_token)
+    )
+    shard = p.tp * p.pp
+    peak = g.peak_flops(_format(recipe.quant, recipe)) * FLOP_EFFICIENCY
+    bandwidth = g.hbm_bytes_per_s * BW_EFFICIENCY
+    draft_kv_per_token = 2 * d.num_hidden_layers * d.num_key_value_heads * d.head_dim * 2
+
+    def forward(bytes_read: float, flops: float, layers: int) -> float:
+        return max(bytes_read / bandwidth, flops / peak) + layers * LAYER_OVERHEAD_S
+
+    def cost(batch: int, k: int) -> float:
+        tokens = batch * (k + 1)
+        share = 1 - (1 - m.experts_per_token / m.num_experts) ** tokens if m.is_moe else 1.0
+        kv = _kv_bytes(m, p, recipe.kv_cache_dtype, batch, context, 0)
+        attn = 4 * m.num_layers * m.num_heads * m.head_dim * context * tokens / shard
+        verify = forward(dense + share * experts + kv, 2 * active * tokens / shard + attn, m.num_layers // p.pp)
+        if k == 0:
+            return verify
+        d_flops = 2 * (d.param_count * tokens + m.vocab_size * m.hidden_size * batch * k) / shard
+        drafting = forward(
+            draft_bytes + head_bytes + batch * context * draft_kv_per_token / shard, d_flops, d.num_hidden_layers + 1
+        )
+        return verify + drafting
+
+    return cost
+
+
+def recipe_acceptance(recipe: Recipe) -> Acceptance:
+    """The recipe's draft acceptance: the preset's `draft_acceptance` (a published τ with its source), else
+    UNKNOWN_TAU, labelled as assumed."""
+    d: DraftConfig = recipe.draft_config
+    tau, block, source = recipe.draft_acceptance or (UNKNOWN_TAU, d.block_size, "assumed (no published τ)")
+    return Acceptance.from_tau(tau, block, source)
+
+
+def plan_recipe_schedule(recipe: Recipe, cap: int) -> DraftSchedule:
+    """The planned schedule of a recipe whose draft lengths may reach `cap` (its draft's block size - 1 at most)."""
+    acceptance = recipe_acceptance(recipe)
+    g = recipe.gpu_spec
+    inputs = (
+        ("acceptance", acceptance.source),
+        ("cost", f"roofline of {recipe.num_gpus}x {g.name}"),
+        ("HBM", f"{g.hbm_bytes_per_s / 1e12:g} TB/s x {BW_EFFICIENCY:g}"),
+        ("peak", f"{g.peak_flops(_format(recipe.quant, recipe)) / 1e12:g} TFLOP/s x {FLOP_EFFICIENCY:g}"),
+        ("context", f"{min(CONTEXT, recipe.max_seq_len)} tokens"),
+    )
+    cost = roofline_cost(recipe, min(CONTEXT, recipe.max_seq_len))
+    return plan_schedule(acceptance, cost, recipe.max_batch_size, cap, inputs)
