@@ -200,7 +200,11 @@ def _header(plan: Plan) -> list[str]:
             f"  target  {r.weights if not d.local else s.target_dir}"
             + ("" if d.local else "  (fetched on the GPU host)"),
             f"  draft   {d.draft_ref or 'none (autoregressive)'}"
-            + (f", {r.max_draft_len} draft tokens per step" if d.draft_ref else ""),
+            + (
+                f", {d.schedule.schedule() if d.schedule else r.max_draft_len} draft tokens by batch"
+                if d.draft_ref
+                else ""
+            ),
             f"  max_batch_size {r.max_batch_size}, max_seq_len {r.max_seq_len}, max_num_tokens {r.max_num_tokens}",
         ]
     return [
@@ -228,6 +232,8 @@ def describe(plan: Plan) -> str:
     lines.append(f"  {len(plan.steps) + 2}. manifest: write {MANIFEST}")
     if plan.deployment is not None:
         lines.append(plan.deployment.memory.describe())
+        if (schedule := plan.deployment.schedule) is not None:
+            lines += ["Draft length by load (draft_len_schedule, planned):", schedule.table()]
         return "\n".join(lines)
     mem = plan.memory_estimate()
     lines.append(

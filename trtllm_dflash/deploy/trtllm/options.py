@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trtllm_dflash.deploy.recipes import Recipe
-from trtllm_dflash.deploy.schedule import plan_recipe_schedule
+from trtllm_dflash.deploy.schedule import DraftSchedule, plan_recipe_schedule
 from trtllm_dflash.deploy.trtllm.schema import validate_llm_args
 from trtllm_dflash.errors import DFlashError
 
@@ -48,6 +48,20 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
             else copy.deepcopy(value)
         )
     return out
+
+
+def planned_schedule(recipe: Recipe, extra: Mapping[str, Any] | None = None) -> DraftSchedule | None:
+    """The draft lengths by load planned for `recipe` (deploy/schedule.py), or None where there is no draft or the
+    recipe's llm_args or the extra options choose them (a schedule, max_concurrency or max_draft_len of their own)."""
+    chosen = [
+        k
+        for u in (recipe.llm_args, extra or {})
+        for k in (u.get("speculative_config") or {})
+        if k in ("draft_len_schedule", "max_concurrency", "max_draft_len")
+    ]
+    if recipe.draft_config is None or chosen:
+        return None
+    return plan_recipe_schedule(recipe, recipe.max_draft_len)
 
 
 def llm_options(
@@ -100,14 +114,8 @@ def llm_options(
             "max_draft_len": recipe.max_draft_len,
             "speculative_model": draft,
         }
-        chosen = {
-            k
-            for u in (recipe.llm_args, extra or {})
-            for k in (u.get("speculative_config") or {})
-            if k in ("draft_len_schedule", "max_concurrency", "max_draft_len")
-        }
-        if not chosen:  # the operator's own choice of draft lengths stands; else the plan's
-            plan = plan_recipe_schedule(recipe, recipe.max_draft_len)
+        plan = planned_schedule(recipe, extra)
+        if plan is not None:
             options["speculative_config"] |= {
                 "max_draft_len": plan.max_draft_len,
                 "draft_len_schedule": plan.schedule(),
