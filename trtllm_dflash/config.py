@@ -17,6 +17,12 @@ SPECULATION = (
 )  # block length per step from measured costs and acceptance, or always the full block
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
+# DFlash2 drafts (block convolutions + a candidate selector) are served under the same `decoding_type: DFlash`; what
+# makes one is read from the draft checkpoint (TensorRT-LLM tensorrt_llm/_torch/models/modeling_dflash.py @ad8349f6).
+DFLASH2_STEM = "dflash2"  # matched in `architectures` ignoring case, "_" and "-": released drafts say DFlash2DraftModel
+DFLASH2_SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # in dflash_config
+DFLASH2_CONVS = ("attention_conv", "mlp_conv")  # one per sublayer of every draft layer
+DFLASH2_CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention kinds the draft and the memory plan know
 
 
@@ -36,6 +42,23 @@ def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     if num_taps == 1:
         return [num_target_layers // 2]
     return [round(1 + i * (num_target_layers - 4) / (num_taps - 1)) for i in range(num_taps)]
+
+
+def is_dflash2_architecture(architectures) -> bool:
+    """An `architectures` entry that names a DFlash2 draft: upstream matches the "dflash2" stem, so per-target labels
+    (DFlash2Qwen3ForCausalLM, dflash_2_draft_model) count too (modeling_dflash.py @ad8349f6,
+    _is_dflash2_architecture)."""
+    return any(
+        DFLASH2_STEM in str(a).lower().replace("_", "").replace("-", "")
+        for a in (architectures if isinstance(architectures, list) else [])
+    )
+
+
+def is_draft_architecture(architectures) -> bool:
+    """A DFlash draft's config.json: DFlashDraftModel, or a DFlash2 draft's label."""
+    return isinstance(architectures, list) and (
+        DRAFT_ARCHITECTURE in architectures or is_dflash2_architecture(architectures)
+    )
 
 
 def attention_params(hidden: int, head_dim: int, q_heads: int, kv_heads: int) -> int:
@@ -79,6 +102,11 @@ class DraftConfig:
     reads dflash_config.mask_token_id from the draft checkpoint when it loads it, so the build never needs the
     number. A draft read from config.json always has one (from_dict requires it), and to_dict refuses to write
     a config.json without it.
+
+    A DFlash2 draft (`is_dflash2`) adds per-layer block convolutions and a candidate selector, sized by four
+    dflash_config entries (conv_kernel_size, conv_group_size, selector_rank, selector_top_k; None where the key is
+    absent). TensorRT-LLM serves it under the same decoding_type and refuses a partial recipe at load time; the same
+    rules run here, with its sentences, so a build fails before a GPU host does.
     """
 
     hidden_size: int
@@ -99,6 +127,11 @@ class DraftConfig:
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     is_causal: bool | None = None
+    architectures: list[str] | None = None  # config.json's labels, kept for the round trip; None: [DRAFT_ARCHITECTURE]
+    conv_kernel_size: int | None = None  # DFlash2: taps of each block convolution
+    conv_group_size: int | None = None  # DFlash2: channels sharing one per-position kernel delta
+    selector_rank: int | None = None  # DFlash2: rank of the candidate selector's codebooks
+    selector_top_k: int | None = None  # DFlash2: candidates kept per block position (runtime only, no tensor)
     block_size_in_dflash_config: bool = False  # newer checkpoints keep it there; write it back where it was
     extra: dict[str, Any] = field(default_factory=dict)  # every other key, kept for a faithful round trip
 
@@ -118,6 +151,72 @@ class DraftConfig:
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         if bad:
             raise DFlashError(f"The draft has an unknown layer type {bad[0]!r:.60}; known: {', '.join(LAYER_TYPES)}.")
+        if self.architectures is not None:
+            self.architectures = list(self.architectures)
+        for name in DFLASH2_SIZES:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise DFlashError(f"The draft's dflash_config.{name} must be an integer, got {value!r:.40}.")
+        if self.is_dflash2:
+            self._check_dflash2()
+
+    def _check_dflash2(self) -> None:
+        """TensorRT-LLM's load-time rules for a DFlash2 draft, in its words (modeling_dflash.py @ad8349f6,
+        _validate_dflash2_config and the conv shape checks; the d2t rule from speculative/dflash.py @10e95278): a
+        partial recipe would silently run with DFlash 1 acceptance, so it is refused instead."""
+        required = {name: getattr(self, name) or 0 for name in DFLASH2_SIZES}
+        missing = sorted(name for name, value in required.items() if value < 1)
+        if missing:
+            raise DFlashError(f"DFlash 2 drafter is missing required dflash_config entries {missing}; got {required}.")
+        if self.selector_top_k < 2:
+            raise DFlashError(
+                f"DFlash 2 selector_top_k={self.selector_top_k} leaves no candidates to choose between; it must be at "
+                "least 2."
+            )
+        if self.hidden_size % self.conv_group_size:
+            raise DFlashError(
+                f"DFlash2 conv_group_size={self.conv_group_size} must divide hidden_size={self.hidden_size}."
+            )
+        draft_vocab = self.extra.get("draft_vocab_size")
+        if draft_vocab is not None and draft_vocab != self.vocab_size:
+            raise DFlashError(
+                "DFlash 2 candidate selection requires a shared draft/target vocab (d2t vocab mapping is not supported)."
+            )
+
+    @property
+    def is_dflash2(self) -> bool:
+        """Upstream's switch (modeling_dflash.py @ad8349f6): a DFlash2 architecture label, or a positive
+        conv_kernel_size or selector_rank in dflash_config; there is no separate decoding_type."""
+        return (
+            (self.conv_kernel_size or 0) > 0
+            or (self.selector_rank or 0) > 0
+            or is_dflash2_architecture(self.architectures)
+        )
+
+    @property
+    def dflash2_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A DFlash2 draft's tensors beyond DFlash 1's (none for a DFlash 1 draft), with the shapes TensorRT-LLM's
+        loader checks (modeling_dflash.py @ad8349f6): per layer and sublayer a base kernel [2, taps, hidden] (side 0
+        wraps the sublayer's input, side 1 its output) and the kernel_projection that drives both sides' per-position
+        deltas, one per group of conv_group_size channels; and the selector's two codebooks over the draft vocabulary
+        with the projection of the hidden state into their rank."""
+        if not self.is_dflash2:
+            return {}
+        h, taps = self.hidden_size, self.conv_kernel_size
+        out: dict[str, tuple[int, ...]] = {}
+        for i in range(self.num_hidden_layers):
+            for conv in DFLASH2_CONVS:
+                out[f"layers.{i}.{conv}.base_kernel"] = (2, taps, h)
+                out[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * taps * h // self.conv_group_size, h)
+        for book in DFLASH2_CODEBOOKS:
+            out[f"candidate_selector.{book}"] = (self.vocab_size, self.selector_rank)
+        out["candidate_selector.hidden_projection.weight"] = (self.selector_rank, h)
+        return out
+
+    @property
+    def dflash2_params(self) -> int:
+        """Parameters of the DFlash2 convolutions and candidate selector (0 for a DFlash 1 draft)."""
+        return sum(math.prod(shape) for shape in self.dflash2_shapes.values())
 
     @property
     def rope_theta(self) -> float:
@@ -132,17 +231,28 @@ class DraftConfig:
     def layer_window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
+    def trtllm_noncausal_window(self) -> tuple[int, int] | None:
+        """(layer, window) of the first draft layer TensorRT-LLM attends non-causally within a finite sliding window,
+        or None. It reads a layer as modeling_dflash.py @ad8349f6 (_get_attention_mask_args) does: the top-level
+        is_causal counts for a DFlash2 draft only, and otherwise a windowed (sliding) layer is causal, so only a DFlash2
+        draft such as the released all-sliding, is_causal false ones has such a layer."""
+        for i in range(self.num_hidden_layers):
+            window = self.layer_window(i)
+            if window is not None and self.is_dflash2 and not self.layer_is_causal(i):
+                return i, window
+        return None
+
     @property
     def param_count(self) -> int:
-        """Draft layers + `fc` (concatenated target features -> hidden) + hidden_norm + final norm; no embedding
-        or LM head (the draft uses the target's)."""
+        """Draft layers + `fc` (concatenated target features -> hidden) + hidden_norm + final norm, and a DFlash2
+        draft's convolutions and selector codebooks; no embedding or LM head (the draft uses the target's)."""
         per_layer = (
             attention_params(self.hidden_size, self.head_dim, self.num_attention_heads, self.num_key_value_heads)
             + gated_mlp_params(self.hidden_size, self.intermediate_size)
             + 2 * self.hidden_size
         )
         fc = len(self.target_layer_ids) * self.hidden_size * self.hidden_size
-        return self.num_hidden_layers * per_layer + fc + 2 * self.hidden_size
+        return self.num_hidden_layers * per_layer + fc + 2 * self.hidden_size + self.dflash2_params
 
     @property
     def short_blocks(self) -> float:
@@ -242,8 +352,11 @@ class DraftConfig:
         }
         extra = {k: v for k, v in raw.items() if k not in known}
         extra["dflash_config"] = {
-            k: v for k, v in dflash.items() if k not in ("mask_token_id", "target_layer_ids", "block_size")
+            k: v
+            for k, v in dflash.items()
+            if k not in ("mask_token_id", "target_layer_ids", "block_size", *DFLASH2_SIZES)
         }
+        archs = raw.get("architectures")
         head_dim = raw.get("head_dim") or std.hidden_size // std.num_attention_heads
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         return cls(
@@ -265,6 +378,8 @@ class DraftConfig:
             layer_types=list(raw["layer_types"]) if raw.get("layer_types") else None,
             sliding_window=sliding,
             is_causal=raw.get("is_causal"),
+            architectures=list(archs) if isinstance(archs, list) else None,
+            **{name: dflash[name] for name in DFLASH2_SIZES if name in dflash},
             block_size_in_dflash_config=in_dflash,
             extra=extra,
         )
@@ -282,9 +397,10 @@ class DraftConfig:
         )
         dflash = dict(self.extra.get("dflash_config", {}))
         dflash.update(mask_token_id=self.mask_token_id, target_layer_ids=list(self.target_layer_ids))
+        dflash.update({name: getattr(self, name) for name in DFLASH2_SIZES if getattr(self, name) is not None})
         out = {k: v for k, v in self.extra.items() if k != "dflash_config"}
         out.update(
-            architectures=[DRAFT_ARCHITECTURE],
+            architectures=list(self.architectures or [DRAFT_ARCHITECTURE]),
             model_type="qwen3",
             hidden_size=self.hidden_size,
             num_hidden_layers=self.num_hidden_layers,

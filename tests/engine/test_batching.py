@@ -12,11 +12,12 @@ from trtllm_dflash.engine.batch import Batch
 from trtllm_dflash.engine.policy import BlockPolicy
 from trtllm_dflash.engine.prefix_cache import BLOCK
 from trtllm_dflash.engine.request import Request
-from trtllm_dflash.engine.runtime import DFlashEngine, shared_prefix
+from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models import bf16_gemm
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.resolve import DRAFTS_DIR
+from trtllm_dflash.text import shared_prefix
 from trtllm_dflash.threads import WIDE_TOKENS
 
 PROMPTS = [  # (prompt, chat, max_new_tokens): different lengths and budgets

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from trtllm_dflash.atomic import locked, recover, replace_dir
-from trtllm_dflash.config import DRAFT_ARCHITECTURE
+from trtllm_dflash.config import is_draft_architecture
 from trtllm_dflash.convert.calib import CALIB_MAX_TOKENS, CALIB_SOURCES, calibration_texts
 from trtllm_dflash.convert.formats import FORMATS, KV_CACHE_FORMATS, QuantFormat
 from trtllm_dflash.errors import DFlashError
@@ -91,7 +91,7 @@ class ConvertOptions:
                 f"--model {path} has no config.json; pass a Hugging Face model folder, a DFlash draft folder or a preset."
             )
         if path.is_dir():
-            is_draft = DRAFT_ARCHITECTURE in (_read_config(path).get("architectures") or [])
+            is_draft = is_draft_architecture(_read_config(path).get("architectures") or [])  # DFlash2 too
             if self.role is None:
                 object.__setattr__(self, "role", "draft" if is_draft else "target")
             elif (self.role == "draft") != is_draft:

@@ -9,7 +9,8 @@ What each row counts, per GPU:
   attention-DP; KV projections keep one head per rank when KV heads < tp; experts split over ep, each expert
   over tp // ep; norms and routers replicated; pp splits the layers (the stage with the most layers counts).
 * Draft weights (bf16 as published, no embedding / LM head): layers sharded like the target's attention/MLP,
-  `fc` replicated.
+  `fc` replicated; a DFlash2 draft's block convolutions (base kernels and kernel projections) and candidate selector
+  (two [vocab, rank] codebooks and the hidden projection) counted whole on every GPU, as `fc`.
 * Target KV cache for max_batch_size requests of max_seq_len (+ max_draft_len in-flight drafts) tokens,
   rounded up to 32-token blocks: full-attention layers hold every token, sliding layers only the window.
   Without attention-DP every rank holds every request's KV for its own KV heads; with attention-DP a rank
@@ -124,7 +125,14 @@ def _weight_rows(m: ModelFacts, d: DraftConfig | None, p: Parallelism, quant: st
         )
         d_layer = d_attn + gated_mlp_params(d.hidden_size, d.intermediate_size) / attn_shard + 2 * d.hidden_size
         fc = len(d.target_layer_ids) * d.hidden_size * d.hidden_size
-        rows.append(("draft weights (bf16)", (d.num_hidden_layers * d_layer + fc + 2 * d.hidden_size) * 2))
+        # DFlash2's convolutions and selector: the selector's codebooks alone are 2 x vocab x rank (254 MB in
+        # bf16 for Qwen3.8-27B-DFlash2), which a plan without them would leave out of the GPU's budget
+        rows.append(
+            (
+                "draft weights (bf16)",
+                (d.num_hidden_layers * d_layer + fc + 2 * d.hidden_size + d.dflash2_params) * 2,
+            )
+        )
     return rows
 
 

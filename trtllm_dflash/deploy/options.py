@@ -13,7 +13,7 @@ from pathlib import Path
 from trtllm_dflash.config import DTYPE_CHOICES, SPECULATION, rope_of
 from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.models.checkpoint import CARD_FILE, check_draft
+from trtllm_dflash.models.checkpoint import CARD_FILE, check_draft, refuse_dflash2
 from trtllm_dflash.models.draft_ngram import FILE as NGRAM_FILE
 from trtllm_dflash.models.draft_ngram import read_draft_ngram
 from trtllm_dflash.models.draft_vocab import FILE as VOCAB_FILE
@@ -248,6 +248,13 @@ def resolve_sources(opts: BuildOptions, progress: Callable[[str], None]) -> Sour
     draft_cfg, draft_files, draft_params = None, [], 0
     if draft_dir is not None:
         draft_cfg = check_draft(draft_dir)
+        if opts.resolved_backend == "torch":  # the embedded runtime would fail on it when the server starts
+            refuse_dflash2(draft_cfg, draft_dir)
+        if opts.draft_engine and draft_cfg.is_dflash2:
+            raise DFlashError(
+                f"Draft {draft_dir} is a DFlash2 draft, and --draft-engine exports the PyTorch draft model, which does "
+                "not run DFlash2 drafts yet; build without --draft-engine."
+            )
         draft_weights = sorted(draft_dir.glob("*.safetensors"))
         if not draft_weights:
             raise DFlashError(f"Draft checkpoint {draft_dir} has no model.safetensors.")

@@ -115,6 +115,25 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
+class DraftTraining:
+    """What a draft was trained on, from its card, where it decides acceptance (deploy/lint.py): the chat template's
+    thinking mode (None: the template has none), the longest training sequence, and the target's quantization."""
+
+    thinking: bool | None
+    max_context: int
+    target_quant: str
+    source: str
+
+    def __post_init__(self):
+        if self.thinking not in (True, False, None) or not isinstance(self.max_context, int) or self.max_context < 1:
+            raise DFlashError(f"draft_training needs thinking true/false/null and a positive max_context, got {self}.")
+        if self.target_quant not in QUANTS:
+            raise DFlashError(
+                f"draft_training: target_quant must be one of {', '.join(QUANTS)}, got {self.target_quant!r}."
+            )
+
+
+@dataclass(frozen=True)
 class Parallelism:
     """tp x pp GPUs; MoE experts split over ep and each expert over tp // ep; attention-DP replicates attention."""
 
@@ -161,6 +180,7 @@ class Recipe:
     # The draft's published acceptance: (τ, at block size, source), from the preset's model.yaml; None: not known.
     # It plans the draft length by load (deploy/schedule.py); max_draft_len above is that plan's cap.
     draft_acceptance: tuple[float, int, str] | None = None
+    draft_training: DraftTraining | None = None  # what the draft was trained on, for the compatibility lint (lint.py)
 
     @property
     def weights(self) -> str:
@@ -388,7 +408,7 @@ def model_facts_from_hf_config(
 # ---------------------------------------------------------------- recipe files
 
 MODEL_FILE = "model.yaml"
-_MODEL_KEYS = {"hf_id", "defaults", "target", "draft", "draft_acceptance"}
+_MODEL_KEYS = {"hf_id", "defaults", "target", "draft", "draft_acceptance", "draft_training"}
 _DEPLOYMENT_KEYS = {
     "checkpoint",
     "num_gpus",
@@ -538,6 +558,9 @@ def load_recipe(model: str, gpu: str | None = None, profile: str | None = None) 
         llm_args=dict(dep.get("llm_args") or {}),
         checkpoint=dep.get("checkpoint"),
         draft_acceptance=_acceptance(meta.get("draft_acceptance"), f"{preset_dir / MODEL_FILE}: draft_acceptance"),
+        draft_training=_facts(DraftTraining, meta["draft_training"], f"{preset_dir / MODEL_FILE}: draft_training")
+        if meta.get("draft_training")
+        else None,
     )
 
 

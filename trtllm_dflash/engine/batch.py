@@ -50,7 +50,7 @@ class Batch:
         """`lookup`: rows whose recent tokens occurred before may verify what followed them instead of drafting.
         `threads`: torch threads for steps and for prompt chunks of WIDE_TOKENS tokens or more (a server's:
         threads.server_threads); None: torch's count for all.
-        `prefix`: tokens many prompts start with (the chat template's head: runtime.shared_prefix), the first of a
+        `prefix`: tokens many prompts start with (the chat template's head: text.shared_prefix), the first of a
         prompt's canonical prefill chunks (prefix_cache.py). Chunks seen before are copied from the prefix cache
         (K/V and draft features; the head always, others within `cache_tokens`). The chunks set the last bits of
         the cache (a forward's attention rounds by its chunk), so every path of an engine passes the same prefix:

@@ -2,7 +2,7 @@
 starts with the same tokens (vLLM's automatic prefix caching, SGLang's radix cache), so a conversation resent whole
 each turn (the OpenAI API's way), or many prompts behind one long system message, prefill only what is new.
 
-A prompt is prefilled in canonical chunks: the chat template's head (runtime.shared_prefix) when it starts with it,
+A prompt is prefilled in canonical chunks: the chat template's head (text.shared_prefix) when it starts with it,
 then blocks of BLOCK tokens counted from there, each in a forward of its own. A chunk's K/V then has the same bits
 whether this prompt computed it or another's did (attention rounds by its chunk), so what a request writes never
 depends on what ran before it. An entry is keyed by a hash chained over every chunk up to its own (vLLM's block

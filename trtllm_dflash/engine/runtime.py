@@ -18,97 +18,18 @@ from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOK
 from trtllm_dflash.engine.request import GenerationStats, Request
 from trtllm_dflash.engine.scheduler import Scheduler
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.models.checkpoint import held_out_tau, load_draft, read_draft_config
+from trtllm_dflash.models.checkpoint import held_out_tau, load_draft, read_draft_config, refuse_dflash2
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.models.draft_ngram import read_draft_ngram
 from trtllm_dflash.models.draft_vocab import read_draft_vocab
 from trtllm_dflash.models.speculators import resolve_any_draft
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.resolve import resolve_target
+from trtllm_dflash.text import IncrementalDetokenizer, encode_prompt, shared_prefix
 from trtllm_dflash.threads import server_threads
 from trtllm_dflash.validate import validate_block_size, validate_pair
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MIN_SHARED_PREFIX = 4  # tokens: a BOS alone is not worth a forward of its own
-
-
-class IncrementalDetokenizer:
-    """Text deltas that are correct under streaming: no split multi-byte characters, no lost spaces.
-
-    Decodes a short window of tokens around the boundary (the vLLM prefix/read offset scheme), and
-    holds back text that may still become a stop string.
-    """
-
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()):
-        self.tokenizer = tokenizer
-        self.stop_strings = tuple(s for s in stop_strings if s)
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.text = ""  # everything decoded so far (before stop-string truncation)
-        self.emitted = 0  # characters of self.text already returned
-        self.stopped = False
-
-    def _decode(self, ids):
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    def push(self, new_ids: list[int], final: bool = False) -> str:
-        self.ids.extend(new_ids)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        elif final:
-            self.text += full[len(prefix) :]
-        for s in self.stop_strings:
-            i = self.text.find(s)
-            if i >= 0:
-                self.text, self.stopped = self.text[:i], True
-        safe = len(self.text)
-        if not (final or self.stopped):
-            for s in self.stop_strings:  # hold back a tail that could still grow into a stop string
-                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                    if self.text.endswith(s[:k]):
-                        safe = min(safe, len(self.text) - k)
-                        break
-        delta = self.text[self.emitted : safe]
-        self.emitted = safe
-        return delta
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool, max_positions: int) -> list[int]:
-    """Prompt text -> token ids (chat template if the tokenizer has one); shared with Triton's preprocessing model."""
-    if not isinstance(prompt, str) or not prompt:
-        raise DFlashError("The prompt is empty; pass some text.")
-    if chat and tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        ids = ids["input_ids"] if not isinstance(ids, list) else ids
-    else:  # text a frontend rendered with the chat template already starts with BOS: do not add a second one
-        bos = tokenizer.bos_token
-        ids = tokenizer(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"]
-    if len(ids) >= max_positions:
-        raise DFlashError(f"The prompt is {len(ids)} tokens, but the context window is {max_positions}; shorten it.")
-    return list(ids)
-
-
-def shared_prefix(tokenizer, max_positions: int) -> list[int]:
-    """The tokens every chat prompt starts with (the template's head: a system prompt, the user turn's opening), or []
-    where there is no chat template or the head is too short to matter: what a server prefills once (Batch)."""
-    if not tokenizer.chat_template:
-        return []
-    try:
-        a, *others = [
-            encode_prompt(tokenizer, text, True, max_positions) for text in ("Hello", "1 + 2 = ?", "¿Qué tal?")
-        ]
-    except Exception:  # a template that refuses a lone user turn: no shared head, requests still say what is wrong
-        return []
-    n = 0
-    while n < len(a) and all(n < len(o) and o[n] == a[n] for o in others):
-        n += 1
-    return a[:n] if n >= MIN_SHARED_PREFIX else []
 
 
 def _with_stats(events, stats: GenerationStats):
@@ -195,6 +116,8 @@ class DFlashEngine:
         target_path = resolve_target(target, progress)
         draft_path = None if no_draft else resolve_any_draft(draft, target)
         draft_cfg = read_draft_config(draft_path) if draft_path is not None else None
+        if draft_cfg is not None:
+            refuse_dflash2(draft_cfg, draft_path)  # before the target loads: this runtime has no DFlash2 modules
         if block_size is not None and block_size > 1 and draft_cfg is None:
             raise DFlashError(
                 f"--block-size {block_size} needs a draft, but target '{target}' has no default draft; pass --draft or use --block-size 1."

@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from trtllm_dflash.atomic import replace_dir
-from trtllm_dflash.config import DRAFT_ARCHITECTURE, DraftConfig
+from trtllm_dflash.config import DRAFT_ARCHITECTURE, DraftConfig, is_draft_architecture
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.draft import DFlashDraftModel
 from trtllm_dflash.models.quantized import load_quantized_draft, quantized_shapes, read_quant_spec
@@ -36,9 +36,10 @@ def read_draft_config(path: Path) -> DraftConfig:
     raw = read_json(cfg_file, "draft config")
     check_config_values(raw, cfg_file)
     archs = raw.get("architectures") or []
-    if archs and (not isinstance(archs, list) or DRAFT_ARCHITECTURE not in archs):
+    if archs and not is_draft_architecture(archs):  # a DFlash2 draft's label (DFlash2DraftModel, ...) counts too
         raise DFlashError(
-            f"{cfg_file} describes {str(archs)[:80]}, not a {DRAFT_ARCHITECTURE}; pass a DFlash draft checkpoint."
+            f"{cfg_file} describes {json.dumps(archs)[:80]}, not a {DRAFT_ARCHITECTURE} or a DFlash2 draft; pass a "
+            "DFlash draft checkpoint."
         )
     try:
         return DraftConfig.from_dict(raw)
@@ -59,6 +60,9 @@ def _weight_files(path: Path) -> list[Path]:
 def _check_names_and_shapes(path: Path, shapes: dict[str, tuple[int, ...]], config: DraftConfig) -> None:
     with torch.device("meta"):  # expected shapes without allocating weights
         expected = {k: tuple(v.shape) for k, v in DFlashDraftModel(config).state_dict().items()}
+    # A DFlash2 draft's convolutions and selector: checked from the config's shapes, as TensorRT-LLM's loader checks
+    # them, though the torch draft model has no modules for them (the embedded runtime refuses such a draft).
+    expected |= config.dflash2_shapes
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
     if missing or unexpected:
@@ -89,6 +93,10 @@ def check_draft(path: str | Path) -> DraftConfig:
             raise DFlashError(
                 f"Draft weights {f} are not a readable safetensors file ({e}); re-export the draft."
             ) from None
+    if config.is_dflash2 and "d2t" in shapes:  # TensorRT-LLM speculative/dflash.py @10e95278 (set_draft_model)
+        raise DFlashError(
+            "DFlash 2 candidate selection requires a shared draft/target vocab (d2t vocab mapping is not supported)."
+        )
     spec = read_quant_spec(path)
     _check_names_and_shapes(path, quantized_shapes(shapes, spec) if spec is not None else shapes, config)
     return config
@@ -107,9 +115,21 @@ def held_out_tau(path: str | Path) -> float | None:
     return float(tau) if isinstance(tau, (int, float)) and tau >= 1.0 else None
 
 
+def refuse_dflash2(config: DraftConfig, path: str | Path) -> None:
+    """The embedded (PyTorch) runtime runs DFlash 1 drafts only: DFlashDraftModel has neither DFlash2's block
+    convolutions nor its candidate selector, and running a DFlash2 draft without them would draft from the wrong
+    model, so such a draft is refused where the torch model would load it; TensorRT-LLM serves it."""
+    if config.is_dflash2:
+        raise DFlashError(
+            f"Draft {path} is a DFlash2 draft, and the embedded runtime does not run DFlash2 drafts yet; build it "
+            "for TensorRT-LLM with --backend trtllm."
+        )
+
+
 def load_draft(path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
     path = Path(path)
     config = check_draft(path)
+    refuse_dflash2(config, path)
     state = {}
     for f in _weight_files(path):
         state.update(load_file(f))

@@ -26,10 +26,10 @@ from aiohttp import web
 
 from trtllm_dflash.clients.client import CompletionRequest, EnsembleStream, Rejected
 from trtllm_dflash.config import SamplingParams
-from trtllm_dflash.engine.runtime import encode_prompt
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.resolve import preset_for
 from trtllm_dflash.serving.protocol import MAX_STRING_CHARS, MAX_STRINGS
+from trtllm_dflash.text import encode_prompt
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ class RepoParams:
     tokenizer_dir: str
     apply_chat_template: bool
     engine_model: str = "dflash"  # the ensemble's engine step; a `tensorrt_llm` model has the same I/O
+    chat_template_kwargs: str = "{}"  # JSON: the template's switches, e.g. the draft's thinking mode (deploy/lint.py)
 
     def models(self) -> tuple[str, ...]:
         return ("preprocessing", self.engine_model, "postprocessing", USER_MODEL)
@@ -38,6 +39,7 @@ class RepoParams:
     def values(self) -> dict[str, str]:
         """Placeholder values: these fields, and the tensor lists rendered from the wire contract (protocol.py)."""
         fields = {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()}
+        fields["chat_template_kwargs"] = self.chat_template_kwargs.replace("\\", "\\\\").replace('"', '\\"')  # pbtxt
         return fields | pbtxt_values()
 
 

@@ -16,9 +16,9 @@ if _CARRIED.is_dir():
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from trtllm_dflash.engine.runtime import encode_prompt
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.resolve import local_or_id
+from trtllm_dflash.text import encode_prompt
 
 
 def _param(args_config: dict, key: str) -> str:
@@ -36,6 +36,7 @@ class TritonPythonModel:
         self.tokenizer = AutoTokenizer.from_pretrained(local_or_id(_param(config, "tokenizer_dir"), here))
         self.chat = _param(config, "apply_chat_template").lower() == "true"
         self.max_seq_len = int(_param(config, "max_seq_len"))
+        self.template_kwargs = json.loads(_param(config, "chat_template_kwargs"))
 
     def _one(self, request):
         query = pb_utils.get_input_tensor_by_name(request, "QUERY").as_numpy()
@@ -56,7 +57,7 @@ class TritonPythonModel:
             )
         chat = pb_utils.get_input_tensor_by_name(request, "APPLY_CHAT_TEMPLATE")
         chat = self.chat if chat is None else bool(chat.as_numpy().reshape(-1)[0])
-        ids = encode_prompt(self.tokenizer, prompt, chat, self.max_seq_len)
+        ids = encode_prompt(self.tokenizer, prompt, chat, self.max_seq_len, self.template_kwargs)
         if len(ids) + max_tokens > self.max_seq_len:
             raise DFlashError(
                 f"The prompt is {len(ids)} tokens and max_tokens is {max_tokens}, which exceeds max_seq_len {self.max_seq_len}; "

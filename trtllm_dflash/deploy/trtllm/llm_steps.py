@@ -17,8 +17,8 @@ import os
 from collections.abc import Iterator, MutableMapping
 
 from trtllm_dflash.engine.request import GenerationStats
-from trtllm_dflash.engine.runtime import IncrementalDetokenizer
 from trtllm_dflash.serving.protocol import EngineRequest
+from trtllm_dflash.text import IncrementalDetokenizer
 
 # tensorrt_llm/executor/result.py CompletionOutput.finish_reason: Literal['stop', 'length', 'timeout', 'cancelled']
 FINISH_REASONS = ("stop", "length", "timeout", "cancelled")

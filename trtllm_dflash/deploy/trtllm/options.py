@@ -129,6 +129,16 @@ def llm_options(
             "postprocess workers would have no tokenizer and would not carry decoding_iter back."
         )
     spec = options.get("speculative_config") or {}
+    windowed = recipe.draft_config.trtllm_noncausal_window() if recipe.draft_config is not None else None
+    if spec.get("attention_backend") == "TRTLLM" and windowed is not None:
+        # TensorRT-LLM refuses it when the drafter starts (PR #19159: speculative/dflash.py @10e95278 calls
+        # validate_block_attention_windows): trtllm-gen's context kernel has no non-causal sliding window
+        layer, window = windowed
+        raise DFlashError(
+            f"{where}: the TRTLLM drafter attention cannot run draft layer {layer} non-causally within a "
+            f"{window}-token sliding window (trtllm-gen has no non-causal sliding window), so TensorRT-LLM refuses "
+            "it; use speculative_config.attention_backend VANILLA, the default."
+        )
     if spec.get("attention_backend") == "TRTLLM" and recipe.gpu_spec.sm not in (100, 103):
         raise DFlashError(
             f"{where}: the DFlash TRTLLM drafter attention needs an SM100/SM103 Blackwell GPU; "
