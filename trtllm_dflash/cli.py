@@ -615,8 +615,21 @@ def client(url, prompt, prompt_option, max_tokens, stream, temperature, top_p, t
 @click.option(
     "--output", default=None, help="Write the results here as JSON, and the throughput-latency plot beside it (.png)."
 )
+@click.option(
+    "--gate",
+    is_flag=True,
+    help="Acceptance gate: the first --url is a DFlash deployment, the second its --no-draft twin; exit 1 where DFlash "
+    "is slower at any concurrency level.",
+)
+@click.option(
+    "--deployment",
+    type=click.Path(file_okay=False, path_type=str),
+    default=None,
+    help="With --gate: the DFlash build's folder, whose manifest.json records the verdict (speed-up and tau per "
+    "level, the prompts' hash, date, machine).",
+)
 @user_errors
-def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output):
+def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output, gate, deployment):
     """Load running servers with closed-loop streaming clients (each sends its next request when its last one ends):
     tokens/s, per-user speed, time to first token, inter-token latency and acceptance at each concurrency level."""
     from trtllm_dflash.clients.bench import run_bench
@@ -636,9 +649,24 @@ def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output)
         requests=requests,
         rounds=rounds,
         output=output,
+        gate=gate,
+        deployment=deployment,
         progress=lambda m: click.echo(m, err=True),
     )
     click.echo(report["table"])
+    if gate:
+        verdict = report["gate"]
+        lost = [lv for lv in verdict["levels"] if lv["speedup"] < 1.0 or lv["errors"]]
+        if lost:
+            worst = min(lost, key=lambda lv: lv["speedup"])
+            click.echo(
+                f"Gate failed: DFlash is {worst['speedup']:.2f}x its draft-free twin at {worst['concurrency']} users"
+                + (f" ({worst['errors']} requests failed)" if worst["errors"] else "")
+                + "; serve the twin at that load, or plan a shorter draft length.",
+                err=True,
+            )
+            sys.exit(1)
+        click.echo("Gate passed: DFlash is at least as fast as its draft-free twin at every level.")
 
 
 @main.command()

@@ -328,14 +328,7 @@ class DraftConfig:
                 )
             layer_ids = build_target_layer_ids(int(raw["num_target_layers"]), n_layers)
         known = {
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "intermediate_size",
-            "vocab_size",
-            "block_size",
+            *DRAFT_SIZES,
             "dflash_config",
             "num_target_layers",
             "rms_norm_eps",
@@ -433,6 +426,16 @@ class DraftConfig:
         return out
 
 
+def check_speculation(value: str) -> None:
+    if value not in SPECULATION:
+        raise DFlashError(f"--speculation must be one of {', '.join(SPECULATION)}, got {value!r}.")
+
+
+def check_prefix_cache_tokens(value: int) -> None:
+    if value < 0:
+        raise DFlashError(f"--prefix-cache-tokens must be 0 (off) or more, got {value}.")
+
+
 ENGINE_FILE = "engine.json"  # beside the embedded engine model's config.pbtxt in a built repository
 
 
@@ -463,12 +466,10 @@ class EngineOptions:
                 raise DFlashError(f"Engine option {f.name} must be of type {f.type}, got {json.dumps(value)[:40]}.")
         if self.dtype not in DTYPE_CHOICES[1:]:
             raise DFlashError(f"Engine option dtype must be one of {', '.join(DTYPE_CHOICES[1:])}, got {self.dtype!r}.")
-        if self.speculation not in SPECULATION:
-            raise DFlashError(f"--speculation must be one of {', '.join(SPECULATION)}, got {self.speculation!r}.")
+        check_speculation(self.speculation)
+        check_prefix_cache_tokens(self.prefix_cache_tokens)
         if self.block_size < 1 or (self.block_size > 1 and not self.draft_dir):
             raise DFlashError(f"Engine option block_size {self.block_size} does not fit draft_dir {self.draft_dir!r}.")
-        if self.prefix_cache_tokens < 0:
-            raise DFlashError(f"--prefix-cache-tokens must be 0 (off) or more, got {self.prefix_cache_tokens}.")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"

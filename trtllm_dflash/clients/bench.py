@@ -10,6 +10,7 @@ them, so the results file records the client's CPU and the servers' addresses, n
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -96,6 +97,30 @@ def table(levels: dict[str, list[dict]]) -> str:
     return "\n".join(rows)
 
 
+def gate_verdict(levels: dict[str, list[dict]]) -> dict:
+    """The acceptance gate: the first server (a DFlash deployment) against the second (its `--no-draft` twin), level
+    by level; it passes where DFlash's steady tokens/s is at least the twin's at every level and no request failed."""
+    if len(levels) != 2:
+        raise DFlashError(
+            f"--gate compares a DFlash deployment with its --no-draft twin: give exactly two --url, got {len(levels)}."
+        )
+    dflash, twin = levels.values()
+
+    def speed(lv: dict) -> float:
+        return lv["steady_tokens_per_s"] or lv["total_tokens_per_s"]
+
+    rows = [
+        {
+            "concurrency": a["concurrency"],
+            "speedup": round(speed(a) / speed(b), 3) if speed(b) else 0.0,
+            "tau": a["acceptance_length_median"],
+            "errors": len(a["errors"]) + len(b["errors"]),
+        }
+        for a, b in zip(dflash, twin)
+    ]
+    return {"passed": all(r["speedup"] >= 1.0 and not r["errors"] for r in rows), "levels": rows}
+
+
 def run_bench(
     urls,
     concurrency: list[int],
@@ -105,12 +130,24 @@ def run_bench(
     requests: int = 0,
     rounds: int = 1,
     output: str | None = None,
+    gate: bool = False,
+    deployment: str | None = None,
     progress=print,
 ) -> dict:
-    """Load the servers, then the report (and, with `output`, the results JSON and the plot beside it)."""
+    """Load the servers, then the report (and, with `output`, the results JSON and the plot beside it). `gate`: judge
+    the first server against the second (gate_verdict), and with `deployment` (the DFlash build's folder) record the
+    verdict in its manifest.json."""
     from trtllm_dflash.cpu import cpu_model
 
     servers = parse_urls(urls)
+    if gate and len(servers) != 2:
+        gate_verdict(dict.fromkeys(servers, []))  # its sentence, before any load is sent
+    if deployment and not gate:
+        raise DFlashError("--deployment records the acceptance gate's verdict: pass --gate with it.")
+    if deployment:
+        from trtllm_dflash.deploy.core import read_build
+
+        read_build(Path(deployment))  # a build to record into, checked before any load is sent
     prompts = read_prompts(prompts_file) if prompts_file else default_prompts()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     levels = compare(
@@ -127,6 +164,19 @@ def run_bench(
         "num_prompts": len(prompts),
         "levels": levels,
     }
+    if gate:
+        report["gate"] = gate_verdict(levels) | {
+            "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+            "prompts": report["prompts"],
+            "date": started,
+            "machine": report["client_cpu"],
+            "servers": servers,
+        }
+        if deployment:
+            from trtllm_dflash.deploy.core import record_in_manifest
+
+            record_in_manifest(Path(deployment), "acceptance_gate", report["gate"])
+            progress(f"recorded the gate's verdict in {Path(deployment) / 'manifest.json'}")
     if output:
         out = Path(output)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -411,6 +411,16 @@ def _build(opts: BuildOptions, out: Path, progress: Callable[[str], None], dry_r
     return out
 
 
+def record_in_manifest(out: Path, key: str, value: dict) -> None:
+    """Add `key` to a finished build's manifest (an acceptance gate's verdict), whole or not at all; a later build
+    writes a new manifest, so a verdict never outlives the build it judged."""
+    out = Path(out).expanduser()
+    manifest = read_build(out) | {key: value}
+    tmp = out / f".{MANIFEST}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, out / MANIFEST)
+
+
 def read_build(out: Path) -> dict:
     """The manifest of a finished build; what `serve` checks before starting Triton."""
     out = Path(out).expanduser()

@@ -49,88 +49,21 @@ class GPUSpec:
         return self.sm >= 90
 
 
+# fmt: off
 GPUS: dict[str, GPUSpec] = {
     g.name: g
     for g in (
-        GPUSpec(
-            "a100",
-            80 * GB,
-            "ampere",
-            80,
-            fp8=False,
-            nvfp4=False,
-            mxfp4_mxfp8=False,
-            hbm_bytes_per_s=2.039e12,
-            tflops=(("bf16", 312),),
-        ),
-        GPUSpec(
-            "l40s",
-            48 * GB,
-            "ada",
-            89,
-            fp8=True,
-            nvfp4=False,
-            mxfp4_mxfp8=False,
-            hbm_bytes_per_s=0.864e12,
-            tflops=(("bf16", 362), ("fp8", 733)),
-        ),
-        GPUSpec(
-            "h100",
-            80 * GB,
-            "hopper",
-            90,
-            fp8=True,
-            nvfp4=False,
-            mxfp4_mxfp8=False,
-            hbm_bytes_per_s=3.35e12,
-            tflops=(("bf16", 989), ("fp8", 1979)),
-        ),
-        GPUSpec(
-            "h200",
-            141 * GB,
-            "hopper",
-            90,
-            fp8=True,
-            nvfp4=False,
-            mxfp4_mxfp8=False,
-            hbm_bytes_per_s=4.8e12,
-            tflops=(("bf16", 989), ("fp8", 1979)),
-        ),
-        GPUSpec(
-            "b200",
-            180 * GB,
-            "blackwell",
-            100,
-            fp8=True,
-            nvfp4=True,
-            mxfp4_mxfp8=True,
-            hbm_bytes_per_s=8e12,
-            tflops=(("bf16", 2250), ("fp8", 4500), ("fp4", 9000)),
-        ),
-        GPUSpec(
-            "gb200",
-            186 * GB,
-            "blackwell",
-            100,
-            fp8=True,
-            nvfp4=True,
-            mxfp4_mxfp8=True,
-            hbm_bytes_per_s=8e12,
-            tflops=(("bf16", 2500), ("fp8", 5000), ("fp4", 10000)),
-        ),
-        GPUSpec(
-            "b300",
-            288 * GB,
-            "blackwell",
-            103,
-            fp8=True,
-            nvfp4=True,
-            mxfp4_mxfp8=True,
-            hbm_bytes_per_s=8e12,
-            tflops=(("bf16", 2250), ("fp8", 4500), ("fp4", 13500)),
-        ),
+        #       name     memory    architecture sm  FP8   NVFP4  MXFP4xMXFP8  HBM B/s   dense TFLOP/s per format
+        GPUSpec("a100",  80 * GB,  "ampere",    80, False, False, False, 2.039e12, (("bf16", 312),)),
+        GPUSpec("l40s",  48 * GB,  "ada",       89, True,  False, False, 0.864e12, (("bf16", 362), ("fp8", 733))),
+        GPUSpec("h100",  80 * GB,  "hopper",    90, True,  False, False, 3.35e12,  (("bf16", 989), ("fp8", 1979))),
+        GPUSpec("h200",  141 * GB, "hopper",    90, True,  False, False, 4.8e12,   (("bf16", 989), ("fp8", 1979))),
+        GPUSpec("b200",  180 * GB, "blackwell", 100, True, True,  True,  8e12, (("bf16", 2250), ("fp8", 4500), ("fp4", 9000))),
+        GPUSpec("gb200", 186 * GB, "blackwell", 100, True, True,  True,  8e12, (("bf16", 2500), ("fp8", 5000), ("fp4", 10000))),
+        GPUSpec("b300",  288 * GB, "blackwell", 103, True, True,  True,  8e12, (("bf16", 2250), ("fp8", 4500), ("fp4", 13500))),
     )
 }
+# fmt: on
 
 
 def gpu_spec(name: str) -> GPUSpec:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from trtllm_dflash.config import DTYPE_CHOICES, SPECULATION, rope_of
+from trtllm_dflash.config import DTYPE_CHOICES, check_prefix_cache_tokens, check_speculation, rope_of
 from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import CARD_FILE, check_draft, refuse_dflash2
@@ -103,15 +103,13 @@ class BuildOptions:
             raise DFlashError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}.")
         if self.quant is not None and self.quant not in QUANTS:
             raise DFlashError(f"--quant must be one of {', '.join(QUANTS)}, got {self.quant!r}.")
-        if self.prefix_cache_tokens < 0:
-            raise DFlashError(f"--prefix-cache-tokens must be 0 (off) or more, got {self.prefix_cache_tokens}.")
+        check_prefix_cache_tokens(self.prefix_cache_tokens)
         for flag, value in (("--tp", self.tp), ("--ep", self.ep), ("--max-batch-size", self.max_batch_size)):
             if value is not None and value < 1:
                 raise DFlashError(f"{flag} must be at least 1, got {value}.")
         if self.dtype not in DTYPE_CHOICES:
             raise DFlashError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}.")
-        if self.speculation not in SPECULATION:
-            raise DFlashError(f"--speculation must be one of {', '.join(SPECULATION)}, got {self.speculation!r}.")
+        check_speculation(self.speculation)
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise DFlashError(f"--max-seq-len must be at least 2, got {self.max_seq_len}.")
         if self.draft is not None and self.no_draft:

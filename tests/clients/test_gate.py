@@ -1,0 +1,97 @@
+"""The acceptance gate (`trtdflash bench --gate`): a DFlash deployment against its --no-draft twin on the user's own
+prompts, both served by the real tritonserver; it passes and records its verdict in the DFlash build's manifest, and
+fails (exit 1, one sentence) where the first server is the slower, as the twin named first is."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from trtllm_dflash.cli import main
+from trtllm_dflash.clients.bench import gate_verdict
+from trtllm_dflash.deploy import BuildOptions, run_build
+from trtllm_dflash.serving.serve import ServerConfig, TritonServer
+
+TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")
+MATH = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips "
+    "did she sell altogether in April and May?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+]
+
+
+def _level(concurrency: int, speed: float, errors: int = 0) -> dict:
+    return {
+        "concurrency": concurrency,
+        "steady_tokens_per_s": speed,
+        "total_tokens_per_s": speed,
+        "acceptance_length_median": 2.0,
+        "errors": ["e"] * errors,
+    }
+
+
+def test_the_verdict_passes_only_where_dflash_keeps_up_at_every_level():
+    assert gate_verdict({"d": [_level(1, 20), _level(8, 10)], "t": [_level(1, 10), _level(8, 10)]})["passed"]
+    lost = gate_verdict({"d": [_level(1, 20), _level(8, 9)], "t": [_level(1, 10), _level(8, 10)]})
+    assert not lost["passed"] and [lv["speedup"] for lv in lost["levels"]] == [2.0, 0.9]
+    assert not gate_verdict({"d": [_level(1, 20, errors=1)], "t": [_level(1, 10)]})["passed"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gate", "--url", "127.0.0.1:1"], "give exactly two --url"),
+        (["--deployment", "."], "pass --gate with it"),
+        (["--gate", "--url", "a=127.0.0.1:1", "--url", "b=127.0.0.1:2", "--deployment", "."], "not a trtdflash build"),
+    ],
+)
+def test_bad_gate_input_gets_one_sentence(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["bench", *args])
+    assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output, r.output
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """The packaged SmolLM2 deployment and its --no-draft twin, served side by side."""
+    root = tmp_path_factory.mktemp("gate")
+    builds = {
+        name: run_build(
+            BuildOptions(output=root / name, no_draft=name == "twin", max_seq_len=512, max_batch_size=2),
+            progress=lambda m: None,
+        )
+        for name in ("dflash", "twin")
+    }
+    servers = {}
+    try:
+        for name, build in builds.items():
+            servers[name] = TritonServer(ServerConfig(build, grpc_port=0, http_port=0, metrics_port=0)).start()
+        yield builds, servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def _gate(first, second, prompts, deployment=None):
+    args = [TRTDFLASH, "bench", "--gate", "--url", f"first={first.grpc_url}", "--url", f"second={second.grpc_url}"]
+    args += ["--concurrency", "1,2", "--requests", "4", "--max-tokens", "48", "--prompts", str(prompts)]
+    args += ["--deployment", str(deployment)] if deployment else []
+    return subprocess.run(args, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_the_gate_passes_records_its_verdict_and_fails_the_slower_server_first(pair, tmp_path):
+    (builds, servers), prompts = pair, tmp_path / "math.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in MATH))
+    passed = _gate(servers["dflash"], servers["twin"], prompts, deployment=builds["dflash"])
+    assert passed.returncode == 0, passed.stderr
+    assert "Gate passed" in passed.stdout
+    verdict = json.loads((builds["dflash"] / "manifest.json").read_text())["acceptance_gate"]
+    assert verdict["passed"] and [lv["concurrency"] for lv in verdict["levels"]] == [1, 2]
+    assert all(lv["speedup"] > 1.0 and lv["tau"] > 1.0 and lv["errors"] == 0 for lv in verdict["levels"])
+    assert len(verdict["prompts_sha256"]) == 64 and verdict["date"] and verdict["machine"]
+    failed = _gate(servers["twin"], servers["dflash"], prompts)
+    assert failed.returncode == 1 and "Gate failed" in failed.stderr and "Traceback" not in failed.stderr
