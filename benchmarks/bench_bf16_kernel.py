@@ -1,4 +1,4 @@
-"""Our bf16 matrix kernel (trtllm_dflash/models/bf16_gemm.py) against the library kernels, over all of a target's
+"""Our bf16 matrix kernel (trtllm_dflash/kernels/bf16_gemm.py) against the library kernels, over all of a target's
 linear layers at once (one forward's worth of weights, more than the caches hold), by number of rows.
 
 Natively (`--isa native`, a CPU with AVX-512 BF16): ours, oneDNN's packed bf16 kernel (what `PackedLinear` uses where
@@ -48,7 +48,7 @@ def kernel_at(rev: str, name: str):
     """Our kernel variant `name` as its source stood at git revision `rev`, built apart from the current one."""
     from torch.utils.cpp_extension import load
 
-    from trtllm_dflash.models import bf16_gemm
+    from trtllm_dflash.kernels import bf16_gemm
 
     filename, flags = bf16_gemm.VARIANTS[name]
     build = Path(tempfile.mkdtemp(prefix="bf16-kernel-"))
@@ -97,8 +97,8 @@ def main(argv=None):
     from transformers import AutoConfig
 
     from trtllm_dflash.cpu import machine_info
-    from trtllm_dflash.models import bf16_gemm
-    from trtllm_dflash.models.packed import can_pack
+    from trtllm_dflash.kernels import bf16_gemm
+    from trtllm_dflash.kernels.packed import can_pack
     from trtllm_dflash.resolve import resolve_target
 
     ours = bf16_gemm.kernel()

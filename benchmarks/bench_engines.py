@@ -69,7 +69,7 @@ def prompt_sets() -> dict[str, list[str]]:
 def load(target: str, spec: str | None):
     """The engine an argument names (None: the draft-free one)."""
     from trtllm_dflash.engine.runtime import DFlashEngine
-    from trtllm_dflash.models.packed import PackedLinear
+    from trtllm_dflash.kernels.packed import PackedLinear
 
     if spec is None:
         return DFlashEngine.load(target, no_draft=True, progress=lambda m: None)
@@ -80,7 +80,7 @@ def load(target: str, spec: str | None):
         return DFlashEngine.load(target, path or None, int8_draft=keep != "bf16", progress=lambda m: None)
     from bench_bf16_kernel import kernel_at
 
-    from trtllm_dflash.models import bf16_gemm
+    from trtllm_dflash.kernels import bf16_gemm
 
     if bf16_gemm.kernel() is None:
         raise SystemExit(f"{spec}: our bf16 kernel does not run here, so there is no earlier one to compare.")

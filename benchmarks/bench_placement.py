@@ -50,7 +50,7 @@ def main(argv=None):
 
     from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.engine.runtime import DFlashEngine
-    from trtllm_dflash.models.packed import PackedLinear
+    from trtllm_dflash.kernels.packed import PackedLinear
 
     engine = DFlashEngine.load(args.target, no_draft=True, dtype=args.dtype, progress=lambda m: None)
     target = engine.target

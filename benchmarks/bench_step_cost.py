@@ -124,7 +124,7 @@ def measure(
             "ms": {str(t): round(statistics.median(times[against, t]) * 1000, 3) for t in tokens},
             "q1_ms": {str(t): round(statistics.quantiles(times[against, t], n=4)[0] * 1000, 3) for t in tokens},
         }
-    from trtllm_dflash.models import bf16_gemm
+    from trtllm_dflash.kernels import bf16_gemm
 
     return {
         "ms": out,
@@ -148,7 +148,7 @@ def main(argv=None):
         default=["packed", "dense"],
         choices=["packed", "dense"],
         help="packed: the runtime's linears (weights prepacked for oneDNN, or for our bf16 kernel where the CPU "
-        "has AVX-512 BF16 or AVX2 alone: models/bf16_gemm.py; TRTDFLASH_BF16_KERNEL=off keeps the library's); dense: stock F.linear.",
+        "has AVX-512 BF16 or AVX2 alone: kernels/bf16_gemm.py; TRTDFLASH_BF16_KERNEL=off keeps the library's); dense: stock F.linear.",
     )
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--context", type=int, default=128)

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from trtllm_dflash.kernels import block_attention, block_attention_reference
+from trtllm_dflash.kernels.attention import block_attention, block_attention_reference
 
 # name, query heads, KV heads, head dim, block size, causal, window
 DRAFTS = [

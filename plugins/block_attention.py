@@ -273,7 +273,7 @@ def block_attention_into(
     """Launch the kernel writing `out` [b, nh, Q, hd] (any strides); window <= 0 means no window; `num_splits`
     slices of the context (None: `context_splits`), merged by a second kernel when more than one.
 
-    Shapes are the op's (checked by `trtllm_dflash.kernels.block_attention`); the TensorRT plugin calls this
+    Shapes are the op's (checked by `trtllm_dflash.kernels.attention.block_attention`); the TensorRT plugin calls this
     with tensors viewed over TensorRT's buffers, the torch op with a fresh output.
     """
     b, nh, q_len, hd = q.shape

@@ -28,7 +28,7 @@ import torch
 
 from .block_attention import block_attention_into
 
-PLUGIN_ID = "trtdflash::block_attention"  # = the torch op's name (trtllm_dflash.kernels.OP)
+PLUGIN_ID = "trtdflash::block_attention"  # = the torch op's name (trtllm_dflash.kernels.attention.OP)
 FLOATS = "FP32|FP16|BF16"
 
 # TensorRT dtype -> (array-interface type string, torch dtype). bf16 has no __cuda_array_interface__ type string

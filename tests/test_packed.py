@@ -1,4 +1,4 @@
-"""Prepacked linears (models/packed.py): the target decodes exactly as stock Hugging Face does, and faster."""
+"""Prepacked linears (kernels/packed.py): the target decodes exactly as stock Hugging Face does, and faster."""
 
 import time
 
@@ -10,8 +10,8 @@ from torch import nn
 from trtllm_dflash.cpu import cpu_flags
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.models import bf16_gemm
-from trtllm_dflash.models.packed import PackedLinear, can_pack, pack_linears, packs
+from trtllm_dflash.kernels import bf16_gemm
+from trtllm_dflash.kernels.packed import PackedLinear, can_pack, pack_linears, packs
 from trtllm_dflash.models.target import TargetModel
 
 
@@ -131,8 +131,8 @@ ISA_ENV = {"native": None, "avx2": AVX2, "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX51
 BATCH_INVARIANCE = """
 import sys, torch
 from torch import nn
-from trtllm_dflash.models import bf16_gemm
-from trtllm_dflash.models.packed import PackedLinear
+from trtllm_dflash.kernels import bf16_gemm
+from trtllm_dflash.kernels.packed import PackedLinear
 bias = sys.argv[1] == "True"
 g = torch.Generator().manual_seed(0)
 for k, n in ((1536, 576), (100, 64)):  # the second: a block's weights not a whole number of the AVX2 kernel's chunks
@@ -197,8 +197,8 @@ def test_bf16_kernel_rows_are_batch_invariant_and_round_as_the_library(bias, isa
 INT8 = """
 import torch
 from torch import nn
-from trtllm_dflash.models import bf16_gemm
-from trtllm_dflash.models.packed import PackedLinear
+from trtllm_dflash.kernels import bf16_gemm
+from trtllm_dflash.kernels.packed import PackedLinear
 g = torch.Generator().manual_seed(3)
 for k, n, bias in ((1536, 576, False), (100, 64, True), (576, 16384, False)):  # 100: not a whole number of chunks
     lin = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
@@ -236,8 +236,8 @@ def test_int8_weights_where_the_kernel_takes_them_are_row_invariant_and_within_r
 
 INT8_DRAFT = """
 import torch
-from trtllm_dflash.models import bf16_gemm
-from trtllm_dflash.models.packed import PackedLinear
+from trtllm_dflash.kernels import bf16_gemm
+from trtllm_dflash.kernels.packed import PackedLinear
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.engine.request import GenerationStats
 engine = DFlashEngine.load("smollm2-135m", dtype="bf16", speculation="fixed", progress=lambda m: None)
@@ -270,7 +270,7 @@ def test_a_bf16_engine_on_avx2_drafts_with_int8_weights_and_writes_what_plain_de
 
 STEP_ATTENTION = """
 import torch
-from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.kernels import bf16_gemm
 attend = bf16_gemm.kernel().attend
 g = torch.Generator().manual_seed(0)
 for heads, kv_heads, head_dim in ((9, 3, 64), (32, 8, 128), (14, 2, 64), (8, 8, 256), (16, 2, 128)):
@@ -296,7 +296,7 @@ print(bf16_gemm.variant())
 
 ROPE_ATTEND = """
 import torch
-from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.kernels import bf16_gemm
 from trtllm_dflash.models.target import _rotate_half
 kernel = bf16_gemm.kernel()
 g = torch.Generator().manual_seed(1)
@@ -322,7 +322,7 @@ print(bf16_gemm.variant())
 RMS_NORM = """
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
-from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.kernels import bf16_gemm
 kernel = bf16_gemm.kernel()
 g = torch.Generator().manual_seed(2)
 norm = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16)
@@ -344,8 +344,8 @@ print(bf16_gemm.variant())
 BLOCK_ATTEND = """
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from trtllm_dflash import kernels
-from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.kernels import attention
+from trtllm_dflash.kernels import bf16_gemm
 kernel = bf16_gemm.kernel()
 
 class OpCalls(TorchDispatchMode):
@@ -363,16 +363,16 @@ for heads, kv_heads, head_dim in ((9, 3, 64), (32, 8, 128), (6, 2, 64), (8, 8, 2
     ck, cv = cache[0, 1:, :, :40], cache[1, 1:, :, :40]  # three slots' first 40 positions, read in place
     for causal in (False, True):
         with OpCalls() as seen:
-            out = kernels.block_attention(q, k, v, ck, cv, lens, causal)
+            out = attention.block_attention(q, k, v, ck, cv, lens, causal)
         assert seen.calls == 0 and torch.equal(out, kernel.block_attend(q, k, v, ck, cv, lens, causal, head_dim**-0.5))
-        exact = kernels.block_attention_reference(*(t.double() for t in (q, k, v, ck, cv)), lens, causal)
+        exact = attention.block_attention_reference(*(t.double() for t in (q, k, v, ck, cv)), lens, causal)
         assert out.shape == exact.shape and (out.double() - exact).abs().max() <= exact.abs().max() * 2**-8 + 1e-6, (heads, causal)
         for i in range(3):  # a row alone gives the same bits as beside the others
-            alone = kernels.block_attention(q[i:i+1], k[i:i+1], v[i:i+1], ck[i:i+1], cv[i:i+1], lens[i:i+1], causal)
+            alone = attention.block_attention(q[i:i+1], k[i:i+1], v[i:i+1], ck[i:i+1], cv[i:i+1], lens[i:i+1], causal)
             assert torch.equal(alone, out[i:i+1]), (heads, causal, i)
 with OpCalls() as seen:  # a sliding window is the op's (the reference on CPU)
-    windowed = kernels.block_attention(q, k, v, ck, cv, lens, False, 5)
-assert seen.calls == 1 and torch.equal(windowed, kernels.block_attention_reference(q, k, v, ck, cv, lens, False, 5))
+    windowed = attention.block_attention(q, k, v, ck, cv, lens, False, 5)
+assert seen.calls == 1 and torch.equal(windowed, attention.block_attention_reference(q, k, v, ck, cv, lens, False, 5))
 try:
     kernel.block_attend(q, k, v, ck, cv, torch.tensor([0, 17, 41]), False, 0.1)
 except RuntimeError as e:
@@ -394,7 +394,7 @@ def test_rms_norm_kernel_is_the_hf_module_and_batch_invariant(isa):
 SILU_MUL = """
 import torch
 import torch.nn.functional as F
-from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.kernels import bf16_gemm
 kernel = bf16_gemm.kernel()
 g = torch.Generator().manual_seed(5)
 gate_up = (torch.randn(2, 20, 2 * 1536, generator=g) * 4).to(torch.bfloat16)  # the fused gate/up projection's output
@@ -418,7 +418,7 @@ def test_silu_mul_kernel_is_torchs_activation_and_row_invariant(isa):
 
 ARGMAX = """
 import torch
-from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.kernels import bf16_gemm
 from trtllm_dflash.engine.sampling import greedy
 kernel = bf16_gemm.kernel()
 g = torch.Generator().manual_seed(4)
@@ -476,7 +476,7 @@ def test_step_attention_kernel_is_softmax_attention_and_batch_invariant(isa):
 
 DECODER_STEP = """
 import torch
-from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.kernels import bf16_gemm
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.resolve import resolve_target
 target = TargetModel.load(resolve_target("smollm2-135m", lambda m: None), torch.bfloat16)
@@ -510,7 +510,7 @@ def test_a_steps_layers_in_one_kernel_call_each_are_the_layer_loop_bit_for_bit(i
 
 GIL_FREE = """
 import threading, time, torch
-from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.kernels import bf16_gemm
 kernel = bf16_gemm.kernel()
 torch.set_num_threads(1)
 w = kernel.pack(torch.randn(4096, 8192).to(torch.bfloat16))  # long enough a call (10 ms and more) on every variant
@@ -579,7 +579,7 @@ def test_bf16_kernel_that_cannot_be_built_falls_back_with_one_sentence(tmp_path)
     import sys
 
     code = (
-        "import torch; from torch import nn; from trtllm_dflash.models.packed import PackedLinear; "
+        "import torch; from torch import nn; from trtllm_dflash.kernels.packed import PackedLinear; "
         "p = PackedLinear(nn.Linear(64, 64).to(torch.bfloat16)); "
         "print(p.kernel is None, tuple(p(torch.ones(3, 64, dtype=torch.bfloat16)).shape))"
     )

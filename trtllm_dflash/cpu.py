@@ -31,7 +31,7 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    from trtllm_dflash.models import bf16_gemm
+    from trtllm_dflash.kernels import bf16_gemm
 
     return {
         "cpu": cpu_model(),
@@ -56,8 +56,8 @@ def fastest_dtype() -> str:
     docs/performance.md#cpu-avx2-bf16); else 'fp32'."""
     import torch
 
-    from trtllm_dflash.models import bf16_gemm
-    from trtllm_dflash.models.packed import can_pack
+    from trtllm_dflash.kernels import bf16_gemm
+    from trtllm_dflash.kernels.packed import can_pack
 
     if cpu_flags() & set(BF16_HARDWARE_FLAGS) and can_pack(torch.bfloat16):
         return "bf16"

@@ -56,7 +56,7 @@ def test_a_missing_or_doubled_prompt_gets_one_sentence(command, args, message):
 def test_generate_says_how_the_draft_holds_its_weights():
     """bf16 on a CPU with AVX2 alone keeps the draft's weights as int8 by default (`int8_weights`), elsewhere bf16;
     `--no-int8-draft` keeps them bf16 anywhere; the text is the same either way."""
-    from trtllm_dflash.models import bf16_gemm
+    from trtllm_dflash.kernels import bf16_gemm
 
     base = ["generate", "--prompt", "Name a primary colour.", "--max-new-tokens", "12", "--dtype", "bf16", "--json"]
     default, kept = (

@@ -14,7 +14,7 @@ from trtllm_dflash.engine.prefix_cache import BLOCK
 from trtllm_dflash.engine.request import Request
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.kernels import bf16_gemm
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.resolve import DRAFTS_DIR
 from trtllm_dflash.text import shared_prefix

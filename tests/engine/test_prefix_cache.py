@@ -11,7 +11,7 @@ from trtllm_dflash.engine.batch import Batch
 from trtllm_dflash.engine.prefix_cache import BLOCK, Entry, PrefixCache, chunk_ends, chunk_keys
 from trtllm_dflash.engine.request import GenerationStats, Request
 from trtllm_dflash.engine.runtime import DFlashEngine
-from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.kernels import bf16_gemm
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.resolve import DRAFTS_DIR

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from trtllm_dflash.plugins.block_attention import block_attention as triton_block_attention  # noqa: E402
 from trtllm_dflash.plugins.block_attention import launch_config
 
-from trtllm_dflash.kernels import block_attention_reference  # noqa: E402
+from trtllm_dflash.kernels.attention import block_attention_reference  # noqa: E402
 
 # (label, b, nh, nkv, Q, hd, C, ctx_lens, causal, window)
 CASES = [

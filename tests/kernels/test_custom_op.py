@@ -5,12 +5,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trtllm_dflash import kernels
 from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.engine.batch import speculative_stream
 from trtllm_dflash.engine.request import GenerationStats
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.kernels import attention
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.models.draft import DFlashDraftModel, dflash_attention_mask
 from trtllm_dflash.resolve import resolve_draft
@@ -44,7 +44,7 @@ class OpCalls(TorchDispatchMode):
 def test_cpu_op_is_the_reference(causal, window):
     args = inputs()
     assert torch.equal(
-        kernels.block_attention(*args, causal, window), kernels.block_attention_reference(*args, causal, window)
+        attention.block_attention(*args, causal, window), attention.block_attention_reference(*args, causal, window)
     )
 
 
@@ -54,9 +54,9 @@ def test_op_registration_passes_opcheck_and_compiles():
     result = torch.library.opcheck(torch.ops.trtdflash.block_attention.default, (*args, True, 7))
     assert set(result.values()) == {"SUCCESS"}, result
     compiled = torch.compile(
-        lambda *a: kernels.block_attention(*a, causal=True, window=7), fullgraph=True, backend="aot_eager"
+        lambda *a: attention.block_attention(*a, causal=True, window=7), fullgraph=True, backend="aot_eager"
     )
-    torch.testing.assert_close(compiled(*args), kernels.block_attention_reference(*args, True, 7))
+    torch.testing.assert_close(compiled(*args), attention.block_attention_reference(*args, True, 7))
     with torch._subclasses.FakeTensorMode() as mode:
         fake = torch.ops.trtdflash.block_attention(*(mode.from_tensor(a) for a in args), False, 0)
     assert fake.shape == args[0].shape
@@ -73,12 +73,12 @@ def test_op_registration_passes_opcheck_and_compiles():
 )
 def test_bad_shapes_are_one_clear_error(change, message):
     with pytest.raises(DFlashError, match=message):
-        kernels.block_attention(*change(inputs()))
+        attention.block_attention(*change(inputs()))
 
 
 def test_window_must_be_positive():
     with pytest.raises(DFlashError, match="window must be at least 1"):
-        kernels.block_attention(*inputs(), window=0)
+        attention.block_attention(*inputs(), window=0)
 
 
 class ComposedDraft(DFlashDraftModel):

@@ -8,8 +8,8 @@ import onnx
 import torch
 from conftest import make_random_draft
 
-from trtllm_dflash import kernels
 from trtllm_dflash.deploy import draft_engine as de
+from trtllm_dflash.kernels import attention
 from trtllm_dflash.models.checkpoint import load_draft
 from trtllm_dflash.resolve import resolve_draft
 
@@ -110,4 +110,4 @@ def test_build_draft_engine_without_tensorrt_writes_the_onnx_only(tmp_path):
 
 def test_plugin_id_is_the_op_name():
     """torch op, ONNX node (domain::op_type) and TensorRT plugin id are one name."""
-    assert kernels.OP == f"{de.DOMAIN}::{de.OP_NAME}" == "trtdflash::block_attention"
+    assert attention.OP == f"{de.DOMAIN}::{de.OP_NAME}" == "trtdflash::block_attention"

@@ -4,7 +4,7 @@ The ONNX graph is the draft's inference forward (`DFlashDraftModel.draft_block`)
     inputs   noise_embedding [b, Q, H] float, positions [b, Q] int64, ctx_k / ctx_v [L, b, nkv, C, hd] float,
              ctx_lens [b] int64   (b and C dynamic, Q = the block size)
     output   logits [b, Q, vocab]
-Each layer's attention is one node `trtdflash::block_attention` (the torch custom op of trtllm_dflash/kernels.py,
+Each layer's attention is one node `trtdflash::block_attention` (the torch custom op of trtllm_dflash/kernels/attention.py,
 translated by torch's dynamo ONNX exporter through `custom_translation_table`) with int attributes `causal`,
 `window` (0 = none) and `plugin_namespace="trtdflash"`, which is how TensorRT's ONNX parser finds the plugin of
 plugins/tensorrt_plugin.py. The export is checked before it is written: onnxruntime evaluates the graph with the
@@ -25,15 +25,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trtllm_dflash import kernels
 from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.kernels import attention
 
 OUT_DIR = "draft_engine"
 ONNX_FILE = "drafter.onnx"
 ENGINE_FILE = "drafter.engine"
 INPUTS = ("noise_embedding", "positions", "ctx_k", "ctx_v", "ctx_lens")
 OUTPUTS = ("logits",)
-DOMAIN, OP_NAME = kernels.OP.split(
+DOMAIN, OP_NAME = attention.OP.split(
     "::"
 )  # ONNX domain "trtdflash", op_type "block_attention" = the TensorRT plugin's id
 MAX_CONTEXT = 1 << 17  # upper bound declared for the dynamic context dimension
@@ -82,7 +82,7 @@ def _onnx_block_attention():
                 OP_NAME,
                 DOMAIN,
                 1,
-                doc=kernels.block_attention.__doc__,
+                doc=attention.block_attention.__doc__,
                 inputs=[p(n, "T") for n in ("q", "k", "v", "ctx_k", "ctx_v")] + [p("ctx_lens", "I")],
                 outputs=[p("out", "T")],
                 type_constraints=[
@@ -167,14 +167,14 @@ def onnxruntime_session(path: Path):
         f32, i64, text = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int64, PyCustomOpDef.dt_string
 
         @onnx_op(
-            op_type=kernels.OP,
+            op_type=attention.OP,
             inputs=[f32] * 5 + [i64],
             outputs=[f32],
             attrs={"causal": i64, "window": i64, "plugin_namespace": text, "plugin_version": text},
         )
         def reference(q, k, v, ctx_k, ctx_v, ctx_lens, causal=0, window=0, plugin_namespace="", plugin_version=""):
             t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v, ctx_k, ctx_v, ctx_lens)]
-            return kernels.block_attention_reference(*t, bool(causal), int(window) or None).numpy()
+            return attention.block_attention_reference(*t, bool(causal), int(window) or None).numpy()
 
         _ORT_OP.append(reference)
     options = ort.SessionOptions()
@@ -238,7 +238,7 @@ def write_drafter(
                 "inputs": list(INPUTS),
                 "outputs": list(OUTPUTS),
                 "block_size": block_size,
-                "plugin": kernels.OP,
+                "plugin": attention.OP,
                 "num_hidden_layers": drafter.draft.config.num_hidden_layers,
                 "num_key_value_heads": drafter.draft.config.num_key_value_heads,
                 "head_dim": drafter.draft.config.head_dim,
@@ -328,7 +328,7 @@ def steps(opts, src, hashes: dict[str, str], max_batch: int, progress: Callable[
         "target": {p.name: hashes[str(p)] for p in src.target_files if p.suffix == ".safetensors"},
         "block_size": src.block_size,
         "versions": versions,
-        "code": {Path(m.__file__).name: sha256_file(Path(m.__file__)) for m in (kernels, draft_module)}
+        "code": {Path(m.__file__).name: sha256_file(Path(m.__file__)) for m in (attention, draft_module)}
         | {"draft_engine.py": sha256_file(Path(__file__))},
     }
 
@@ -338,7 +338,7 @@ def steps(opts, src, hashes: dict[str, str], max_batch: int, progress: Callable[
     out = [
         Step(
             "draft_onnx",
-            f"export the drafter to ONNX ({kernels.OP} as a TensorRT plugin node) and verify it with onnxruntime",
+            f"export the drafter to ONNX ({attention.OP} as a TensorRT plugin node) and verify it with onnxruntime",
             [],
             key,
             export,

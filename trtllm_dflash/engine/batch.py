@@ -23,7 +23,7 @@ from trtllm_dflash.engine.propose import DraftProposer, LookupProposer
 from trtllm_dflash.engine.request import GenerationStats, Request
 from trtllm_dflash.engine.sampling import greedy, sample, sampling_probs
 from trtllm_dflash.engine.step import RowPlan, StepRecord, accept
-from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.kernels import bf16_gemm
 from trtllm_dflash.models.draft import DFlashDraftModel, DraftKVCache
 from trtllm_dflash.models.draft_ngram import RequestCounts
 from trtllm_dflash.models.target import TargetModel
@@ -58,7 +58,7 @@ class Batch:
         self.target, self.draft = target, (draft if block_size > 1 else None)
         self.block_size = block_size if self.draft is not None else 1
         self.lookup = lookup and self.draft is not None
-        # With AMX, bf16 linears of more than TILE_ROWS rows take oneDNN's tiles (models/packed.py), which round apart
+        # With AMX, bf16 linears of more than TILE_ROWS rows take oneDNN's tiles (kernels/packed.py), which round apart
         # from a decode step: there a lookup block stays within TILE_ROWS, so a request alone writes what plain
         # decoding writes (as the draft's blocks of 8 do).
         tiled = target.dtype == torch.bfloat16 and bf16_gemm.tiles()

@@ -11,9 +11,9 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> argmax ids [...] (the first maximum on ties, as torch.argmax). ATen's argmax on CPU reduces
     the last dim one element at a time, which in bf16 is slower than casting to fp32 first
     (docs/performance.md#greedy-argmax). bf16 logits on CPU take our kernel's vectorized one where it runs
-    (models/argmax.h), else the exact cast to fp32."""
+    (kernels/argmax.h), else the exact cast to fp32."""
     if logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
-        from trtllm_dflash.models import bf16_gemm
+        from trtllm_dflash.kernels import bf16_gemm
 
         kernel = bf16_gemm.kernel()
         if kernel is not None:

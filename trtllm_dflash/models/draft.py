@@ -12,9 +12,9 @@ from torch import nn
 
 from trtllm_dflash.config import DraftConfig
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.kernels import block_attention
-from trtllm_dflash.models import bf16_gemm
-from trtllm_dflash.models.packed import PackedLinear, pack_linears, packs
+from trtllm_dflash.kernels import bf16_gemm
+from trtllm_dflash.kernels.attention import block_attention
+from trtllm_dflash.kernels.packed import PackedLinear, pack_linears, packs
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -282,7 +282,7 @@ class DFlashDraftModel(nn.Module):
     def pack(self, int8: bool = False) -> None:
         """For inference only (no training or export after it): the context K/V projection of all layers stacked into
         one linear, each layer's q/k/v and gate/up fused into one GEMM each, then every linear prepacked for oneDNN
-        (models/packed.py); `int8`: as int8 weights where our kernel takes them (PackedLinear), the vocabulary's head too."""
+        (kernels/packed.py); `int8`: as int8 weights where our kernel takes them (PackedLinear), the vocabulary's head too."""
         attns = [layer.self_attn for layer in self.layers]
         self.ctx_kv_proj = fused_linear(*(p for a in attns for p in (a.k_proj, a.v_proj)))
         k_norm = torch.stack([a.k_norm.weight.detach() for a in attns])

@@ -38,8 +38,8 @@ from torch import nn
 
 from trtllm_dflash.convert.formats import E2M1_MAX, FORMATS, FP8_E4M3_MAX, KV_CACHE_QUANT_ALGO
 from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.kernels.packed import pack_linears
 from trtllm_dflash.models.draft import DFlashDraftModel, apply_rope, rms_norm
-from trtllm_dflash.models.packed import pack_linears
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 QUANT_ALGOS = {f.quant_algo: f for f in FORMATS.values()}

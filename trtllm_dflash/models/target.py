@@ -14,8 +14,8 @@ from transformers.cache_utils import Cache
 
 from trtllm_dflash.config import rope_of
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.models import bf16_gemm
-from trtllm_dflash.models.packed import PackedLinear, pack_linears
+from trtllm_dflash.kernels import bf16_gemm
+from trtllm_dflash.kernels.packed import PackedLinear, pack_linears
 from trtllm_dflash.models.quantized import load_quantized_lm, read_quant_spec
 
 RECURRENT_HINTS = ("mamba", "rwkv", "recurrent", "linear_attention", "gated_deltanet", "xlstm")
@@ -259,7 +259,7 @@ class TargetModel:
     def _attention_kernel(self):
         """Our bf16 kernel module where it runs (bf16_gemm.py), for `attend` (slot_attention.h): a bf16 step's
         attention, one fixed order per token, so a decode step, a verify block and a batch of rows agree bit for bit."""
-        from trtllm_dflash.models import bf16_gemm
+        from trtllm_dflash.kernels import bf16_gemm
 
         head_dim = getattr(self.layers[0].self_attn, "head_dim", 0) if self.lean else 0
         kernel = bf16_gemm.kernel() if self.dtype == torch.bfloat16 and head_dim else None
@@ -281,7 +281,7 @@ class TargetModel:
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True) -> TargetModel:
-        """`pack`: prepack the linear layers for oneDNN (models/packed.py); off where weights are trained or exported."""
+        """`pack`: prepack the linear layers for oneDNN (kernels/packed.py); off where weights are trained or exported."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trtllm_dflash.models import bf16_gemm
+from trtllm_dflash.kernels import bf16_gemm
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -7,8 +7,8 @@ target-derived K/V) followed by the block's own K/V.
 Every call goes through one torch custom op, `torch.ops.trtdflash.block_attention`, so the CPU runtime, the
 tests, torch.compile, the ONNX export and a GPU run share a single call site:
     CPU (and any device without a kernel): `block_attention_reference` (masks + SDPA), the definition;
-    CPU in bf16, where our bf16 kernel module runs (models/bf16_gemm.py) and outside tracing: its `block_attend`
-      (models/slot_attention.h), called directly, as the op's Python dispatch alone costs more than the kernel
+    CPU in bf16, where our bf16 kernel module runs (kernels/bf16_gemm.py) and outside tracing: its `block_attend`
+      (kernels/slot_attention.h), called directly, as the op's Python dispatch alone costs more than the kernel
       (docs/performance.md#block-attention-dispatch);
     CUDA: the fused OpenAI Triton kernel in plugins/block_attention.py, imported on first CUDA call;
     fake/meta: shape inference for torch.compile / torch.export.
@@ -105,8 +105,8 @@ def _tracing() -> bool:
 
 
 def _cpu_kernel():
-    """Our bf16 kernel module where it runs on this CPU (models/bf16_gemm.py), else None."""
-    from trtllm_dflash.models import bf16_gemm
+    """Our bf16 kernel module where it runs on this CPU (kernels/bf16_gemm.py), else None."""
+    from trtllm_dflash.kernels import bf16_gemm
 
     return bf16_gemm.kernel()
 
