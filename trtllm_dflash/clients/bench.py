@@ -97,13 +97,17 @@ def table(levels: dict[str, list[dict]]) -> str:
     return "\n".join(rows)
 
 
+def _check_pair(servers: int) -> None:
+    if servers != 2:
+        raise DFlashError(
+            f"--gate compares a DFlash deployment with its --no-draft twin: give exactly two --url, got {servers}."
+        )
+
+
 def gate_verdict(levels: dict[str, list[dict]]) -> dict:
     """The acceptance gate: the first server (a DFlash deployment) against the second (its `--no-draft` twin), level
     by level; it passes where DFlash's steady tokens/s is at least the twin's at every level and no request failed."""
-    if len(levels) != 2:
-        raise DFlashError(
-            f"--gate compares a DFlash deployment with its --no-draft twin: give exactly two --url, got {len(levels)}."
-        )
+    _check_pair(len(levels))
     dflash, twin = levels.values()
 
     def speed(lv: dict) -> float:
@@ -140,8 +144,8 @@ def run_bench(
     from trtllm_dflash.cpu import cpu_model
 
     servers = parse_urls(urls)
-    if gate and len(servers) != 2:
-        gate_verdict(dict.fromkeys(servers, []))  # its sentence, before any load is sent
+    if gate:
+        _check_pair(len(servers))  # before any load is sent
     if deployment and not gate:
         raise DFlashError("--deployment records the acceptance gate's verdict: pass --gate with it.")
     if deployment:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from trtllm_dflash.config import DraftConfig
 from trtllm_dflash.deploy.memory import _kv_bytes, _weight_rows
 from trtllm_dflash.deploy.recipes import Recipe
+from trtllm_dflash.engine.policy import BlockPolicy
 from trtllm_dflash.errors import DFlashError
 
 BW_EFFICIENCY = 0.7  # share of HBM bandwidth a decode step's kernels reach
@@ -52,11 +53,8 @@ class Acceptance:
         1 + p + ... + p^(block_size - 1) = τ, which is what a single published number allows."""
         if not 1.0 <= tau <= block_size:
             raise DFlashError(f"An acceptance length must lie between 1 and the block size {block_size}, got {tau}.")
-        lo, hi = 0.0, 1.0
-        for _ in range(50):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if sum(mid**j for j in range(block_size)) < tau else (lo, mid)
-        return cls(((lo + hi) / 2,) * (block_size - 1), f"{source}: τ {tau:g} at block {block_size}")
+        p = BlockPolicy.conditional_for_tau(tau, block_size)
+        return cls((p,) * (block_size - 1), f"{source}: τ {tau:g} at block {block_size}")
 
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
@@ -152,7 +150,7 @@ def roofline_cost(recipe: Recipe, context: int = CONTEXT) -> Callable[[int, int]
     if d is None:
         raise DFlashError(f"{recipe.id} has no draft to plan draft lengths for.")
     rows = dict(_weight_rows(m, d, p, recipe.quant))
-    experts = next((b for label, b in rows.items() if label == "target experts"), 0.0)
+    experts = rows.get("target experts", 0.0)
     dense = sum(b for label, b in rows.items() if not label.startswith("draft") and label != "target experts")
     draft_bytes = rows["draft weights (bf16)"]
     head_bytes = m.vocab_size * m.hidden_size * 2 / (1 if p.attention_dp else p.tp)

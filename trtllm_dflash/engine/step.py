@@ -95,9 +95,6 @@ class StepRecord:
     def rows(self) -> int:
         return len(self.ks)
 
-    def looked_at(self, i: int) -> bool:
-        return bool(self.looked) and self.looked[i]
-
     @property
     def drafted_tokens(self) -> int:
         return sum(self.ks) - len(self.ks)

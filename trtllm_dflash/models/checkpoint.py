@@ -47,14 +47,14 @@ def read_draft_config(path: Path) -> DraftConfig:
         raise DFlashError(f"Draft config {cfg_file} is invalid ({one_line(e)}); re-export the draft.") from None
 
 
-def _weight_files(path: Path) -> list[Path]:
+def _weight_files(path: Path, what: str = "Draft") -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [path / n for n in names]
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
-    raise DFlashError(f"Draft checkpoint {path} has no model.safetensors.")
+    raise DFlashError(f"{what} checkpoint {path} has no model.safetensors.")
 
 
 def _check_names_and_shapes(path: Path, shapes: dict[str, tuple[int, ...]], config: DraftConfig) -> None:

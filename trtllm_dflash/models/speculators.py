@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from trtllm_dflash.atomic import locked, replace_dir
 from trtllm_dflash.config import DRAFT_ARCHITECTURE, max_draft_len
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.models.checkpoint import CARD_FILE
+from trtllm_dflash.models.checkpoint import CARD_FILE, _weight_files
 from trtllm_dflash.models.draft_ngram import FILE as NGRAM_FILE
 from trtllm_dflash.models.draft_vocab import FILE as VOCAB_FILE
 from trtllm_dflash.resolve import cache_dir, resolve_draft
@@ -131,17 +131,9 @@ def speculators_config(zlab: dict, verifier: dict, verifier_name: str) -> dict:
     }
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    index = path / "model.safetensors.index.json"
-    files = (
-        sorted({path / f for f in read_json(index, "shard index")["weight_map"].values()})
-        if index.is_file()
-        else [path / "model.safetensors"]
-    )
+def _tensors(path: Path, what: str) -> dict[str, torch.Tensor]:
     out = {}
-    for f in files:
-        if not f.is_file():
-            raise DFlashError(f"Checkpoint {path} has no {f.name}.")
+    for f in _weight_files(path, what):
         with safe_open(f, framework="pt") as st:
             out.update({k: st.get_tensor(k) for k in st.keys()})  # noqa: SIM118 (safe_open is not iterable)
     return out
@@ -174,7 +166,7 @@ def to_zlab(src: Path, dest: Path) -> Path:
     src = Path(src)
     check_checkpoint_dir(src, "Draft")
     config = zlab_config(read_json(src / "config.json", "draft config"))
-    tensors = _tensors(src)
+    tensors = _tensors(src, "Draft")
     if any(k in tensors for k in VOCAB_MAPS):
         raise DFlashError(
             "This speculators draft guesses among a reduced vocabulary (d2t/t2d), which TensorRT-LLM's DFlash loader "
@@ -195,8 +187,8 @@ def to_speculators(src: Path, dest: Path, target_dir: Path, target_name: str | N
     config = speculators_config(
         read_json(src / "config.json", "draft config"), verifier, target_name or target_dir.name
     )
-    tensors = _tensors(src)
-    target = _tensors(target_dir)
+    tensors = _tensors(src, "Draft")
+    target = _tensors(target_dir, "Target")
     embed = target.get("model.embed_tokens.weight", target.get("embed_tokens.weight"))
     if embed is None:
         raise DFlashError(f"Target {target_dir} has no embed_tokens weight to store beside the draft.")
