@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from trtllm_dflash.clients.loadgen import Job, compare, default_prompts, plot_pareto, run_load
+from trtllm_dflash.config import SPECULATION
 from trtllm_dflash.cpu import machine_info
 from trtllm_dflash.deploy import BuildOptions, run_build
 from trtllm_dflash.serving.serve import ServerConfig, TritonServer
@@ -40,7 +41,7 @@ def main(argv=None):
     )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--math-prompts", type=int, default=16)
-    ap.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"])
+    ap.add_argument("--speculation", default="adaptive", choices=SPECULATION)
     ap.add_argument(
         "--prefix-cache-tokens",
         type=int,

@@ -11,10 +11,9 @@ from trtllm_dflash.errors import DFlashError
 
 DTYPE_CHOICES = ("auto", "fp32", "bf16")  # embedded backend; auto: the faster on this CPU (cpu.fastest_dtype)
 DRAFT_LOSSES = ("decay", "dpace")  # train-draft slot weights: a fixed exp(-(k-1)/gamma), or D-PACE's dynamic ones
-SPECULATION = (
-    "adaptive",
-    "fixed",
-)  # block length per step from measured costs and acceptance, or always the full block
+# adaptive: block length per row and step from measured costs and acceptance; planned: every row the draft length
+# planned for the batch size (engine/plan.py, TensorRT-LLM's draft_len_schedule); fixed: always the full block
+SPECULATION = ("adaptive", "planned", "fixed")
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 # DFlash2 drafts (block convolutions + a candidate selector) are served under the same `decoding_type: DFlash`; what
@@ -453,7 +452,7 @@ class EngineOptions:
     draft_dir: str  # "" = no draft (autoregressive)
     dtype: str
     block_size: int
-    speculation: str  # block length per step: adaptive (measured costs) or fixed (always the full block)
+    speculation: str  # block length per step: one of SPECULATION
     lookup: bool  # prompt-lookup guesses where a request's text repeats (engine/lookup.py)
     int8_draft: bool  # bf16 on AVX2 alone: the draft's weights as int8 (DFlashEngine.load)
     prefix_cache_tokens: int  # prompt tokens whose K/V the engine keeps for later prompts (engine/prefix_cache.py)

@@ -12,7 +12,8 @@ from trtllm_dflash.cli import main
 from trtllm_dflash.config import ENGINE_FILE, EngineOptions
 from trtllm_dflash.deploy import BuildOptions, run_build
 from trtllm_dflash.deploy import steps as build_module
-from trtllm_dflash.engine.policy import OPTIMISTIC, BlockPolicy
+from trtllm_dflash.engine.plan import conditional_for_tau
+from trtllm_dflash.engine.policy import OPTIMISTIC
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.resolve import sha256_file
@@ -261,7 +262,7 @@ def test_a_drafts_card_travels_into_the_build_and_prices_the_servers_probes(rand
     run_build(BuildOptions(output=out, max_seq_len=512), progress=lambda m: None)  # the packaged draft
     card = json.loads((out / "checkpoints/draft/training.json").read_text())
     engine = DFlashEngine.load(str(out / "checkpoints/target"), str(out / "checkpoints/draft"), progress=lambda m: None)
-    assert engine.policy.ceiling == BlockPolicy.conditional_for_tau(card["final_metrics"]["val_tau"], engine.block_size)
+    assert engine.policy.ceiling == conditional_for_tau(card["final_metrics"]["val_tau"], engine.block_size)
     assert engine.policy.ceiling < OPTIMISTIC
     assert not (random_draft_dir / "training.json").exists()
     plain = DFlashEngine.load(str(out / "checkpoints/target"), str(random_draft_dir), progress=lambda m: None)

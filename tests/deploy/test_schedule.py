@@ -12,9 +12,10 @@ from click.testing import CliRunner
 from trtllm_dflash.cli import main
 from trtllm_dflash.deploy import recipes
 from trtllm_dflash.deploy.recipes import load_recipe, presets
-from trtllm_dflash.deploy.schedule import Acceptance, plan_recipe_schedule, plan_schedule
+from trtllm_dflash.deploy.schedule import plan_recipe_schedule
 from trtllm_dflash.deploy.trtllm.options import llm_options
 from trtllm_dflash.deploy.trtllm.schema import RELEASES, upstream_errors
+from trtllm_dflash.engine.plan import Acceptance, plan_schedule
 from trtllm_dflash.errors import DFlashError
 
 RECIPES = [rid for ids in presets().values() for rid in ids]

@@ -102,15 +102,14 @@ def test_calibration_drafts_as_steps_do(engine, monkeypatch, short):
     assert sorted(set(drafted)) == shapes and sorted(policy.draft_cost) == [r * w for r, w in shapes]
 
 
-@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+@pytest.mark.parametrize("speculation", ["fixed", "adaptive", "planned"])
 def test_rows_join_leave_stop_and_cancel_without_changing_output(engine, references, speculation):
     """Four slots, six requests: two start, others join at later steps, one stops on a token, one is cancelled. The
     chat template's head is prefilled once, by the first chat request, and copied into the others' slots."""
-    engine.policy.adaptive = speculation == "adaptive"
-    if engine.policy.adaptive:
-        engine.calibrate(4)
+    engine.policy.adaptive, engine.policy.planned = speculation == "adaptive", speculation == "planned"
     prefix = shared_prefix(engine.tokenizer, engine.target.max_positions)
     batch = Batch(engine.target, engine.draft, engine.block_size, slots=4, policy=engine.policy, prefix=prefix)
+    engine.calibrate(batch)
     forward, prefilled = engine.target.forward, []
 
     def recording(ids, start, *args, **kwargs):  # the prompt chunks as they go into the target
@@ -162,9 +161,12 @@ def test_rows_join_leave_stop_and_cancel_without_changing_output(engine, referen
             assert out[4] == ref[: ref.index(stop_at) + 1] and reqs[4].stats.finish_reason == "stop"
         else:
             assert out[i] == ref, f"request {i} differs from its batch-1 output"
+    chosen = {k for r in reqs for k in r.stats.block_lengths}
     if engine.policy.adaptive:
-        chosen = {k for r in reqs for k in r.stats.block_lengths}
         assert chosen and max(chosen) <= 1 + batch.max_guesses  # a lookup row's block may pass the draft's
+    if engine.policy.planned:  # every row at its batch size's planned length (or what its budget leaves)
+        assert max(chosen) <= engine.policy.planned_block(1) and engine.policy.schedule is not None
+    engine.policy.planned = False
 
 
 class CyclingPolicy(BlockPolicy):

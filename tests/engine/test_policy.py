@@ -2,6 +2,7 @@
 
 import pytest
 
+from trtllm_dflash.engine.plan import conditional_for_tau
 from trtllm_dflash.engine.policy import BlockPolicy
 from trtllm_dflash.engine.step import StepRecord
 
@@ -127,7 +128,7 @@ def test_a_probe_takes_the_block_that_could_pay_where_a_full_one_could_not():
     """Verifying 16 tokens costs three plain steps (one thread, AVX2): a full-block probe could never repay itself
     even at the draft card's acceptance, but 4 tokens could. After requests the draft did not serve, a new one is
     still measured, with the block that would serve it best were it as good as the card says."""
-    p = BlockPolicy(16, adaptive=True, ceiling=BlockPolicy.conditional_for_tau(3.1, 16))
+    p = BlockPolicy(16, adaptive=True, ceiling=conditional_for_tau(3.1, 16))
     p.verify_cost.update({1: 0.030, 2: 0.031, 4: 0.040, 8: 0.060, 16: 0.090})
     p.draft_cost.update({16: 0.009})
     feed(p, Row(), [0] * 20)
@@ -147,7 +148,7 @@ def test_a_new_request_is_probed_only_where_the_draft_at_its_known_best_could_pa
         p.draft_cost.update({8: 0.004})
         return p
 
-    card = BlockPolicy.conditional_for_tau(3.5, 8)
+    card = conditional_for_tau(3.5, 8)
     assert abs(BlockPolicy._tokens([card] * 7, 8) - 3.5) < 1e-6 and 0.73 < card < 0.75
     for p, probed_at_8 in ((policy(ceiling=card), False), (policy(), True)):
         old = [Row() for _ in range(7)]

@@ -1,17 +1,10 @@
-"""Draft length by load: the `draft_len_schedule` that maximises expected committed tokens per second.
-
-A step with draft length K commits E(K) = 1 + p_1 + p_1 p_2 + ... + p_1...p_K tokens per request (p_j: the draft's
-conditional acceptance at position j) and costs T(batch, K). Speculation pays while verifying K more tokens per row
-is cheap, which holds where a step is bound by reading weights; as the batch grows the step becomes bound by
-compute, every rejected guess costs real FLOPs, and the best K falls, to 0 (no drafting) eventually. So the planner
-takes, per batch size, the K with the most E(K) / T(batch, K) and writes the result as TensorRT-LLM's
+"""Draft length by load for a GPU deployment: the planner (engine/plan.py) with a roofline of the recipe's GPU for
+the step cost T(batch, K) and the draft card's acceptance, written as TensorRT-LLM's
 `speculative_config.draft_len_schedule`.
 
-Two inputs, each shown with the plan: the acceptance per position (a draft card's acceptance length, or our own
-measurement), and T. On a GPU, T is a roofline of the recipe's GPU (`roofline_cost`: weight, KV-cache and LM-head bytes
-over HBM bandwidth against the FLOPs of batch x (K + 1) tokens at the format's tensor-core peak, the larger of the
-two, for the target's verify forward and the drafter's); on a CPU it is measured (the embedded engine's calibration).
-A GPU host can replace the roofline with measured costs; the schedule's shape is the same either way.
+`roofline_cost` prices the target's verify forward and the drafter's as weight, KV-cache and LM-head bytes over HBM
+bandwidth against the FLOPs of batch x (K + 1) tokens at the format's tensor-core peak, the larger of the two, plus a
+per-layer overhead. A GPU host can replace it with measured costs; the schedule's shape is the same either way.
 
 TensorRT-LLM's readings of the schedule changed between releases: a key was the smallest batch size of its draft
 length (tensorrt_llm/_torch/speculative/drafter.py before 1.3), and is now the largest (`get_draft_len_for_batch_size`
@@ -23,12 +16,11 @@ length; its smallest key is 1 and maps to max_draft_len, as upstream's validator
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from trtllm_dflash.config import DraftConfig
 from trtllm_dflash.deploy.memory import _kv_bytes, _weight_rows
 from trtllm_dflash.deploy.recipes import Recipe
-from trtllm_dflash.engine.policy import BlockPolicy
+from trtllm_dflash.engine.plan import Acceptance, DraftSchedule, plan_schedule
 from trtllm_dflash.errors import DFlashError
 
 BW_EFFICIENCY = 0.7  # share of HBM bandwidth a decode step's kernels reach
@@ -38,98 +30,6 @@ FLOP_EFFICIENCY = 0.5  # share of the tensor-core peak a step's GEMMs reach
 LAYER_OVERHEAD_S = 50e-6
 CONTEXT = 2048  # tokens of context a running request holds on average, for the KV reads
 UNKNOWN_TAU = 3.0  # a draft with no published acceptance: about what chat traffic gets from the published drafts
-
-
-@dataclass(frozen=True)
-class Acceptance:
-    """The draft's conditional acceptance per position (p_j, j = 1..max) and where it comes from."""
-
-    conditional: tuple[float, ...]
-    source: str
-
-    @classmethod
-    def from_tau(cls, tau: float, block_size: int, source: str) -> Acceptance:
-        """One acceptance length τ at `block_size` (τ counts the bonus token) as a constant p with
-        1 + p + ... + p^(block_size - 1) = τ, which is what a single published number allows."""
-        if not 1.0 <= tau <= block_size:
-            raise DFlashError(f"An acceptance length must lie between 1 and the block size {block_size}, got {tau}.")
-        p = BlockPolicy.conditional_for_tau(tau, block_size)
-        return cls((p,) * (block_size - 1), f"{source}: τ {tau:g} at block {block_size}")
-
-    def expected_tokens(self, k: int) -> float:
-        total, run = 1.0, 1.0
-        for p in self.conditional[:k]:
-            run *= p
-            total += run
-        return total
-
-
-@dataclass(frozen=True)
-class Planned:
-    batch: int
-    draft_len: int
-    tokens_per_step: float  # per request, bonus included
-    speedup: float  # committed tokens per second against the same batch without drafting
-
-
-@dataclass(frozen=True)
-class DraftSchedule:
-    """The planned draft length per batch size (1..max_batch_size, powers of two and the maximum), with its inputs."""
-
-    rows: tuple[Planned, ...]
-    max_batch_size: int
-    inputs: tuple[tuple[str, str], ...]
-
-    def length_at(self, batch: int) -> int:
-        """The planned length of `batch` rows: that of the nearest planned batch size at or below it."""
-        return max((r for r in self.rows if r.batch <= batch), key=lambda r: r.batch).draft_len
-
-    @property
-    def max_draft_len(self) -> int:
-        return self.length_at(1)
-
-    def schedule(self) -> dict[int, int]:
-        """TensorRT-LLM's `draft_len_schedule`: both ends of every run of equal lengths (see the module's doc)."""
-        out: dict[int, int] = {}
-        start, k = 1, self.length_at(1)
-        for b in range(2, self.max_batch_size + 2):
-            kb = self.length_at(b) if b <= self.max_batch_size else None
-            if kb != k:
-                out[start], out[b - 1] = k, k
-                start, k = b, kb
-        return out
-
-    def table(self) -> str:
-        lines = ["| batch | draft length | tokens/step | expected speed-up |", "|---:|---:|---:|---:|"]
-        lines += [f"| {r.batch} | {r.draft_len} | {r.tokens_per_step:.2f} | {r.speedup:.2f}x |" for r in self.rows]
-        lines += ["", "Inputs: " + "; ".join(f"{k} {v}" for k, v in self.inputs) + "."]
-        return "\n".join(lines)
-
-
-def batch_sizes(max_batch_size: int) -> list[int]:
-    return sorted({2**i for i in range(max_batch_size.bit_length()) if 2**i <= max_batch_size} | {max_batch_size})
-
-
-def plan_schedule(
-    acceptance: Acceptance,
-    cost: Callable[[int, int], float],
-    max_batch_size: int,
-    max_draft_len: int,
-    inputs: tuple[tuple[str, str], ...] = (),
-) -> DraftSchedule:
-    """Per batch size, the draft length with the most expected tokens per second (the shorter on a tie); `cost(batch,
-    k)` is a step's seconds. Batch 1 chooses among 1..max_draft_len (TensorRT-LLM takes no DFlash deployment with
-    max_draft_len 0: the twin without a draft is the way to turn drafting off), and every larger batch among
-    0..that length, since TensorRT-LLM requires every scheduled length to be at most the batch-1 one."""
-    if max_draft_len < 1 or max_batch_size < 1:
-        raise DFlashError(f"Cannot plan draft lengths up to {max_draft_len} for batches up to {max_batch_size}.")
-    rows, top = [], max_draft_len
-    for b in batch_sizes(max_batch_size):
-        rate = {k: acceptance.expected_tokens(k) / cost(b, k) for k in range(top + 1)}
-        k = max((k for k in rate if k > 0 or b > 1), key=lambda k: (rate[k], -k))
-        top = k if b == 1 else top
-        rows.append(Planned(b, k, acceptance.expected_tokens(k), rate[k] / rate[0]))
-    return DraftSchedule(tuple(rows), max_batch_size, inputs)
 
 
 def _format(quant: str, recipe: Recipe) -> str:

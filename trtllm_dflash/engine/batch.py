@@ -17,6 +17,7 @@ import torch
 
 from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.engine.lookup import MAX_GUESSES, NgramIndex
+from trtllm_dflash.engine.plan import batch_sizes
 from trtllm_dflash.engine.policy import BlockPolicy
 from trtllm_dflash.engine.prefix_cache import BLOCK, Entry, PrefixCache, chunk_ends, chunk_keys
 from trtllm_dflash.engine.propose import DraftProposer, LookupProposer
@@ -29,7 +30,9 @@ from trtllm_dflash.models.draft_ngram import RequestCounts
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.threads import widened
 
-CALIBRATION_ROUNDS = 3  # Batch.calibrate: rounds over every size, the fastest of each kept
+CALIBRATION_ROUNDS = 3  # Batch.calibrate, Batch.measure_steps: rounds over every size, the fastest of each kept
+# Batch.measure_steps' placeholder prompts: short of a whole prefill chunk (prefix_cache.BLOCK), so none is cached
+MEASURE_PROMPT = BLOCK - 16
 
 
 class Batch:
@@ -216,18 +219,48 @@ class Batch:
         for n in sorted(set(sizes) | set(shapes)):
             self.policy.record_cost(n, draft.get(n), verify.get(n))
 
+    @torch.inference_mode()
+    def measure_steps(self) -> None:
+        """T(rows, K) for the draft-length planner (plan.py): whole steps of 1, 2, 4, ... up to `slots` rows at every
+        draft length K (0 = plain decoding), rows of placeholder requests removed after. A whole step pays what no
+        single forward shows (the draft's context update, each row's attention, the bookkeeping), and it is what the
+        plan trades. Rounds as in `calibrate`, each (rows, K) keeping its fastest, and none above a longer K's;
+        acceptance is not learnt here."""
+        assert not self.rows, "measure steps before admitting requests"
+        if self.draft is None:
+            return
+        seconds: dict[tuple[int, int], float] = {}
+        budget = CALIBRATION_ROUNDS * self.block_size * (self.block_size + 1)
+        for b in batch_sizes(self.slots):
+            reqs = [Request([0] * MEASURE_PROMPT, budget) for _ in range(b)]
+            for r in reqs:
+                while not self.add(r):
+                    pass
+            for _ in range(CALIBRATION_ROUNDS):
+                for k in range(self.block_size):
+                    t0 = time.perf_counter()
+                    self.step([k + 1] * b, observe=False)
+                    seconds[b, k] = min(seconds.get((b, k), float("inf")), time.perf_counter() - t0)
+            for r in reqs:
+                self.remove(r)
+            for k in reversed(range(self.block_size - 1)):  # a longer step never costs less (noise only adds time)
+                seconds[b, k] = min(seconds[b, k], seconds[b, k + 1])
+        self.policy.step_seconds = seconds
+        self.policy.replan()
+
     @property
     def ready(self) -> list[Request]:
         """Rows past prefill and not finished: the ones a step advances."""
         return [r for r in self.rows if r.prefilled == len(r.prompt_ids) and not r.stats.finish_reason]
 
     @torch.inference_mode()
-    def step(self) -> dict[Request, list[int]]:
+    def step(self, ks: list[int] | None = None, observe: bool = True) -> dict[Request, list[int]]:
         """One speculative step for every ready row (they must be slots 0..n-1): plan, propose, verify, accept, commit.
-        Each row has its own block length k_i (1 = plain decoding); the verify forward carries sum(k_i) tokens."""
+        Each row has its own block length k_i (1 = plain decoding); the verify forward carries sum(k_i) tokens.
+        `ks`: the rows' block lengths, drafted (else the policy's choice); `observe`: the policy learns from the step."""
         rows = self.ready
         assert rows == self.rows[: len(rows)], "ready rows must lead the slots"
-        plans = self._plan(rows)
+        plans = self._plan(rows) if ks is None else [RowPlan(r, min(k, max(r.remaining, 1))) for r, k in zip(rows, ks)]
         t0 = time.perf_counter()
         width = max((proposer.propose(plans) for proposer in self.proposers), default=0)
         t1 = time.perf_counter()
@@ -236,7 +269,8 @@ class Batch:
             accept(plan, logits, post)
         out = self._commit(plans, feats)
         record = StepRecord.of(plans, [len(out[r]) for r in rows], width, t1 - t0, time.perf_counter() - t1)
-        self.policy.observe(rows, record)
+        if observe:
+            self.policy.observe(rows, record)
         self.last_step = record
         return out
 
@@ -246,7 +280,8 @@ class Batch:
         not verified, but where every guess is accepted the bonus token tells whether it was right, and the policy
         learns that slot's acceptance from it instead of from other requests' (a row held at k=2 learns whether k=3
         pays)."""
-        found = [self.lookup_proposer.candidates(r.history) for r in rows]
+        on = self.policy.speculates(len(rows))  # else no row's candidates are looked up, nor its n-grams counted
+        found = [self.lookup_proposer.candidates(r.history) if on else [] for r in rows]
         ks, looked = self.policy.choose(rows, [len(f) for f in found])
         plans = [RowPlan(r, k, lk, f if lk else []) for r, k, lk, f in zip(rows, ks, looked, found)]
         for p in plans:

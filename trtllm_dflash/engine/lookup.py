@@ -25,21 +25,20 @@ class NgramIndex:
     latest occurrence whose following token is known."""
 
     def __init__(self, tokens: list[int]):
-        self.tokens: list[int] = []
+        self.tokens: list[int] = list(tokens)
         self._next: dict[tuple[int, ...], int] = {}
-        self.extend(tokens)
+        self._indexed = 0  # tokens[:_indexed] are indexed: the rest when a proposal needs them
 
     def extend(self, tokens: list[int]) -> None:
-        seq, nxt = self.tokens, self._next
-        for t in tokens:
-            end = len(seq)  # t lands here: every n-gram ending just before it now has a known successor
-            for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
-                nxt[tuple(seq[end - n : end])] = end
-            seq.append(t)
+        self.tokens.extend(tokens)
 
     def propose(self, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the longest suffix of the sequence seen before (latest occurrence)."""
-        seq = self.tokens
+        seq, nxt = self.tokens, self._next
+        for end in range(self._indexed, len(seq)):  # every n-gram ending just before `end` has a known successor
+            for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
+                nxt[tuple(seq[end - n : end])] = end
+        self._indexed = len(seq)
         for n in range(min(MAX_NGRAM, len(seq)), MIN_NGRAM - 1, -1):
             at = self._next.get(tuple(seq[-n:]))
             if at is not None:

@@ -21,6 +21,9 @@ such a row costs only its verify tokens, and its block length (up to 1 + lookup.
 is priced with its own and all rows' record of lookup guesses, kept apart from the draft's.
 TensorRT-LLM's `DFlashDecodingConfig` switches the whole batch on fixed thresholds (`draft_len_schedule` by batch
 size, `acceptance_rate_threshold`); here both sides of the trade are measured on the machine it runs on, per request.
+Above the per-row choice stands the draft length planned by batch size (plan.py) from whole steps measured at start-up
+and the acceptance requests have shown: `planned` mode drafts exactly that length, as TensorRT-LLM does, and at a
+batch size planned to draft nothing the adaptive policy decodes every row plainly.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import weakref
 from dataclasses import dataclass
 
 from trtllm_dflash.engine.lookup import MAX_GUESSES
+from trtllm_dflash.engine.plan import Acceptance, DraftSchedule, expected_tokens, plan_schedule
 from trtllm_dflash.engine.step import StepRecord
 
 PRIOR = 0.6  # conditional acceptance assumed before anything is measured
@@ -55,6 +59,7 @@ FACTOR_RATE = 0.1
 # request plain (docs/performance.md#drafting-yield).
 YIELD_MEMORY, YIELD_PRIOR = 0.97, 8.0
 MARGIN = 1.02  # a longer block must beat the best shorter one by this much: ties go to less speculation
+REPLAN_STEPS = 16  # steps between plans of the draft length by batch size (plan.py) from the acceptance measured so far
 
 
 @dataclass
@@ -72,17 +77,25 @@ class BlockPolicy:
         ragged: bool = True,
         ceiling: float = OPTIMISTIC,
         short: bool = False,
+        planned: bool = False,
     ):
         """`ragged`: the target verifies rows of different lengths on one flat axis (else every row is padded to the
         longest, and a step costs n * max(k_i) tokens). `ceiling`: the per-slot acceptance a probe is priced with.
-        `short`: the draft drafts a step's blocks over their longest k + 1 slots (DraftConfig.short_blocks), not whole."""
+        `short`: the draft drafts a step's blocks over their longest k + 1 slots (DraftConfig.short_blocks), not whole.
+        `planned`: every row drafts the draft length planned for the step's batch size (TensorRT-LLM's
+        `draft_len_schedule`, from measured step costs and acceptance: `schedule`). An adaptive policy takes the same
+        plan as an off switch: at a batch size planned to draft nothing, every row decodes plainly (no draft, no lookup,
+        no probe), and the step costs what plain decoding does."""
         self.max_block, self.adaptive, self.ragged, self.ceiling = (
             max_block,
             adaptive and max_block > 1,
             ragged,
             ceiling,
         )
-        self.short = short
+        self.short, self.planned = short, planned and max_block > 1
+        self.step_seconds: dict[tuple[int, int], float] = {}  # (rows, draft length) -> a whole step's seconds
+        self.schedule: DraftSchedule | None = None  # planned from step_seconds and the population's acceptance
+        self._since_plan = 0  # steps observed since the schedule was planned
         self.verify_cost: dict[int, float] = {}  # tokens verified -> seconds (FALL/RISE average of measurements)
         self.draft_cost: dict[int, float] = {}  # drafting rows * slots drafted per row -> seconds
         self.population = self._new_counts()
@@ -125,25 +138,49 @@ class BlockPolicy:
 
     @staticmethod
     def _tokens(conditional: list[float], k: int) -> float:
-        """Tokens a step with block length k commits on average: 1 + sum_j prod_{m<=j} p_m."""
-        total, run = 1.0, 1.0
-        for p in conditional[: k - 1]:
-            run *= p
-            total += run
-        return total
+        """Tokens a step with block length k (k - 1 guesses) commits on average."""
+        return expected_tokens(conditional, k - 1)
 
-    @classmethod
-    def conditional_for_tau(cls, tau: float, block: int) -> float:
-        """The per-slot conditional acceptance p with 1 + p + ... + p^(block-1) = tau (a draft card's held-out
-        acceptance length as one number the policy can price a probe with)."""
-        lo, hi = 0.0, 1.0
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if cls._tokens([mid] * (block - 1), block) < tau else (lo, mid)
-        return (lo + hi) / 2
+    def planned_block(self, rows: int) -> int:
+        """The block length the plan allows a step of `rows` rows (the whole block where the policy is fixed or has no
+        plan yet)."""
+        if self.schedule is None or not (self.planned or self.adaptive):
+            return self.max_block
+        return self.schedule.length_at(rows) + 1
+
+    def speculates(self, rows: int) -> bool:
+        """Whether a step of `rows` rows may verify any guess."""
+        return self.max_block > 1 and self.planned_block(rows) > 1
 
     def expected_tokens(self, req, k: int) -> float:
         return self._tokens(self._conditional(self._counts(req)), k)
+
+    def population_conditional(self) -> list[float]:
+        """P(slot j accepted | the slots before it were) over every request so far, each slot shrunk toward the slot
+        before it (PRIOR before anything is measured)."""
+        out, before = [], PRIOR
+        for reached, accepted in zip(self.population.reached, self.population.accepted):
+            before = (accepted + before * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
+            out.append(before)
+        return out
+
+    def replan(self) -> None:
+        """The draft length by batch size (plan.py) from the measured step costs (Batch.measure_steps) and the
+        acceptance the requests showed so far."""
+        self._since_plan = 0
+        if not self.step_seconds:
+            return
+        acceptance = Acceptance(tuple(self.population_conditional()), "measured on this engine's requests")
+        measured = sorted({b for b, _ in self.step_seconds})
+        inputs = (("acceptance", acceptance.source), ("cost", "steps measured on this machine"))
+
+        def cost(b: int, k: int) -> float:  # linear between the measured batch sizes
+            hi = measured[bisect.bisect_left(measured, b)]
+            lo = measured[max(bisect.bisect_left(measured, b) - 1, 0)]
+            w = (b - lo) / (hi - lo) if hi > lo else 1.0
+            return self.step_seconds[lo, k] * (1 - w) + self.step_seconds[hi, k] * w
+
+        self.schedule = plan_schedule(acceptance, cost, measured[-1], self.max_block - 1, inputs, every_size=True)
 
     @staticmethod
     def _levels(costs: dict[int, float]) -> list[tuple[int, float]]:
@@ -210,6 +247,11 @@ class BlockPolicy:
         caps = [
             min(max(r.remaining, 1), 1 + lookup[i]) if looked[i] else cap for i, (r, cap) in enumerate(zip(rows, caps))
         ]
+        planned = self.planned_block(len(rows))
+        if self.planned or planned == 1:  # every row at the planned length, lookup guesses within it too (1: none)
+            caps = [min(cap, planned) for cap in caps]
+            self._probed = None
+            return caps, [lk and cap > 1 for lk, cap in zip(looked, caps)]
         if not self.adaptive or not self.verify_cost or not self.draft_cost:
             return caps, looked
         levels = (self._levels(self.verify_cost), self._levels(self.draft_cost))
@@ -319,9 +361,14 @@ class BlockPolicy:
         slot after its block was the target's token too; `step.width`: the slots each drafting row drafted)."""
         ks, accepted = step.ks, step.accepted
         draft_seconds, verify_seconds = step.draft_seconds, step.verify_seconds
-        looked, beyond = step.looked or (False,) * len(rows), step.beyond
-        width = step.width or self.max_block
-        if not self.adaptive:
+        looked, width = step.looked or (False,) * len(rows), step.width or self.max_block
+        if not (self.adaptive or self.planned):
+            return
+        self._since_plan += 1
+        if self._since_plan >= REPLAN_STEPS:
+            self.replan()
+        if self.planned:  # the acceptance counts alone: the plan's costs are measured whole
+            self._count(rows, step)
             return
         drafting = sum(k > 1 and not lk for k, lk in zip(ks, looked))
         chosen = [
@@ -342,8 +389,12 @@ class BlockPolicy:
         self.record_cost(
             self.verified_tokens(ks), draft_seconds if drafting else None, verify_seconds, draft_tokens=drafting * width
         )
-        share = (draft_seconds + verify_seconds) / len(rows)
-        for i, (r, b, a, lk) in enumerate(zip(rows, ks, accepted, looked)):
+        self._count(rows, step)
+
+    def _count(self, rows: list, step: StepRecord) -> None:
+        """Each row's and the population's acceptance counts, and each row's time since it last drafted."""
+        share, looked, beyond = (step.draft_seconds + step.verify_seconds) / len(rows), step.looked, step.beyond
+        for i, (r, b, a, lk) in enumerate(zip(rows, step.ks, step.accepted, looked or (False,) * len(rows))):
             table, pop = (self._lookup_rows, self.lookup_population) if lk else (self._rows, self.population)
             counts = table.get(r)
             if counts is None:

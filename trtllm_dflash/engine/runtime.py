@@ -13,6 +13,7 @@ import torch
 from trtllm_dflash.config import SPECULATION, SamplingParams
 from trtllm_dflash.cpu import resolve_dtype
 from trtllm_dflash.engine.batch import Batch, speculative_stream
+from trtllm_dflash.engine.plan import conditional_for_tau
 from trtllm_dflash.engine.policy import OPTIMISTIC, BlockPolicy
 from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from trtllm_dflash.engine.request import GenerationStats, Request
@@ -73,15 +74,16 @@ class DFlashEngine:
         if speculation not in SPECULATION:
             raise DFlashError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}.")
         block = block_size if draft is not None else 1
-        ceiling = OPTIMISTIC if draft_tau is None else BlockPolicy.conditional_for_tau(draft_tau, block)
+        ceiling = OPTIMISTIC if draft_tau is None else conditional_for_tau(draft_tau, block)
         self.policy = BlockPolicy(
             block,
             adaptive=speculation == "adaptive",
             ragged=target.ragged,
             ceiling=ceiling,
             short=block > 1 and draft.config.short_blocks > 0,
+            planned=speculation == "planned",
         )
-        self._calibrated_rows = 0
+        self._calibrated_rows = self._measured_rows = 0  # rows the policy's forwards and whole steps were measured to
 
     @property
     def dtype(self) -> str:
@@ -147,13 +149,22 @@ class DFlashEngine:
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat, self.target.max_positions)
 
-    def calibrate(self, max_rows: int = 1) -> None:
-        """Measure step costs for the adaptive policy (once per engine, up to `max_rows` rows)."""
-        if self.policy.adaptive and max_rows > self._calibrated_rows:
-            Batch(self.target, self.draft, self.block_size, slots=1, policy=self.policy, lookup=self.lookup).calibrate(
-                max_rows
-            )
-            self._calibrated_rows = max_rows
+    def calibrate(self, batch: Batch | None = None) -> None:
+        """Measure step costs for the policy, once per engine and batch size, before `batch` (default: one of a
+        single slot) admits requests: forwards of every size the adaptive policy prices, and whole steps at every
+        draft length for the draft length by batch size (plan.py) that `planned` follows and `adaptive` takes as its
+        off switch (which one row never needs: there the plan always drafts)."""
+        rows = batch.slots if batch is not None else 1
+        forwards = self.policy.adaptive and rows > self._calibrated_rows
+        steps = (self.policy.planned or (self.policy.adaptive and rows > 1)) and rows > self._measured_rows
+        if forwards or steps:
+            batch = batch or Batch(self.target, self.draft, self.block_size, policy=self.policy, lookup=self.lookup)
+        if forwards:
+            batch.calibrate(rows)
+            self._calibrated_rows = rows
+        if steps:
+            batch.measure_steps()
+            self._measured_rows = rows
 
     def scheduler(
         self,
@@ -165,7 +176,6 @@ class DFlashEngine:
     ) -> Scheduler:
         """The in-flight batching loop over this engine (one per server); `prefix_cache_tokens`: how many prompt tokens'
         K/V and features it keeps for later prompts that start the same way (prefix_cache.py)."""
-        self.calibrate(max_batch_size)
         batch = Batch(
             self.target,
             self.draft,
@@ -177,6 +187,7 @@ class DFlashEngine:
             prefix=self.prefix,
             cache_tokens=prefix_cache_tokens,
         )
+        self.calibrate(batch)
         return Scheduler(batch, slot_tokens, on_step, log)
 
     def stream(

@@ -161,21 +161,22 @@ class RequestCounts:
     """What followed each context of 1..CONTEXT tokens in one request (its prompt, then its committed tokens)."""
 
     def __init__(self, tokens: list[int]):
-        self.tokens: list[int] = []
+        self.tokens: list[int] = list(tokens)
         self._next: dict[tuple[int, ...], dict[int, int]] = {}
-        self.extend(tokens)
+        self._counted = 0  # tokens[:_counted] are counted: the rest when the draft next reads the counts
 
     def extend(self, tokens: list[int]) -> None:
-        seq, nxt = self.tokens, self._next
-        for t in tokens:
-            end = len(seq)
-            for n in range(1, min(CONTEXT, end) + 1):
-                after = nxt.setdefault(tuple(seq[end - n : end]), {})
-                after[t] = after.get(t, 0) + 1
-            seq.append(t)
+        self.tokens.extend(tokens)
 
     def probabilities(self, context: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """(tokens ascending, p) after the longest of the last CONTEXT..1 tokens of `context` seen in the request."""
+        seq, nxt = self.tokens, self._next
+        for end in range(self._counted, len(seq)):
+            t = seq[end]
+            for n in range(1, min(CONTEXT, end) + 1):
+                after = nxt.setdefault(tuple(seq[end - n : end]), {})
+                after[t] = after.get(t, 0) + 1
+        self._counted = len(seq)
         for n in range(min(CONTEXT, len(context)), 0, -1):
             after = self._next.get(tuple(context[-n:]))
             if after:

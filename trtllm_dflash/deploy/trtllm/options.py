@@ -19,8 +19,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from trtllm_dflash.deploy.recipes import Recipe
-from trtllm_dflash.deploy.schedule import DraftSchedule, plan_recipe_schedule
+from trtllm_dflash.deploy.schedule import plan_recipe_schedule
 from trtllm_dflash.deploy.trtllm.schema import validate_llm_args
+from trtllm_dflash.engine.plan import DraftSchedule
 from trtllm_dflash.errors import DFlashError
 
 POSTPROCESS_WORKERS = "num_postprocess_workers"
