@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from trtllm_dflash.config import DRAFT_LOSSES, DTYPE_CHOICES
+from trtllm_dflash.config import DRAFT_LOSSES, DTYPE_CHOICES, SPECULATION
 from trtllm_dflash.deploy.recipes import OPT_INS
 from trtllm_dflash.deploy.trtllm.schema import DEFAULT_RELEASE as DEFAULT_TRTLLM_RELEASE
 from trtllm_dflash.deploy.trtllm.schema import RELEASES as TRTLLM_RELEASES
@@ -72,10 +72,12 @@ def main():
 
 speculation_option = click.option(
     "--speculation",
-    type=click.Choice(["adaptive", "fixed"]),
+    type=click.Choice(SPECULATION),
     default="adaptive",
     show_default=True,
-    help="adaptive: block length per step (down to 1, plain decoding) from measured costs and acceptance; fixed: always the full block.",
+    help="adaptive: block length per request and step (down to 1, plain decoding) from measured costs and acceptance; "
+    "planned: every request the draft length planned for the batch size, as TensorRT-LLM's draft_len_schedule; "
+    "fixed: always the full block. Both measured modes draft nothing at batch sizes where drafting cannot pay.",
 )
 lookup_option = click.option(
     "--lookup/--no-lookup",
@@ -415,6 +417,20 @@ def chat(
 )
 @click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
+@click.option(
+    "--verify-on",
+    "verify_on",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="Before writing the output, serve the build and its draft-free twin with the real Triton server on these "
+    'prompts (one a line, or JSON lines with a "prompt"), and write nothing where DFlash is slower at any level '
+    "(torch backend); the verdict goes into manifest.json.",
+)
+@click.option(
+    "--verify-concurrency",
+    default=None,
+    help="With --verify-on: clients per level, comma-separated (default: 1, 2, 4, ... up to --max-batch-size).",
+)
 @user_errors
 def build(
     target,
@@ -440,6 +456,8 @@ def build(
     opt_in,
     output,
     dry_run,
+    verify_on,
+    verify_concurrency,
 ):
     """Build a Triton model repository (plus checkpoints or GPU launch files, manifest.json) from a target and a DFlash draft."""
     from pathlib import Path
@@ -470,7 +488,16 @@ def build(
         trtllm_version=trtllm_version,
         opt_in=tuple(opt_in),
     )
-    run_build(opts, progress=lambda m: click.echo(m, err=True), dry_run=dry_run)
+
+    def progress(message: str) -> None:
+        click.echo(message, err=True)
+
+    if verify_on and not dry_run:
+        from trtllm_dflash.clients.bench import build_verified
+
+        build_verified(opts, verify_on, _levels(verify_concurrency, "--verify-concurrency"), progress=progress)
+    else:
+        run_build(opts, progress=progress, dry_run=dry_run)
 
 
 @main.command("gpu-check")
@@ -577,6 +604,18 @@ def client(url, prompt, prompt_option, max_tokens, stream, temperature, top_p, t
     )
 
 
+def _levels(text: str | None, flag: str) -> list[int] | None:
+    """Concurrency levels from "1,4,16" (None stays None)."""
+    if text is None:
+        return None
+    try:
+        return [int(c) for c in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(
+            f"give numbers of clients separated by commas, such as 1,4,16; got {text!r}.", param_hint=flag
+        ) from None
+
+
 @main.command()
 @click.option(
     "--url",
@@ -632,18 +671,11 @@ def client(url, prompt, prompt_option, max_tokens, stream, temperature, top_p, t
 def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output, gate, deployment):
     """Load running servers with closed-loop streaming clients (each sends its next request when its last one ends):
     tokens/s, per-user speed, time to first token, inter-token latency and acceptance at each concurrency level."""
-    from trtllm_dflash.clients.bench import run_bench
+    from trtllm_dflash.clients.bench import gate_failure, run_bench
 
-    try:
-        levels = [int(c) for c in concurrency.split(",")]
-    except ValueError:
-        raise click.BadParameter(
-            f"give numbers of clients separated by commas, such as 1,4,16; got {concurrency!r}.",
-            param_hint="--concurrency",
-        ) from None
     report = run_bench(
         urls,
-        levels,
+        _levels(concurrency, "--concurrency"),
         prompts_file=prompts_file,
         max_tokens=max_tokens,
         requests=requests,
@@ -655,15 +687,9 @@ def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output,
     )
     click.echo(report["table"])
     if gate:
-        verdict = report["gate"]
-        lost = [lv for lv in verdict["levels"] if lv["speedup"] < 1.0 or lv["errors"]]
-        if lost:
-            worst = min(lost, key=lambda lv: lv["speedup"])
+        if failure := gate_failure(report["gate"]):
             click.echo(
-                f"Gate failed: DFlash is {worst['speedup']:.2f}x its draft-free twin at {worst['concurrency']} users"
-                + (f" ({worst['errors']} requests failed)" if worst["errors"] else "")
-                + "; serve the twin at that load, or plan a shorter draft length.",
-                err=True,
+                f"Gate failed: {failure}; serve the twin at that load, or plan a shorter draft length.", err=True
             )
             sys.exit(1)
         click.echo("Gate passed: DFlash is at least as fast as its draft-free twin at every level.")

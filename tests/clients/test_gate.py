@@ -3,6 +3,7 @@ prompts, both served by the real tritonserver; it passes and records its verdict
 fails (exit 1, one sentence) where the first server is the slower, as the twin named first is."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,43 @@ def test_the_gate_passes_records_its_verdict_and_fails_the_slower_server_first(p
     assert len(verdict["prompts_sha256"]) == 64 and verdict["date"] and verdict["machine"]
     failed = _gate(servers["twin"], servers["dflash"], prompts)
     assert failed.returncode == 1 and "Gate failed" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def _verify_on(tmp_path, prompts, *args):
+    out = tmp_path / "built"
+    argv = ["build", "--output", str(out), "--max-seq-len", "512", "--verify-on", str(prompts), *args]
+    return CliRunner().invoke(main, argv), out
+
+
+@pytest.mark.slow
+def test_build_verify_on_writes_a_build_that_passes_and_nothing_where_dflash_loses(tmp_path, random_draft_dir):
+    """`build --verify-on`: the same gate against the build's twin before anything is written. The packaged draft
+    passes and the verdict is in the new build's manifest; a random draft verified a whole block every step loses, and
+    the output is not created."""
+    prompts = tmp_path / "math.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in MATH))
+    r, out = _verify_on(tmp_path, prompts, "--max-batch-size", "2", "--verify-concurrency", "1")
+    assert r.exit_code == 0, r.output
+    verdict = json.loads((out / "manifest.json").read_text())["acceptance_gate"]
+    assert verdict["passed"] and [lv["concurrency"] for lv in verdict["levels"]] == [1]
+    assert verdict["levels"][0]["speedup"] > 1.0 and verdict["levels"][0]["errors"] == 0
+    shutil.rmtree(out)
+    args = ["--draft", str(random_draft_dir), "--speculation", "fixed", "--max-batch-size", "1"]  # levels: 1
+    r, out = _verify_on(tmp_path, prompts, *args)
+    assert r.exit_code != 0 and "--verify-on: DFlash is 0." in r.output and "nothing was written" in r.output
+    assert "Traceback" not in r.output and not out.exists()
+
+
+def test_verify_on_refuses_what_it_cannot_judge(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    for args, message in (
+        (["--no-draft"], "a --no-draft build has none"),
+        (["--gpu", "h200"], "run `trtdflash bench --gate`"),
+        (["--verify-concurrency", "0"], "must be positive"),
+        (["--verify-concurrency", "a"], "separated by commas"),
+    ):
+        r, out = _verify_on(tmp_path, prompts, *args)
+        assert r.exit_code == 2 and message in r.output and not out.exists(), r.output
+    r, out = _verify_on(tmp_path, tmp_path / "missing.jsonl")
+    assert r.exit_code == 2 and "no such file" in r.output and not out.exists()

@@ -13,10 +13,14 @@ import datetime
 import hashlib
 import json
 import os
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from trtllm_dflash.clients.loadgen import compare, default_prompts, plot_pareto
 from trtllm_dflash.errors import DFlashError
+
+VERIFY_TOKENS = 64  # tokens per request of `build --verify-on`'s gate
 
 
 def parse_urls(urls: tuple[str, ...] | list[str]) -> dict[str, str]:
@@ -125,6 +129,82 @@ def gate_verdict(levels: dict[str, list[dict]]) -> dict:
     return {"passed": all(r["speedup"] >= 1.0 and not r["errors"] for r in rows), "levels": rows}
 
 
+def gate_failure(verdict: dict) -> str | None:
+    """The gate's failure as one sentence, naming its worst level; None where it passed."""
+    lost = [lv for lv in verdict["levels"] if lv["speedup"] < 1.0 or lv["errors"]]
+    if not lost:
+        return None
+    worst = min(lost, key=lambda lv: lv["speedup"])
+    failed = f" ({worst['errors']} requests failed)" if worst["errors"] else ""
+    return f"DFlash is {worst['speedup']:.2f}x its draft-free twin at {worst['concurrency']} users{failed}"
+
+
+def _verdict(levels: dict[str, list[dict]], prompts: list[str], source: str, started: str, servers: dict) -> dict:
+    """The gate's verdict with what it was judged on, as the manifest records it."""
+    from trtllm_dflash.cpu import cpu_model
+
+    return gate_verdict(levels) | {
+        "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+        "prompts": source,
+        "date": started,
+        "machine": cpu_model(),
+        "servers": servers,
+    }
+
+
+def build_verified(
+    opts,
+    prompts_file: str,
+    concurrency: list[int] | None = None,
+    *,
+    max_tokens: int = VERIFY_TOKENS,
+    progress=print,
+) -> Path:
+    """`trtdflash build --verify-on`: build, then, before the output is written, run the acceptance gate on the
+    user's prompts: the new build and its draft-free twin (built beside it in a temporary folder) served by the real
+    Triton server, at every concurrency level (default: 1, 2, 4, ... up to the build's max_batch_size). A build that
+    loses at any level is not written (one sentence naming the level); one that passes carries the verdict in its
+    manifest.json, as `trtdflash bench --gate --deployment` records it."""
+    from trtllm_dflash.deploy import read_build, run_build
+    from trtllm_dflash.engine.plan import batch_sizes
+    from trtllm_dflash.serving.serve import ServerConfig, TritonServer
+
+    if opts.no_draft:
+        raise DFlashError("--verify-on compares a DFlash build with its draft-free twin; a --no-draft build has none.")
+    if opts.resolved_backend != "torch":
+        raise DFlashError(
+            "--verify-on serves the build with the embedded engine on this machine; for a TensorRT-LLM deployment run "
+            "`trtdflash bench --gate` against it and its --no-draft twin on the GPU host."
+        )
+    if concurrency is not None and (not concurrency or min(concurrency) < 1):
+        raise DFlashError(f"--verify-concurrency must be positive numbers of clients, got {list(concurrency)}.")
+    prompts = read_prompts(prompts_file)
+
+    def verify(build: Path) -> tuple[str, dict]:
+        levels_at = concurrency or batch_sizes(read_build(build)["resolved"]["max_batch_size"])
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        with tempfile.TemporaryDirectory() as tmp:
+            twin_opts = replace(opts, output=Path(tmp) / "twin", no_draft=True, draft=None, draft_engine=False)
+            twin = run_build(twin_opts, progress)
+            servers, urls = [], {}
+            try:
+                for name, folder in (("dflash", build), ("twin", twin)):
+                    servers.append(TritonServer(ServerConfig(folder, grpc_port=0, http_port=0, metrics_port=0)))
+                    urls[name] = servers[-1].start().grpc_url
+                progress(f"acceptance gate: {len(prompts)} prompts at {levels_at} users, DFlash and its twin")
+                levels = compare(urls, prompts, levels_at, max_tokens=max_tokens, progress=progress)
+            finally:
+                for server in servers:
+                    server.stop()
+        verdict = _verdict(levels, prompts, prompts_file, started, {"dflash": "this build", "twin": "--no-draft"})
+        progress(table(levels))
+        if failure := gate_failure(verdict):
+            raise DFlashError(f"--verify-on: {failure}; nothing was written to {opts.output}.")
+        return "acceptance_gate", verdict
+
+    return run_build(opts, progress, verify=verify)
+
+
 def run_bench(
     urls,
     concurrency: list[int],
@@ -169,13 +249,7 @@ def run_bench(
         "levels": levels,
     }
     if gate:
-        report["gate"] = gate_verdict(levels) | {
-            "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
-            "prompts": report["prompts"],
-            "date": started,
-            "machine": report["client_cpu"],
-            "servers": servers,
-        }
+        report["gate"] = _verdict(levels, prompts, report["prompts"], started, servers)
         if deployment:
             from trtllm_dflash.deploy.core import record_in_manifest
 

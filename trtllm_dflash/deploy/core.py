@@ -262,6 +262,7 @@ def _resolved(plan: Plan) -> dict:
         return {
             "block_size": s.block_size,
             "max_seq_len": s.max_seq_len,
+            "max_batch_size": plan.max_batch_size,
             "memory_estimate_bytes": plan.memory_estimate(),
         }
     r, m = plan.deployment.recipe, plan.deployment.memory
@@ -327,11 +328,18 @@ def _reusable(step: Step, old: dict | None, out: Path) -> bool:
     ) and all((out / rel).is_dir() for rel in step.dirs)
 
 
-def run_build(opts: BuildOptions, progress: Callable[[str], None] = print, dry_run: bool = False) -> Path:
+Verify = Callable[[Path], tuple[str, dict]]  # a finished build's folder -> (manifest key, record), or DFlashError
+
+
+def run_build(
+    opts: BuildOptions, progress: Callable[[str], None] = print, dry_run: bool = False, verify: Verify | None = None
+) -> Path:
     """Plan, then build atomically under an exclusive lock on the output; returns the output directory.
 
     Killed at any point (SIGINT, SIGKILL), the output is the previous complete build or absent; the next run
-    removes what the killed one left beside it. A second build of the same output at once is refused."""
+    removes what the killed one left beside it. A second build of the same output at once is refused. `verify` runs
+    on the finished build in its temporary folder before it replaces the output (clients/bench.py's build-time
+    acceptance gate): its record joins the manifest, and where it raises, the output stays as it was."""
     out = Path(opts.output).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise DFlashError(f"--output {out} is a file; pass a directory path.")
@@ -341,10 +349,12 @@ def run_build(opts: BuildOptions, progress: Callable[[str], None] = print, dry_r
     with locked(out):
         if leftovers := recover(out):
             progress(f"Cleaned up after an interrupted build of {out}: {', '.join(leftovers)}.")
-        return _build(opts, out, progress, dry_run=False)
+        return _build(opts, out, progress, dry_run=False, verify=verify)
 
 
-def _build(opts: BuildOptions, out: Path, progress: Callable[[str], None], dry_run: bool) -> Path:
+def _build(
+    opts: BuildOptions, out: Path, progress: Callable[[str], None], dry_run: bool, verify: Verify | None = None
+) -> Path:
     old = _read_manifest(out) if out.is_dir() else None
     if out.is_dir() and old is None and any(out.iterdir()):
         raise DFlashError(
@@ -362,6 +372,7 @@ def _build(opts: BuildOptions, out: Path, progress: Callable[[str], None], dry_r
     reuse = {step.name: _reusable(step, old, out) for step in plan.steps}
     if (
         old
+        and verify is None
         and all(reuse.values())
         and {s.name for s in plan.steps} == set(old.get("steps", {}))
         and old.get("options") == options
@@ -401,6 +412,10 @@ def _build(opts: BuildOptions, out: Path, progress: Callable[[str], None], dry_r
             "serve": {"model_repository": "triton_repo", "model": "ensemble", "backend": plan.backend},
             "steps": steps_meta,
         }
+        if verify is not None:
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # what a server reads of the build
+            key, record = verify(tmp)
+            manifest[key] = record
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         replace_dir(tmp, out)
     finally:
