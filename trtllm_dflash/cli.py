@@ -70,6 +70,9 @@ def main():
     configure_threads()  # before any command imports torch (threads.py)
 
 
+PROMPTS_FILE = click.Path(dir_okay=False, path_type=str)  # read by clients.bench.read_prompts
+PROMPTS_FORMAT = 'one prompt per line, or JSON lines with a "prompt" field'
+
 speculation_option = click.option(
     "--speculation",
     type=click.Choice(SPECULATION),
@@ -419,12 +422,11 @@ def chat(
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
 @click.option(
     "--verify-on",
-    "verify_on",
-    type=click.Path(dir_okay=False, path_type=str),
+    type=PROMPTS_FILE,
     default=None,
-    help="Before writing the output, serve the build and its draft-free twin with the real Triton server on these "
-    'prompts (one a line, or JSON lines with a "prompt"), and write nothing where DFlash is slower at any level '
-    "(torch backend); the verdict goes into manifest.json.",
+    help=f"Before writing the output, serve the build and its draft-free twin with the real Triton server on these "
+    f"prompts ({PROMPTS_FORMAT}), and write nothing where DFlash is slower at any level (torch backend); the verdict "
+    "goes into manifest.json.",
 )
 @click.option(
     "--verify-concurrency",
@@ -632,10 +634,10 @@ def _levels(text: str | None, flag: str) -> list[int] | None:
 @click.option(
     "--prompts",
     "prompts_file",
-    type=click.Path(dir_okay=False, path_type=str),
+    type=PROMPTS_FILE,
     default=None,
-    help='One prompt per line, or JSON lines with a "prompt" field. Default: held-out GSM8K questions alternating '
-    "with everyday questions.",
+    help=f"{PROMPTS_FORMAT[0].upper()}{PROMPTS_FORMAT[1:]}. Default: held-out GSM8K questions alternating with "
+    "everyday questions.",
 )
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option(
