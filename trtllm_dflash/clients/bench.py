@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from trtllm_dflash.clients.loadgen import compare, default_prompts, plot_pareto
+from trtllm_dflash.clients.loadgen import check_levels, compare, default_prompts, plot_pareto
 from trtllm_dflash.errors import DFlashError
 
 VERIFY_TOKENS = 64  # tokens per request of `build --verify-on`'s gate
@@ -176,8 +176,8 @@ def build_verified(
             "--verify-on serves the build with the embedded engine on this machine; for a TensorRT-LLM deployment run "
             "`trtdflash bench --gate` against it and its --no-draft twin on the GPU host."
         )
-    if concurrency is not None and (not concurrency or min(concurrency) < 1):
-        raise DFlashError(f"--verify-concurrency must be positive numbers of clients, got {list(concurrency)}.")
+    if concurrency is not None:
+        check_levels(concurrency)  # before anything is built
     prompts = read_prompts(prompts_file)
 
     def verify(build: Path) -> tuple[str, dict]:

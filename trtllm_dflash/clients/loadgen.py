@@ -289,6 +289,11 @@ def median_level(rounds: list[dict]) -> dict:
     }
 
 
+def check_levels(concurrency: list[int]) -> None:
+    if not concurrency or min(concurrency) < 1:
+        raise DFlashError(f"Concurrency levels must be positive numbers of clients, got {list(concurrency)}.")
+
+
 def compare(
     urls: dict[str, str],
     prompts: list[str],
@@ -307,8 +312,7 @@ def compare(
     """
     if not prompts:
         raise DFlashError("No prompts to send.")
-    if not concurrency or min(concurrency) < 1:
-        raise DFlashError(f"Concurrency levels must be positive numbers of clients, got {list(concurrency)}.")
+    check_levels(concurrency)
     if requests and requests <= max(concurrency):
         raise DFlashError(
             f"--requests ({requests}) must exceed the highest concurrency ({max(concurrency)}): the steady "

@@ -40,7 +40,7 @@ class NgramIndex:
                 nxt[tuple(seq[end - n : end])] = end
         self._indexed = len(seq)
         for n in range(min(MAX_NGRAM, len(seq)), MIN_NGRAM - 1, -1):
-            at = self._next.get(tuple(seq[-n:]))
+            at = nxt.get(tuple(seq[-n:]))
             if at is not None:
                 return seq[at : at + limit]
         return []

@@ -14,6 +14,7 @@ the draft card's.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -77,8 +78,9 @@ class DraftSchedule:
     inputs: tuple[tuple[str, str], ...]
 
     def length_at(self, batch: int) -> int:
-        """The planned length of `batch` rows: that of the nearest planned batch size at or below it."""
-        return max((r for r in self.rows if r.batch <= batch), key=lambda r: r.batch).draft_len
+        """The planned length of `batch` rows: that of the nearest planned batch size at or below it (the engine asks
+        every step)."""
+        return self.rows[bisect.bisect_right(self.rows, batch, key=lambda r: r.batch) - 1].draft_len
 
     @property
     def max_draft_len(self) -> int:

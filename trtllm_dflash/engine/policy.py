@@ -175,8 +175,8 @@ class BlockPolicy:
         inputs = (("acceptance", acceptance.source), ("cost", "steps measured on this machine"))
 
         def cost(b: int, k: int) -> float:  # linear between the measured batch sizes
-            hi = measured[bisect.bisect_left(measured, b)]
-            lo = measured[max(bisect.bisect_left(measured, b) - 1, 0)]
+            i = bisect.bisect_left(measured, b)
+            lo, hi = measured[max(i - 1, 0)], measured[i]
             w = (b - lo) / (hi - lo) if hi > lo else 1.0
             return self.step_seconds[lo, k] * (1 - w) + self.step_seconds[hi, k] * w
 
