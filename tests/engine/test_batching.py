@@ -13,6 +13,7 @@ from trtllm_dflash.engine.policy import BlockPolicy
 from trtllm_dflash.engine.prefix_cache import BLOCK
 from trtllm_dflash.engine.request import Request
 from trtllm_dflash.engine.runtime import DFlashEngine
+from trtllm_dflash.engine.scheduler import Scheduler
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.kernels import bf16_gemm
 from trtllm_dflash.models.checkpoint import load_draft
@@ -277,6 +278,38 @@ def test_scheduler_serves_concurrent_streams_in_order(engine, references):
             engine.stream(references[0][0], max_new_tokens=600, scheduler=scheduler).__next__()
     finally:
         scheduler.stop()
+
+
+def test_a_servers_forwards_all_run_on_its_engine_thread(engine, references, monkeypatch):
+    """Calibration and the measured steps run on the engine thread before the scheduler returns, as its prefills and
+    steps do (an OpenMP team started from a second thread made every later prefill slower: Scheduler); a calibration
+    that fails is raised by the constructor."""
+    threads, forward = set(), engine.target.forward
+
+    def recording(*args, **kwargs):
+        threads.add(threading.current_thread())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.target, "forward", recording)
+    monkeypatch.setattr(engine, "_calibrated_rows", 0)
+    monkeypatch.setattr(engine, "_measured_rows", 0)
+    engine.policy.adaptive, engine.policy.step_seconds = True, {}
+    scheduler = engine.scheduler(2, 512, prefix_cache_tokens=0)
+    try:
+        assert engine.policy.step_seconds and threads == {scheduler.thread}  # measured, on the engine thread
+        ids, ref = references[3]
+        assert [
+            t for new, _ in engine.stream(ids, max_new_tokens=PROMPTS[3][2], scheduler=scheduler) for t in new
+        ] == ref
+        assert threads == {scheduler.thread}
+    finally:
+        scheduler.stop()
+
+    def failing():
+        raise DFlashError("calibration failed")
+
+    with pytest.raises(DFlashError, match="calibration failed"):
+        Scheduler(Batch(engine.target, engine.draft, engine.block_size, slots=1), 512, calibrate=failing)
 
 
 def test_long_prompt_prefills_in_chunks_between_steps(engine, references):

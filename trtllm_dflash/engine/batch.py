@@ -262,7 +262,8 @@ class Batch:
         assert rows == self.rows[: len(rows)], "ready rows must lead the slots"
         plans = self._plan(rows) if ks is None else [RowPlan(r, min(k, max(r.remaining, 1))) for r, k in zip(rows, ks)]
         t0 = time.perf_counter()
-        width = max((proposer.propose(plans) for proposer in self.proposers), default=0)
+        proposing = any(p.k > 1 for p in plans)  # else every row decodes plainly: nothing to propose
+        width = max((proposer.propose(plans) for proposer in self.proposers if proposing), default=0)
         t1 = time.perf_counter()
         row_logits, posterior, feats = self._verify(plans)
         for plan, logits, post in zip(plans, row_logits, posterior):

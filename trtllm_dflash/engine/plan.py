@@ -20,6 +20,13 @@ from dataclasses import dataclass
 
 from trtllm_dflash.errors import DFlashError
 
+# Drafting at a batch size above one must promise this many times the tokens per second of not drafting. Both inputs
+# are estimates that err toward drafting: the acceptance is the average of requests so far, a measured step leaves out
+# the draft catching up on context committed while it did not draft, and of many near-equal choices the one that
+# looks best is the one most likely overrated. A plan drafting for a promised gain of a few percent lost more than
+# that when served (docs/performance.md#draft-length-by-load).
+MIN_SPEEDUP = 1.05
+
 
 def expected_tokens(conditional: Sequence[float], k: int) -> float:
     """Tokens a step with draft length k commits per request on average, the bonus token included:
@@ -118,8 +125,8 @@ def plan_schedule(
     every_size: bool = False,
 ) -> DraftSchedule:
     """Per batch size (1, 2, 4, ... and max_batch_size; `every_size`: each from 1 to max_batch_size), the draft length
-    with the most expected tokens per second (the shorter on a tie); `cost(batch, k)` is a step's seconds. Batch 1
-    chooses among 1..max_draft_len (TensorRT-LLM takes no DFlash deployment with max_draft_len 0: the twin without a
+    with the most expected tokens per second (the shorter on a tie), or 0 where that is less than MIN_SPEEDUP times
+    the rate without drafting; `cost(batch, k)` is a step's seconds. Batch 1 chooses among 1..max_draft_len (TensorRT-LLM takes no DFlash deployment with max_draft_len 0: the twin without a
     draft is the way to turn drafting off), and every larger batch among 0..that length, since TensorRT-LLM requires
     every scheduled length to be at most the batch-1 one."""
     if max_draft_len < 1 or max_batch_size < 1:
@@ -128,6 +135,7 @@ def plan_schedule(
     for b in range(1, max_batch_size + 1) if every_size else batch_sizes(max_batch_size):
         rate = {k: acceptance.expected_tokens(k) / cost(b, k) for k in range(top + 1)}
         k = max((k for k in rate if k > 0 or b > 1), key=lambda k: (rate[k], -k))
+        k = 0 if b > 1 and rate[k] < MIN_SPEEDUP * rate[0] else k
         top = k if b == 1 else top
         rows.append(Planned(b, k, acceptance.expected_tokens(k), rate[k] / rate[0]))
     return DraftSchedule(tuple(rows), max_batch_size, inputs)

@@ -187,8 +187,7 @@ class DFlashEngine:
             prefix=self.prefix,
             cache_tokens=prefix_cache_tokens,
         )
-        self.calibrate(batch)
-        return Scheduler(batch, slot_tokens, on_step, log)
+        return Scheduler(batch, slot_tokens, on_step, log, calibrate=lambda: self.calibrate(batch))
 
     def stream(
         self,

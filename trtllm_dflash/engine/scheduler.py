@@ -125,15 +125,26 @@ class Handle:
 
 
 class Scheduler:
-    def __init__(self, batch: Batch, slot_tokens: int, on_step=None, log=print):
+    def __init__(self, batch: Batch, slot_tokens: int, on_step=None, log=print, calibrate=None):
+        """`calibrate()`: measures the batch's costs (DFlashEngine.calibrate); it runs on the engine thread before
+        the loop starts, and the constructor returns once it has (raising what it raised). On the engine thread
+        because every torch forward must run there: a prompt's prefill is parallel (threads.widened), and an OpenMP
+        team started from a second thread keeps its workers, after which libgomp counts more threads than CPUs and
+        cuts the spin of every barrier short; the engine's prefills then took about 1.7x as long
+        (docs/performance.md#threads-one-team)."""
         self.batch, self.slot_tokens, self.on_step, self.log = batch, slot_tokens, on_step, log
         self.metrics = EngineMetrics()
         self.waiting: deque[Handle] = deque()
         self.running: dict[Request, Handle] = {}
         self.cv = threading.Condition()
         self.stopping = False
-        self.thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
+        self._calibrated, self._error = threading.Event(), None
+        self.thread = threading.Thread(target=self._loop, args=(calibrate,), name="dflash-engine", daemon=True)
         self.thread.start()
+        self._calibrated.wait()
+        if self._error is not None:
+            self.thread.join()
+            raise self._error
 
     def submit(self, req: Request) -> Handle:
         need = len(req.prompt_ids) + req.max_new_tokens + self.batch.block_size
@@ -203,7 +214,15 @@ class Scheduler:
             self.metrics.generated_tokens += len(first)
             handle.put(first)
 
-    def _loop(self) -> None:
+    def _loop(self, calibrate) -> None:
+        try:
+            if calibrate is not None:
+                calibrate()
+        except BaseException as e:  # the constructor raises it
+            self._error = e
+            return
+        finally:
+            self._calibrated.set()
         batch = self.batch
         while True:
             with self.cv:
