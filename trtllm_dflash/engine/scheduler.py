@@ -128,10 +128,10 @@ class Scheduler:
     def __init__(self, batch: Batch, slot_tokens: int, on_step=None, log=print, calibrate=None):
         """`calibrate()`: measures the batch's costs (DFlashEngine.calibrate); it runs on the engine thread before
         the loop starts, and the constructor returns once it has (raising what it raised). On the engine thread
-        because every torch forward must run there: a prompt's prefill is parallel (threads.widened), and an OpenMP
-        team started from a second thread keeps its workers, after which libgomp counts more threads than CPUs and
-        cuts the spin of every barrier short; the engine's prefills then took about 1.7x as long
-        (docs/performance.md#threads-one-team)."""
+        because every torch forward must run there: a prompt's prefill is parallel (threads.widened), an OpenMP team
+        started from a second thread keeps its worker, and beside it the engine's prefills took about 1.7x as long
+        (likely libgomp, managing more threads than CPUs, shortening its waiting threads' spin;
+        docs/performance.md#threads-one-team)."""
         self.batch, self.slot_tokens, self.on_step, self.log = batch, slot_tokens, on_step, log
         self.metrics = EngineMetrics()
         self.waiting: deque[Handle] = deque()
