@@ -87,7 +87,7 @@ def _gate(first, second, prompts, deployment=None, levels="1,2"):
 def test_the_gate_passes_records_its_verdict_and_fails_the_slower_server_first(pair, tmp_path):
     (builds, servers), prompts = pair, tmp_path / "math.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in MATH))
-    # One user: where DFlash wins on every CPU; at two, bf16 on an AVX2-only CPU measured 0.98x (the gate was right).
+    # One user: where DFlash won on every CPU measured; at two, bf16 on an AVX2-only CPU measured 0.98x (the gate was right).
     passed = _gate(servers["dflash"], servers["twin"], prompts, deployment=builds["dflash"], levels="1")
     assert passed.returncode == 0, passed.stderr
     assert "Gate passed" in passed.stdout
