@@ -698,6 +698,62 @@ def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output,
 
 
 @main.command()
+@click.argument("deployment", type=click.Path(file_okay=False, path_type=str))
+@click.option(
+    "--calibrate",
+    "url",
+    required=True,
+    help="The running deployment: Triton's gRPC endpoint (HOST:PORT) or trtllm-serve's (http://HOST:PORT).",
+)
+@click.option(
+    "--twin", default=None, help="Its --no-draft twin, running beside it: what a step costs without drafting."
+)
+@click.option(
+    "--concurrency", default=None, help="Closed-loop clients per level. Default: 1, 2, 4, ... up to max_batch_size."
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=PROMPTS_FILE,
+    default=None,
+    help=f"{PROMPTS_FORMAT[0].upper()}{PROMPTS_FORMAT[1:]}.",
+)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option(
+    "--requests",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Requests per level (default: four per client, at least 8).",
+)
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--dry-run", is_flag=True, help="Measure and print the new schedule; rewrite nothing.")
+@user_errors
+def plan(deployment, url, twin, concurrency, prompts_file, max_tokens, requests, rounds, dry_run):
+    """Re-plan a TensorRT-LLM deployment's draft length by load (draft_len_schedule) from its own steps and acceptance,
+    measured while it serves, and rewrite model.yaml and trtllm-serve.yaml (restart the servers to use it)."""
+    from trtllm_dflash.deploy.calibrate import calibrate
+
+    result = calibrate(
+        deployment,
+        url,
+        twin,
+        _levels(concurrency, "--concurrency"),
+        prompts_file=prompts_file,
+        max_tokens=max_tokens,
+        requests=requests,
+        rounds=rounds,
+        dry_run=dry_run,
+        progress=lambda m: click.echo(m, err=True),
+    )
+    click.echo(result.table())
+    if not dry_run:
+        click.echo(
+            f"Rewrote draft_len_schedule in {deployment}'s model.yaml and trtllm-serve.yaml and recorded the calibration "
+            "in its manifest.json; restart the servers to use it."
+        )
+
+
+@main.command()
 @click.option(
     "--output",
     default=None,

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from trtllm_dflash.cli import main
 from trtllm_dflash.clients.bench import gate_verdict
 from trtllm_dflash.deploy import BuildOptions, run_build
+from trtllm_dflash.resolve import sha256_file
 from trtllm_dflash.serving.serve import ServerConfig, TritonServer
 
 TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")
@@ -137,3 +138,44 @@ def test_verify_on_refuses_what_it_cannot_judge(tmp_path):
         assert r.exit_code == 2 and message in r.output and not out.exists(), r.output
     r, out = _verify_on(tmp_path, tmp_path / "missing.jsonl")
     assert r.exit_code == 2 and "no such file" in r.output and not out.exists()
+
+
+@pytest.mark.slow
+def test_calibration_replans_a_deployment_from_the_steps_its_servers_show(pair, trtllm_deployment, tmp_path):
+    """`trtdflash plan --calibrate`: the real tritonserver serving the embedded SmolLM2 build and its twin stands in for
+    the TensorRT-LLM deployment's servers (it cannot run here), so this checks measuring, fitting, planning, validating
+    and writing, not that a GPU's steps fit its roofline (they cannot: the warning says so). The files are rewritten
+    with a schedule TensorRT-LLM's own rules accept, the manifest records what was measured and still vouches for the
+    files (a rebuild finds them intact), and --dry-run writes nothing."""
+    import os
+
+    import yaml
+
+    from trtllm_dflash.deploy.trtllm.schema import upstream_errors
+
+    _, servers = pair
+    deployment = tmp_path / "deployment"
+    shutil.copytree(trtllm_deployment, deployment, copy_function=os.link)  # the session's build stays as it was
+    args = ["plan", str(deployment), "--calibrate", servers["dflash"].grpc_url, "--twin", servers["twin"].grpc_url]
+    args += ["--requests", "4", "--max-tokens", "32"]
+    files = {p: p.read_bytes() for p in deployment.rglob("*") if p.is_file()}
+    dry = CliRunner().invoke(main, [*args, "--dry-run"])
+    assert dry.exit_code == 0 and "Re-planned" in dry.output, dry.output
+    assert {p: p.read_bytes() for p in deployment.rglob("*") if p.is_file()} == files
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0 and "restart the servers" in r.output and "the roofline's" in r.output, r.output
+    record = json.loads((deployment / "manifest.json").read_text())["calibration"]
+    assert [p["batch"] for p in record["points"]] == [1, 2] and record["points"][0]["draft_len"] == 3
+    assert all(p["step_s"] > 0 and p["twin_step_s"] > 0 for p in record["points"]) and record["points"][0]["tau"] > 1
+    for rel in ("triton_repo/tensorrt_llm/1/model.yaml", "trtllm-serve.yaml"):
+        spec = yaml.safe_load((deployment / rel).read_text())["speculative_config"]
+        assert {str(k): v for k, v in spec["draft_len_schedule"].items()} == record["draft_len_schedule"]
+        assert spec["max_draft_len"] == record["planned"][0]["draft_len"] and not upstream_errors(
+            {"speculative_config": spec}
+        )
+    options = json.loads((deployment / "manifest.json").read_text())["options"]
+    run_build(BuildOptions(**options | {"output": deployment, "opt_in": ()}), progress=lambda m: None)
+    rebuilt = json.loads((deployment / "manifest.json").read_text())
+    assert rebuilt["calibration"] == record  # the files it rewrote were reused, and it still vouches for them
+    for rel, meta in rebuilt["steps"]["engine_options"]["outputs"].items():
+        assert meta["sha256"] == sha256_file(deployment / rel), rel

@@ -47,6 +47,7 @@ from trtllm_dflash.untrusted import inside
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+CALIBRATED_STEP = "engine_options"  # writes the files `trtdflash plan --calibrate` rewrites (calibrate.py)
 RUNTIME_OVERHEAD = 600 << 20  # torch + tritonserver + 3 python backend stubs, measured RSS on CPU (rounded up)
 
 
@@ -412,6 +413,8 @@ def _build(
             "serve": {"model_repository": "triton_repo", "model": "ensemble", "backend": plan.backend},
             "steps": steps_meta,
         }
+        if old and "calibration" in old and reuse.get(CALIBRATED_STEP):  # the files it rewrote were kept
+            manifest["calibration"] = old["calibration"]
         if verify is not None:
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # what a server reads of the build
             key, record = verify(tmp)

@@ -4,7 +4,8 @@ the step cost T(batch, K) and the draft card's acceptance, written as TensorRT-L
 
 `roofline_cost` prices the target's verify forward and the drafter's as weight, KV-cache and LM-head bytes over HBM
 bandwidth against the FLOPs of batch x (K + 1) tokens at the format's tensor-core peak, the larger of the two, plus a
-per-layer overhead. A GPU host can replace it with measured costs; the schedule's shape is the same either way.
+per-layer overhead. On the GPU host, `trtdflash plan --calibrate` scales it to the steps a running deployment
+measures and re-plans (calibrate.py).
 
 TensorRT-LLM's readings of the schedule changed between releases: a key was the smallest batch size of its draft
 length (tensorrt_llm/_torch/speculative/drafter.py before 1.3), and is now the largest (`get_draft_len_for_batch_size`
@@ -42,10 +43,11 @@ def _format(quant: str, recipe: Recipe) -> str:
     return "bf16"
 
 
-def roofline_cost(recipe: Recipe, context: int = CONTEXT) -> Callable[[int, int], float]:
-    """T(batch, K) on one GPU of the recipe: target verify of batch x (K + 1) tokens, plus for K > 0 the drafter's
-    forward over as many slots and the LM head on its K guesses. A MoE reads only the experts its tokens route to
-    (each token picks experts_per_token of num_experts; the expected distinct share is 1 - (1 - k/E)^tokens)."""
+def roofline_parts(recipe: Recipe, context: int = CONTEXT) -> Callable[[int, int], tuple[float, float]]:
+    """(verify, drafting) seconds of a step of `batch` rows at draft length K on one GPU of the recipe: the target's
+    verify of batch x (K + 1) tokens, and for K > 0 the drafter's forward over as many slots and the LM head on its K
+    guesses (0.0 at K = 0). A MoE reads only the experts its tokens route to (each token picks experts_per_token of
+    num_experts; the expected distinct share is 1 - (1 - k/E)^tokens)."""
     m, d, p, g = recipe.model_facts, recipe.draft_config, recipe.parallel, recipe.gpu_spec
     if d is None:
         raise DFlashError(f"{recipe.id} has no draft to plan draft lengths for.")
@@ -68,21 +70,27 @@ def roofline_cost(recipe: Recipe, context: int = CONTEXT) -> Callable[[int, int]
     def forward(bytes_read: float, flops: float, layers: int) -> float:
         return max(bytes_read / bandwidth, flops / peak) + layers * LAYER_OVERHEAD_S
 
-    def cost(batch: int, k: int) -> float:
+    def parts(batch: int, k: int) -> tuple[float, float]:
         tokens = batch * (k + 1)
         share = 1 - (1 - m.experts_per_token / m.num_experts) ** tokens if m.is_moe else 1.0
         kv = _kv_bytes(m, p, recipe.kv_cache_dtype, batch, context, 0)
         attn = 4 * m.num_layers * m.num_heads * m.head_dim * context * tokens / shard
         verify = forward(dense + share * experts + kv, 2 * active * tokens / shard + attn, m.num_layers // p.pp)
         if k == 0:
-            return verify
+            return verify, 0.0
         d_flops = 2 * (d.param_count * tokens + m.vocab_size * m.hidden_size * batch * k) / shard
         drafting = forward(
             draft_bytes + head_bytes + batch * context * draft_kv_per_token / shard, d_flops, d.num_hidden_layers + 1
         )
-        return verify + drafting
+        return verify, drafting
 
-    return cost
+    return parts
+
+
+def roofline_cost(recipe: Recipe, context: int = CONTEXT) -> Callable[[int, int], float]:
+    """T(batch, K): a step's seconds on one GPU of the recipe, verify and drafting (roofline_parts)."""
+    parts = roofline_parts(recipe, context)
+    return lambda batch, k: sum(parts(batch, k))
 
 
 def recipe_acceptance(recipe: Recipe) -> Acceptance:

@@ -344,7 +344,8 @@ def _schedule_md(dep: Deployment) -> str:
 
 `speculative_config.draft_len_schedule` in model.yaml and trtllm-serve.yaml is {json.dumps(plan.schedule())}: per batch
 size, the draft length with the most expected committed tokens per second, from the draft's acceptance and a roofline
-of this GPU (an estimate, not a measurement; `trtdflash gpu-check` measures what the deployment does).
+of this GPU: an estimate, not a measurement. With this deployment and its `--no-draft` twin running, `trtdflash plan .
+--calibrate HOST:PORT --twin HOST:PORT` measures their steps and acceptance, re-plans, and rewrites both files.
 
 {plan.table()}
 

@@ -1,0 +1,310 @@
+"""`trtdflash plan --calibrate`: a TensorRT-LLM deployment's draft length by load, re-planned from what it measures
+while served.
+
+The build plans `draft_len_schedule` from a roofline of the recipe's GPU and the draft card's acceptance
+(schedule.py); both are estimates. A running deployment shows, at each load of c clients, what its steps cost at the
+length it drafts there, K_c (the time between streamed responses: each is one step), and its acceptance length; its
+`--no-draft` twin shows what a step costs without drafting. Calibration keeps the roofline's shape in K and takes
+its level from those measurements: at each measured load the roofline's verify part is scaled to the twin's step and
+its drafting part to the rest of the deployment's (without a twin, one scale for both), and between loads the scales
+are interpolated in log(batch) and held beyond them. Every measured step is reproduced; only the lengths not served
+are modelled. The acceptance is the one measured at the lightest load that drafts, spread over the positions as one
+conditional rate (Acceptance.from_tau).
+
+Invariants: the files are rewritten only with a schedule that the deployment's TensorRT-LLM release accepts
+(schema.validate_llm_args), under the build's lock, model.yaml and trtllm-serve.yaml before the manifest that records
+their hashes and the calibration; the servers keep the old schedule until restarted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from trtllm_dflash.errors import DFlashError
+
+if TYPE_CHECKING:
+    from trtllm_dflash.engine.plan import DraftSchedule
+
+SUSPECT = 4.0  # a measured step this many times the roofline's (or its inverse) is probably not this deployment's
+
+
+@dataclass(frozen=True)
+class Point:
+    """One load as served: the length its schedule drafts there and the median time between streamed responses."""
+
+    batch: int
+    draft_len: int
+    step_s: float  # the deployment's
+    twin_step_s: float | None  # the --no-draft twin's
+    tau: float  # the deployment's acceptance length (tokens per step)
+
+
+def length_at(schedule: dict[int, int], batch: int) -> int:
+    """The draft length a TensorRT-LLM schedule gives `batch` rows: that of the smallest key at or above it, none
+    beyond the last key (`get_draft_len_for_batch_size`, tensorrt_llm/_torch/speculative/utils.py, main). The build
+    writes both ends of every run of equal lengths, so the older reading (the largest key at or below) agrees."""
+    keys = sorted(schedule)
+    i = bisect.bisect_left(keys, batch)
+    return schedule[keys[i]] if i < len(keys) else 0
+
+
+def _interpolated(known: dict[int, float]) -> Callable[[int], float]:
+    """A scale at any batch size from the measured ones: linear in log(batch) between them, held beyond them."""
+    xs = sorted(known)
+
+    def at(b: int) -> float:
+        i = bisect.bisect_left(xs, b)
+        if i == 0 or (i < len(xs) and xs[i] == b):
+            return known[xs[i]]
+        if i == len(xs):
+            return known[xs[-1]]
+        lo, hi = xs[i - 1], xs[i]
+        w = (math.log(b) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        return known[lo] * (1 - w) + known[hi] * w
+
+    return at
+
+
+def calibrated_cost(
+    parts: Callable[[int, int], tuple[float, float]], points: list[Point]
+) -> tuple[Callable[[int, int], float], dict[int, tuple[float, float]]]:
+    """T(batch, K) through the measured points, and the (verify, drafting) scales of the roofline `parts` at each
+    measured load. A drafting part the measurement leaves no time for (noise) scales to 0."""
+    verify, drafting = {}, {}
+    for p in points:
+        v, d = parts(p.batch, p.draft_len)
+        if p.twin_step_s is None:
+            verify[p.batch] = p.step_s / (v + d)
+            if p.draft_len:
+                drafting[p.batch] = verify[p.batch]
+            continue
+        verify[p.batch] = p.twin_step_s / parts(p.batch, 0)[0]
+        if p.draft_len:
+            drafting[p.batch] = max(p.step_s - verify[p.batch] * v, 0.0) / d
+    if not drafting:
+        raise DFlashError("No measured load drafted, so nothing says what drafting costs; measure at 1 user.")
+    sv, sd = _interpolated(verify), _interpolated(drafting)
+
+    def cost(b: int, k: int) -> float:
+        v, d = parts(b, k)
+        return sv(b) * v + sd(b) * d
+
+    return cost, {b: (sv(b), sd(b)) for b in sorted(verify)}
+
+
+def measured_acceptance(points: list[Point], cap: int):
+    """The draft's acceptance from the lightest load that drafts, one conditional rate over `cap` positions."""
+    from trtllm_dflash.engine.plan import Acceptance, conditional_for_tau
+
+    p = next((p for p in sorted(points, key=lambda p: p.batch) if p.draft_len), None)
+    if p is None or p.tau < 1.0:
+        raise DFlashError("No measured load drafted with an acceptance length; measure at 1 user.")
+    tau = min(p.tau, p.draft_len + 1)
+    rate = conditional_for_tau(tau, p.draft_len + 1)
+    users = f"{p.batch} user{'s' if p.batch > 1 else ''}"
+    return Acceptance((rate,) * cap, f"measured: τ {tau:.2f} at {users}, draft length {p.draft_len}")
+
+
+def _points(schedule: dict[int, int], levels: dict[str, list[dict]]) -> list[Point]:
+    dflash, twin = levels["deployment"], levels.get("twin")
+    out = []
+    for i, lv in enumerate(dflash):
+        failed = lv["errors"] or not lv["itl_p50_s"] or (twin and (twin[i]["errors"] or not twin[i]["itl_p50_s"]))
+        if failed:
+            raise DFlashError(
+                f"At {lv['concurrency']} users the servers failed requests or streamed too little to time a step "
+                f"({(lv['errors'] or ['no streamed gaps'])[0]}); nothing was rewritten."
+            )
+        out.append(
+            Point(
+                lv["concurrency"],
+                length_at(schedule, lv["concurrency"]),
+                lv["itl_p50_s"],
+                twin[i]["itl_p50_s"] if twin else None,
+                lv["acceptance_length_median"],
+            )
+        )
+    return out
+
+
+def _split_yaml(path: Path) -> tuple[str, dict]:
+    """A written options file's leading comment lines and its keys."""
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    n = next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))
+    return "".join(lines[:n]), yaml.safe_load("".join(lines[n:])) or {}
+
+
+def _served_schedule(out: Path) -> dict[int, int]:
+    from trtllm_dflash.deploy.trtllm_backend import SERVE_YAML
+
+    spec = (_split_yaml(out / SERVE_YAML)[1].get("speculative_config")) or {}
+    if not spec.get("draft_len_schedule"):
+        raise DFlashError(
+            f"{out / SERVE_YAML} has no draft_len_schedule (no draft, or draft lengths the operator chose); calibration "
+            "re-plans only a planned schedule."
+        )
+    return {int(k): int(v) for k, v in spec["draft_len_schedule"].items()}
+
+
+def _recipe(manifest: dict, out: Path):
+    """The deployment's recipe, rebuilt from the options the manifest recorded (what `build` planned with)."""
+    from trtllm_dflash.deploy import trtllm_backend
+    from trtllm_dflash.deploy.core import resolve_sources
+    from trtllm_dflash.deploy.options import BuildOptions
+
+    fields = {k: v for k, v in manifest["options"].items() if k != "output"}
+    fields["opt_in"] = tuple(fields.get("opt_in") or ())
+    return trtllm_backend.plan_deployment(BuildOptions(output=out, **fields), lambda m: None, resolve_sources)[0].recipe
+
+
+@dataclass(frozen=True)
+class Calibration:
+    points: list[Point]
+    scales: dict[int, tuple[float, float]]  # measured batch -> (verify, drafting) scale of the roofline
+    before: dict[int, int]
+    schedule: DraftSchedule
+    warnings: list[str]
+
+    def table(self) -> str:
+        rows = [
+            "| users | draft length | step (ms) | twin step (ms) | τ | roofline scale verify / drafting |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for p in self.points:
+            sv, sd = self.scales[p.batch]
+            twin = f"{p.twin_step_s * 1e3:.2f}" if p.twin_step_s is not None else "-"
+            rows.append(
+                f"| {p.batch} | {p.draft_len} | {p.step_s * 1e3:.2f} | {twin} | {p.tau:.2f} | {sv:.2f} / {sd:.2f} |"
+            )
+        return "\n".join(
+            ["Measured:", *rows, "", "Re-planned (draft_len_schedule):", self.schedule.table()]
+            + [f"Warning: {w}" for w in self.warnings]
+        )
+
+
+def calibrate(
+    deployment: str | Path,
+    url: str,
+    twin: str | None = None,
+    concurrency: list[int] | None = None,
+    *,
+    prompts_file: str | None = None,
+    max_tokens: int = 128,
+    requests: int = 0,
+    rounds: int = 1,
+    dry_run: bool = False,
+    progress=print,
+) -> Calibration:
+    """Load the deployment's server at `url` (and its --no-draft twin at `twin`) at every level (default: the batch
+    sizes 1, 2, 4, ... up to its max_batch_size), re-plan its draft length by load from the measured steps and
+    acceptance, and (unless `dry_run`) rewrite model.yaml and trtllm-serve.yaml and record the calibration in
+    manifest.json."""
+    from trtllm_dflash.atomic import locked
+    from trtllm_dflash.clients.bench import read_prompts
+    from trtllm_dflash.clients.loadgen import compare, default_prompts
+    from trtllm_dflash.deploy.core import read_build
+    from trtllm_dflash.deploy.schedule import CONTEXT, roofline_parts
+    from trtllm_dflash.engine.plan import batch_sizes, plan_schedule
+
+    out = Path(deployment).expanduser().resolve()
+    manifest = read_build(out)
+    if manifest["serve"].get("backend") != "trtllm":
+        raise DFlashError(
+            f"{out} is an embedded build: its engine plans its draft lengths from steps it measures at start-up; "
+            "calibration re-plans a TensorRT-LLM deployment."
+        )
+    before = _served_schedule(out)
+    recipe = _recipe(manifest, out)
+    levels_at = concurrency or batch_sizes(recipe.max_batch_size)
+    if max(levels_at) > recipe.max_batch_size:
+        raise DFlashError(
+            f"--concurrency {max(levels_at)} exceeds the deployment's max_batch_size {recipe.max_batch_size}: such "
+            "a load would queue, and its steps would not be those of its batch size."
+        )
+    prompts = read_prompts(prompts_file) if prompts_file else default_prompts()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    servers = {"deployment": url} | ({"twin": twin} if twin else {})
+    progress(f"measuring {', '.join(servers)} at {levels_at} users")
+    levels = compare(
+        servers, prompts, levels_at, max_tokens=max_tokens, requests=requests, rounds=rounds, progress=progress
+    )
+    points = _points(before, levels)
+    parts = roofline_parts(recipe, min(CONTEXT, recipe.max_seq_len))
+    cost, scales = calibrated_cost(parts, points)
+    acceptance = measured_acceptance(points, recipe.max_draft_len)
+    inputs = (
+        ("acceptance", acceptance.source),
+        (
+            "cost",
+            f"roofline of {recipe.num_gpus}x {recipe.gpu_spec.name} scaled to steps measured at {levels_at} users",
+        ),
+    )
+    schedule = plan_schedule(acceptance, cost, recipe.max_batch_size, recipe.max_draft_len, inputs)
+    warnings = [
+        f"at {b} user{'s' if b > 1 else ''} the measured step is {s:.2g}x the roofline's: is {url} serving this deployment on "
+        f"{recipe.num_gpus}x {recipe.gpu_spec.name}?"
+        for b, (s, _) in scales.items()
+        if not 1 / SUSPECT <= s <= SUSPECT
+    ]
+    result = Calibration(points, scales, before, schedule, warnings)
+    if not dry_run:
+        with locked(out, "calibration"):
+            _rewrite(out, manifest, schedule, result, servers, started, recipe)
+    return result
+
+
+def _rewrite(
+    out: Path, manifest: dict, schedule: DraftSchedule, result: Calibration, servers: dict, started: str, recipe
+) -> None:
+    from trtllm_dflash.cpu import cpu_model
+    from trtllm_dflash.deploy.core import CALIBRATED_STEP, MANIFEST
+    from trtllm_dflash.deploy.trtllm.schema import validate_llm_args
+    from trtllm_dflash.deploy.trtllm_backend import MODEL_YAML, SERVE_YAML
+    from trtllm_dflash.resolve import sha256_file
+
+    version = manifest["options"].get("trtllm_version")
+    staged = []
+    try:
+        for rel in (MODEL_YAML, SERVE_YAML):
+            head, options = _split_yaml(out / rel)
+            options["speculative_config"] |= {
+                "max_draft_len": schedule.max_draft_len,
+                "draft_len_schedule": schedule.schedule(),
+            }
+            validate_llm_args(options, rel, version)
+            tmp = out / f"{rel}.calibrated{os.getpid()}"
+            tmp.write_text(head + yaml.safe_dump(options, sort_keys=False, default_flow_style=False))
+            staged.append((tmp, out / rel))
+        for tmp, dest in staged:
+            os.replace(tmp, dest)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+    for rel, meta in manifest["steps"][CALIBRATED_STEP]["outputs"].items():  # a rebuild with the same inputs keeps them
+        meta |= {"size": (out / rel).stat().st_size, "sha256": sha256_file(out / rel)}
+    manifest["calibration"] = {
+        "date": started,
+        "client": cpu_model(),
+        "servers": servers,
+        "points": [asdict(p) for p in result.points],
+        "scales": {str(b): list(s) for b, s in result.scales.items()},
+        "acceptance": schedule.inputs[0][1],
+        "schedule_before": {str(k): v for k, v in result.before.items()},
+        "draft_len_schedule": {str(k): v for k, v in schedule.schedule().items()},
+        "planned": [asdict(r) for r in schedule.rows],
+        "gpus": f"{recipe.num_gpus}x {recipe.gpu_spec.name}",
+    }
+    tmp = out / f".{MANIFEST}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, out / MANIFEST)
