@@ -4,6 +4,7 @@ behind the LLM API, every check it runs on a GPU host run here (the OpenAI path 
 import json
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from trtllm_dflash.cli import main
@@ -32,6 +33,17 @@ def test_the_cpu_half_passes_every_check(target_dir, tmp_path):
     assert dflash.tau > 1 and dflash.tokens_per_second > 0 and rows[-2].tau == pytest.approx(1.0)
     saved = json.loads((tmp_path / "check/gpu-check.json").read_text())
     assert saved["passed"] and saved["engine"] == "embedded" and len(saved["rows"]) == 4
+    # the default pair under load, and its deployment's draft length by load re-planned from it (calibrate.replan)
+    calibration, deployment = saved["calibration"], tmp_path / "check/default/dflash"
+    assert [p["batch"] for p in calibration["points"]] == [1], calibration
+    point = calibration["points"][0]
+    assert point["draft_len"] > 0 and point["tau"] > 1 and point["step_s"] > 0 and point["twin_step_s"] > 0
+    assert (
+        json.loads((deployment / "manifest.json").read_text())["calibration"]["draft_len_schedule"]
+        == (calibration["draft_len_schedule"])
+    )
+    spec = yaml.safe_load((deployment / "trtllm-serve.yaml").read_text())["speculative_config"]
+    assert {str(k): v for k, v in spec["draft_len_schedule"].items()} == calibration["draft_len_schedule"]
 
 
 def test_bad_input_is_one_sentence(tmp_path):

@@ -176,6 +176,19 @@ class Calibration:
     schedule: DraftSchedule
     warnings: list[str]
 
+    def record(self) -> dict:
+        """What the manifest (and gpu-check.json) keeps of it."""
+        return {
+            "points": [asdict(p) for p in self.points],
+            "scales": {str(b): list(s) for b, s in self.scales.items()},
+            "acceptance": self.schedule.inputs[0][1],
+            "cost": self.schedule.inputs[1][1],
+            "schedule_before": {str(k): v for k, v in self.before.items()},
+            "draft_len_schedule": {str(k): v for k, v in self.schedule.schedule().items()},
+            "planned": [asdict(r) for r in self.schedule.rows],
+            "warnings": self.warnings,
+        }
+
     def table(self) -> str:
         rows = [
             "| users | draft length | step (ms) | twin step (ms) | τ | roofline scale verify / drafting |",
@@ -193,6 +206,34 @@ class Calibration:
         )
 
 
+def read_deployment(deployment: str | Path) -> tuple[Path, dict, dict[int, int], object]:
+    """(folder, manifest, the draft_len_schedule it serves, its recipe) of a TensorRT-LLM deployment with a planned
+    schedule; one sentence where calibration cannot re-plan it."""
+    from trtllm_dflash.deploy.core import read_build
+
+    out = Path(deployment).expanduser().resolve()
+    manifest = read_build(out)
+    if manifest["serve"].get("backend") != "trtllm":
+        raise DFlashError(
+            f"{out} is an embedded build: its engine plans its draft lengths from steps it measures at start-up; "
+            "calibration re-plans a TensorRT-LLM deployment."
+        )
+    return out, manifest, _served_schedule(out), _recipe(manifest, out)
+
+
+def levels_for(recipe, concurrency: list[int] | None) -> list[int]:
+    """The loads to measure: `concurrency`, default the batch sizes 1, 2, 4, ... up to max_batch_size."""
+    from trtllm_dflash.engine.plan import batch_sizes
+
+    levels = concurrency or batch_sizes(recipe.max_batch_size)
+    if max(levels) > recipe.max_batch_size:
+        raise DFlashError(
+            f"--concurrency {max(levels)} exceeds the deployment's max_batch_size {recipe.max_batch_size}: such "
+            "a load would queue, and its steps would not be those of its batch size."
+        )
+    return levels
+
+
 def calibrate(
     deployment: str | Path,
     url: str,
@@ -206,66 +247,57 @@ def calibrate(
     dry_run: bool = False,
     progress=print,
 ) -> Calibration:
-    """Load the deployment's server at `url` (and its --no-draft twin at `twin`) at every level (default: the batch
-    sizes 1, 2, 4, ... up to its max_batch_size), re-plan its draft length by load from the measured steps and
-    acceptance, and (unless `dry_run`) rewrite model.yaml and trtllm-serve.yaml and record the calibration in
-    manifest.json."""
-    from trtllm_dflash.atomic import locked
+    """Load the deployment's server at `url` (and its --no-draft twin at `twin`) at every level (levels_for), then
+    `replan`."""
     from trtllm_dflash.clients.bench import read_prompts
     from trtllm_dflash.clients.loadgen import compare, default_prompts
-    from trtllm_dflash.deploy.core import read_build
-    from trtllm_dflash.deploy.schedule import CONTEXT, roofline_parts
-    from trtllm_dflash.engine.plan import batch_sizes, plan_schedule
 
-    out = Path(deployment).expanduser().resolve()
-    manifest = read_build(out)
-    if manifest["serve"].get("backend") != "trtllm":
-        raise DFlashError(
-            f"{out} is an embedded build: its engine plans its draft lengths from steps it measures at start-up; "
-            "calibration re-plans a TensorRT-LLM deployment."
-        )
-    before = _served_schedule(out)
-    recipe = _recipe(manifest, out)
-    levels_at = concurrency or batch_sizes(recipe.max_batch_size)
-    if max(levels_at) > recipe.max_batch_size:
-        raise DFlashError(
-            f"--concurrency {max(levels_at)} exceeds the deployment's max_batch_size {recipe.max_batch_size}: such "
-            "a load would queue, and its steps would not be those of its batch size."
-        )
+    out, _, _, recipe = read_deployment(deployment)
+    levels_at = levels_for(recipe, concurrency)
     prompts = read_prompts(prompts_file) if prompts_file else default_prompts()
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     servers = {"deployment": url} | ({"twin": twin} if twin else {})
     progress(f"measuring {', '.join(servers)} at {levels_at} users")
     levels = compare(
         servers, prompts, levels_at, max_tokens=max_tokens, requests=requests, rounds=rounds, progress=progress
     )
+    return replan(out, levels, servers, dry_run=dry_run)
+
+
+def replan(deployment: str | Path, levels: dict[str, list[dict]], servers: dict[str, str], dry_run: bool = False):
+    """Re-plan the deployment's draft length by load from measured levels (`loadgen.compare`'s, the deployment's under
+    "deployment" and its twin's, if measured, under "twin"), and unless `dry_run` rewrite its files and manifest."""
+    from trtllm_dflash.atomic import locked
+    from trtllm_dflash.deploy.schedule import CONTEXT, roofline_parts
+    from trtllm_dflash.engine.plan import plan_schedule
+
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    out, manifest, before, recipe = read_deployment(deployment)
     points = _points(before, levels)
     parts = roofline_parts(recipe, min(CONTEXT, recipe.max_seq_len))
     cost, scales = calibrated_cost(parts, points)
     acceptance = measured_acceptance(points, recipe.max_draft_len)
+    loads = [p.batch for p in points]
     inputs = (
         ("acceptance", acceptance.source),
-        (
-            "cost",
-            f"roofline of {recipe.num_gpus}x {recipe.gpu_spec.name} scaled to steps measured at {levels_at} users",
-        ),
+        ("cost", f"roofline of {recipe.num_gpus}x {recipe.gpu_spec.name} scaled to steps measured at {loads} users"),
     )
     schedule = plan_schedule(acceptance, cost, recipe.max_batch_size, recipe.max_draft_len, inputs)
+    url = servers["deployment"]
     warnings = [
-        f"at {b} user{'s' if b > 1 else ''} the measured step is {s:.2g}x the roofline's: is {url} serving this deployment on "
-        f"{recipe.num_gpus}x {recipe.gpu_spec.name}?"
+        f"at {b} user{'s' if b > 1 else ''} the measured step is {s:.2g}x the roofline's: is {url} serving this "
+        f"deployment on {recipe.num_gpus}x {recipe.gpu_spec.name}?"
         for b, (s, _) in scales.items()
         if not 1 / SUSPECT <= s <= SUSPECT
     ]
     result = Calibration(points, scales, before, schedule, warnings)
     if not dry_run:
         with locked(out, "calibration"):
-            _rewrite(out, manifest, schedule, result, servers, started, recipe)
+            _rewrite(out, manifest, schedule, result, servers, started)
     return result
 
 
 def _rewrite(
-    out: Path, manifest: dict, schedule: DraftSchedule, result: Calibration, servers: dict, started: str, recipe
+    out: Path, manifest: dict, schedule: DraftSchedule, result: Calibration, servers: dict, started: str
 ) -> None:
     from trtllm_dflash.cpu import cpu_model
     from trtllm_dflash.deploy.core import CALIBRATED_STEP, MANIFEST
@@ -293,18 +325,7 @@ def _rewrite(
             tmp.unlink(missing_ok=True)
     for rel, meta in manifest["steps"][CALIBRATED_STEP]["outputs"].items():  # a rebuild with the same inputs keeps them
         meta |= {"size": (out / rel).stat().st_size, "sha256": sha256_file(out / rel)}
-    manifest["calibration"] = {
-        "date": started,
-        "client": cpu_model(),
-        "servers": servers,
-        "points": [asdict(p) for p in result.points],
-        "scales": {str(b): list(s) for b, s in result.scales.items()},
-        "acceptance": schedule.inputs[0][1],
-        "schedule_before": {str(k): v for k, v in result.before.items()},
-        "draft_len_schedule": {str(k): v for k, v in schedule.schedule().items()},
-        "planned": [asdict(r) for r in schedule.rows],
-        "gpus": f"{recipe.num_gpus}x {recipe.gpu_spec.name}",
-    }
+    manifest["calibration"] = {"date": started, "client": cpu_model(), "servers": servers} | result.record()
     tmp = out / f".{MANIFEST}.tmp{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, out / MANIFEST)

@@ -12,7 +12,9 @@ each DFlash build is compared with a twin built the same way. It starts each wit
   finish    a short request ends "length", a stop word "stop"
   cancel    a stream left after its first response, and the next request still answers the same
 
-and prints one PASS/FAIL table with tau and tokens/s, saved as JSON. With `--engine embedded` (CI, any CPU) the same
+and prints one PASS/FAIL table with tau and tokens/s, saved as JSON. The default pair is also loaded at 1, 2, 4, ...
+users, and its DFlash deployment's draft length by load re-planned from those steps (calibrate.py, what
+`trtdflash plan --calibrate` does), the measurements and the new schedule in the JSON. With `--engine embedded` (CI, any CPU) the same
 code runs on a local target with our engine behind the LLM API and the tritonserver nvidia-pytriton bundles:
 everything up to the engine swap. trtllm-serve exists only beside TensorRT-LLM, so the OpenAI path is skipped there.
 """
@@ -43,6 +45,7 @@ PROMPTS = (
 )
 ENGINE_ENV = "TRTDFLASH_LLM_ENGINE"  # = the tensorrt_llm Triton model's switch
 ARCH_RECIPE_GPU = {"hopper": "h100", "blackwell": "b200"}  # the one-GPU recipes' GPUs, by architecture
+CALIBRATION_LOADS = 64  # the heaviest load the check measures for calibration (each level sends 4 requests per user)
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,41 @@ def _openai_row(row: Row, server: Launched, opts: CheckOptions, reference: dict 
     return texts
 
 
+def _load_levels(server: Launched, opts: CheckOptions, deployment: Path, progress) -> tuple[str, list[dict]]:
+    """The server of `deployment` under closed-loop load (loadgen.compare) at the loads calibration measures: on a GPU,
+    1, 2, 4, ... up to its max_batch_size or CALIBRATION_LOADS; with the embedded engine one user, two requests (it
+    serves requests in turn, not batched: only the code path is checked)."""
+    from trtllm_dflash.clients.loadgen import compare
+    from trtllm_dflash.deploy.core import read_build
+    from trtllm_dflash.engine.plan import batch_sizes
+
+    top = min(read_build(deployment)["resolved"]["max_batch_size"], CALIBRATION_LOADS)
+    levels = [1] if opts.engine == "embedded" else batch_sizes(top)
+    progress(f"gpu-check: load at {levels} users, for calibration")
+    requests = 2 if opts.engine == "embedded" else 0
+    measured = compare(
+        {"server": server.url}, list(opts.prompts), levels, max_tokens=opts.max_tokens, requests=requests
+    )
+    return server.url, measured["server"]
+
+
+def _calibration(deployment: Path, loads: dict[str, tuple[str, list[dict]]], progress) -> dict:
+    """The default DFlash deployment's draft length by load re-planned from the loads measured on it and its twin
+    (calibrate.replan, rewriting its files as `trtdflash plan --calibrate` would); an error is recorded, not raised:
+    the checks stand on their own."""
+    from trtllm_dflash.deploy.calibrate import replan
+
+    try:
+        result = replan(
+            deployment, {role: levels for role, (_, levels) in loads.items()}, {r: u for r, (u, _) in loads.items()}
+        )
+    except DFlashError as e:
+        progress(f"gpu-check: calibration failed: {e}")
+        return {"error": str(e)}
+    progress(f"gpu-check: the draft length by load, calibrated on this host ({deployment}):\n{result.table()}")
+    return result.record()
+
+
 def _environment(opts: CheckOptions) -> dict[str, str]:
     """launch.sh's environment: as it is on a GPU host; with the embedded engine, nvidia-pytriton's tritonserver on PATH."""
     env = {k: v for k, v in os.environ.items() if k != ENGINE_ENV}
@@ -274,10 +312,10 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
         max_batch_size=4 if opts.engine == "embedded" else None,
         max_seq_len=1024 if opts.engine == "embedded" else None,
     )
-    env, rows = _environment(opts), []
+    env, rows, loads = _environment(opts), [], {}
     for label, dflash, twin in _pairs(opts, base):
-        reference = None
-        for name, build in ((f"{label}, no draft", twin), (label, dflash)):
+        reference, calibrated = None, dflash.output  # the default pair comes last: calibration re-plans its deployment
+        for role, name, build in (("twin", f"{label}, no draft", twin), ("deployment", label, dflash)):
             progress(f"gpu-check: building {name} ({build.output})")
             run_build(build, progress=lambda m: None)
             texts = {}
@@ -287,10 +325,13 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
                 try:
                     with Launched(build.output, path, env, opts.startup_timeout) as server:
                         texts[path] = (_triton_row if path == "triton" else _openai_row)(row, server, opts, reference)
+                        if label == "default" and path == "triton":
+                            loads[role] = _load_levels(server, opts, build.output, progress)
                 except DFlashError as e:
                     row.checks["started"], row.note = False, str(e)
                 rows.append(row)
             reference = texts
+    calibration = _calibration(calibrated, loads, progress) if len(loads) == 2 else None
     (opts.output / "gpu-check.json").write_text(
         json.dumps(
             {
@@ -300,6 +341,7 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
                 "passed": all(r.passed for r in rows),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "rows": [asdict(r) for r in rows],
+                "calibration": calibration,
             },
             indent=2,
         )
