@@ -1,5 +1,6 @@
 """Prepacked linears (kernels/packed.py): the target decodes exactly as stock Hugging Face does, and faster."""
 
+import statistics
 import time
 
 import pytest
@@ -74,21 +75,24 @@ def test_packing_keeps_the_lm_head_weight_and_drops_the_others():
 
 def test_verify_of_a_block_costs_little_more_than_a_decode_step(target, stock, one_thread):
     """The point of packing: with the dense BLAS path, 8 tokens cost far more than 1 (the weights are repacked every
-    call); packed, much less. Compared side by side on one thread (noise hits both)."""
-
-    def cost(tm, t):
-        cache = tm.new_cache(1, 160)
-        ids = torch.randint(100, 1000, (1, 136), generator=torch.Generator().manual_seed(0))
-        tm.forward(ids[:, :128], 0, cache, capture=False, logits_to_keep=1)
-        times = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            tm.forward(ids[:, 128 : 128 + t], 128, cache, capture=False)
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[3]
-
-    packed_ratio = cost(target, 8) / cost(target, 1)
-    stock_ratio = cost(stock, 8) / cost(stock, 1)
+    call); packed, much less. Compared side by side on one thread, the four forwards taking turns, so that a burst of
+    noise (one CI run measured 2.00 against 1.58 with the four one after the other) meets all of
+    them alike."""
+    ids = torch.randint(100, 1000, (1, 136), generator=torch.Generator().manual_seed(0))
+    caches = {}
+    for name, tm in (("packed", target), ("stock", stock)):
+        caches[name] = tm.new_cache(1, 160)
+        tm.forward(ids[:, :128], 0, caches[name], capture=False, logits_to_keep=1)
+    times = {(name, t): [] for name in caches for t in (1, 8)}
+    for _ in range(9):
+        for name, tm in (("packed", target), ("stock", stock)):
+            for t in (1, 8):
+                t0 = time.perf_counter()
+                tm.forward(ids[:, 128 : 128 + t], 128, caches[name], capture=False)
+                times[name, t].append(time.perf_counter() - t0)
+    cost = {key: statistics.median(ts) for key, ts in times.items()}
+    packed_ratio = cost["packed", 8] / cost["packed", 1]
+    stock_ratio = cost["stock", 8] / cost["stock", 1]
     assert packed_ratio < stock_ratio, (packed_ratio, stock_ratio)
 
 

@@ -151,6 +151,8 @@ def test_calibration_replans_a_deployment_from_the_steps_its_servers_show(pair, 
 
     import yaml
 
+    from trtllm_dflash.deploy.calibrate import read_deployment
+    from trtllm_dflash.deploy.schedule import CONTEXT, roofline_parts
     from trtllm_dflash.deploy.trtllm.schema import upstream_errors
 
     _, servers = pair
@@ -167,6 +169,14 @@ def test_calibration_replans_a_deployment_from_the_steps_its_servers_show(pair, 
     record = json.loads((deployment / "manifest.json").read_text())["calibration"]
     assert [p["batch"] for p in record["points"]] == [1, 2] and record["points"][0]["draft_len"] == 3
     assert all(p["step_s"] > 0 and p["twin_step_s"] > 0 for p in record["points"]) and record["points"][0]["tau"] > 1
+    # the scaled roofline goes through every measured step (or above it, where noise left drafting no time)
+    recipe = read_deployment(deployment)[3]
+    parts = roofline_parts(recipe, min(CONTEXT, recipe.max_seq_len))
+    for point in record["points"]:
+        b, k = point["batch"], point["draft_len"]
+        sv, sd = record["scales"][str(b)]
+        assert sv > 0 and sd > 0 and sv * parts(b, 0)[0] == pytest.approx(point["twin_step_s"], rel=1e-6)
+        assert sv * parts(b, k)[0] + sd * parts(b, k)[1] >= point["step_s"] * (1 - 1e-6)
     for rel in ("triton_repo/tensorrt_llm/1/model.yaml", "trtllm-serve.yaml"):
         spec = yaml.safe_load((deployment / rel).read_text())["speculative_config"]
         assert {str(k): v for k, v in spec["draft_len_schedule"].items()} == record["draft_len_schedule"]

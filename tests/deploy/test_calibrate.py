@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from trtllm_dflash.cli import main
-from trtllm_dflash.deploy.calibrate import Point, calibrated_cost, length_at, measured_acceptance
+from trtllm_dflash.deploy.calibrate import Point, calibrated_cost, length_at, measured_acceptance, noise_points
 from trtllm_dflash.deploy.recipes import load_recipe
 from trtllm_dflash.deploy.schedule import plan_recipe_schedule, recipe_acceptance, roofline_parts
 from trtllm_dflash.engine.plan import plan_schedule
@@ -55,6 +55,16 @@ def test_a_drafter_dearer_than_the_roofline_said_drafts_less(recipe):
     assert all(new <= old for new, old in lengths) and any(new < old for new, old in lengths)
 
 
+def test_a_step_noise_left_no_time_for_drafting_is_never_priced_as_free_drafting(recipe):
+    parts = roofline_parts(recipe)
+    v, d = parts(1, 3)
+    twin = parts(1, 0)[0]
+    point = Point(1, 3, twin * 0.9, twin, 2.5)  # the deployment's step below the twin's: noise
+    cost, scales = calibrated_cost(parts, [point])
+    assert scales[1][0] > 0 and scales[1][1] == pytest.approx(scales[1][0]) and noise_points(parts, [point]) == [point]
+    assert cost(1, 3) == pytest.approx(v + d) and cost(1, 3) > point.step_s
+
+
 def test_without_a_twin_one_scale_covers_the_whole_step(recipe):
     parts = roofline_parts(recipe)
     v, d = parts(1, 3)
@@ -95,7 +105,7 @@ def test_what_calibration_cannot_judge_is_one_sentence_and_nothing_is_sent(tmp_p
     for args, message in (
         ([str(tmp_path / "none"), "--calibrate", "127.0.0.1:1"], "not a trtdflash build output"),
         ([str(embedded), "--calibrate", "127.0.0.1:1"], "an embedded build"),
-        ([str(twin), "--calibrate", "127.0.0.1:1"], "no draft_len_schedule"),
+        ([str(twin), "--calibrate", "127.0.0.1:1"], "no planned draft_len_schedule"),
         ([str(trtllm_deployment), "--calibrate", "127.0.0.1:1", "--concurrency", "4"], "exceeds the deployment's"),
         ([str(trtllm_deployment), "--calibrate", "127.0.0.1:1", "--concurrency", "1"], "127.0.0.1:1"),
     ):

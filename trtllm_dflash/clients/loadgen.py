@@ -137,8 +137,10 @@ def _one_openai(url: str, index: int, job: Job, timeout: float) -> Outcome:
     """One chat completion through OpenAI's HTTP API, greedy, streamed as server-sent events unless `job.stream` is off.
 
     OpenAI's chunks carry text, not token counts: the final usage's completion tokens are shared out over the chunks
-    by their characters, so the steady window's count is exact at its ends and close in between. An `acceptance_length`
-    comes only from servers that report one (ours, in its `dflash` field).
+    by their characters, so the steady window's count is exact at its ends and close in between. The
+    `acceptance_length` is the server's where it reports one (ours, in its `dflash` field), else the tokens per streamed
+    chunk after the first: the tokens a forward commits, for servers that stream one chunk per forward (trtllm-serve,
+    vLLM and SGLang do; a detokenizer holding back a partial character merges two, so it errs high).
     """
     out, t0 = Outcome(index), time.perf_counter()
     body = {
@@ -195,6 +197,8 @@ def _one_openai(url: str, index: int, job: Job, timeout: float) -> Outcome:
     out.text, out.latency = "".join(pieces), time.perf_counter() - t0
     total = sum(map(len, pieces))
     out.tokens = int(usage["completion_tokens"]) if usage and not out.left else len(pieces)
+    if not out.acceptance_length and job.stream and len(pieces) > 1 and not out.left:
+        out.acceptance_length = (out.tokens - 1) / (len(pieces) - 1)
     out.arrivals = [(at, round(out.tokens * n / total) if total else 0) for at, n in chars]
     return out
 

@@ -8,8 +8,8 @@ length it drafts there, K_c (the time between streamed responses: each is one st
 its level from those measurements: at each measured load the roofline's verify part is scaled to the twin's step and
 its drafting part to the rest of the deployment's (without a twin, one scale for both), and between loads the scales
 are interpolated in log(batch) and held beyond them. Every measured step is reproduced; only the lengths not served
-are modelled. The acceptance is the one measured at the lightest load that drafts, spread over the positions as one
-conditional rate (Acceptance.from_tau).
+are modelled. The acceptance is the one measured at the lightest load that drafts (the server's acceptance length, or
+on trtllm-serve the tokens per streamed chunk), spread over the positions as one conditional rate.
 
 Invariants: the files are rewritten only with a schedule that the deployment's TensorRT-LLM release accepts
 (schema.validate_llm_args), under the build's lock, model.yaml and trtllm-serve.yaml before the manifest that records
@@ -79,7 +79,8 @@ def calibrated_cost(
     parts: Callable[[int, int], tuple[float, float]], points: list[Point]
 ) -> tuple[Callable[[int, int], float], dict[int, tuple[float, float]]]:
     """T(batch, K) through the measured points, and the (verify, drafting) scales of the roofline `parts` at each
-    measured load. A drafting part the measurement leaves no time for (noise) scales to 0."""
+    measured load. Where the deployment's step measured no dearer than the twin's verify of as many tokens (noise), the
+    drafting part takes the verify's scale and that point is priced above its measurement (`noise_points`)."""
     verify, drafting = {}, {}
     for p in points:
         v, d = parts(p.batch, p.draft_len)
@@ -89,8 +90,10 @@ def calibrated_cost(
                 drafting[p.batch] = verify[p.batch]
             continue
         verify[p.batch] = p.twin_step_s / parts(p.batch, 0)[0]
-        if p.draft_len:
-            drafting[p.batch] = max(p.step_s - verify[p.batch] * v, 0.0) / d
+        if p.draft_len:  # a step measured no dearer than its longer verify (noise) leaves drafting at the verify scale:
+            # never free, which would draft the longest length everywhere near this load
+            rest = p.step_s - verify[p.batch] * v
+            drafting[p.batch] = rest / d if rest > 0 else verify[p.batch]
     if not drafting:
         raise DFlashError("No measured load drafted, so nothing says what drafting costs; measure at 1 user.")
     sv, sd = _interpolated(verify), _interpolated(drafting)
@@ -100,6 +103,17 @@ def calibrated_cost(
         return sv(b) * v + sd(b) * d
 
     return cost, {b: (sv(b), sd(b)) for b in sorted(verify)}
+
+
+def noise_points(parts: Callable[[int, int], tuple[float, float]], points: list[Point]) -> list[Point]:
+    """The drafting points whose step left no time for drafting beyond the twin's scaled verify (calibrated_cost)."""
+    return [
+        p
+        for p in points
+        if p.draft_len
+        and p.twin_step_s is not None
+        and p.step_s <= p.twin_step_s / parts(p.batch, 0)[0] * parts(p.batch, p.draft_len)[0]
+    ]
 
 
 def measured_acceptance(points: list[Point], cap: int):
@@ -116,23 +130,20 @@ def measured_acceptance(points: list[Point], cap: int):
 
 
 def _points(schedule: dict[int, int], levels: dict[str, list[dict]]) -> list[Point]:
-    dflash, twin = levels["deployment"], levels.get("twin")
+    """One Point per load the deployment was measured at (and its twin, where measured, at the same load)."""
+    twin = {lv["concurrency"]: lv for lv in levels.get("twin") or []}
     out = []
-    for i, lv in enumerate(dflash):
-        failed = lv["errors"] or not lv["itl_p50_s"] or (twin and (twin[i]["errors"] or not twin[i]["itl_p50_s"]))
-        if failed:
-            raise DFlashError(
-                f"At {lv['concurrency']} users the servers failed requests or streamed too little to time a step "
-                f"({(lv['errors'] or ['no streamed gaps'])[0]}); nothing was rewritten."
-            )
+    for lv in levels["deployment"]:
+        c = lv["concurrency"]
+        for name, measured in (("the deployment", lv), ("its twin", twin.get(c))):
+            if measured is not None and (measured["errors"] or not measured["itl_p50_s"]):
+                raise DFlashError(
+                    f"At {c} users {name} failed requests or streamed too little to time a step "
+                    f"({(measured['errors'] or ['no streamed gaps'])[0]}); nothing was rewritten."
+                )
+        t = twin.get(c)
         out.append(
-            Point(
-                lv["concurrency"],
-                length_at(schedule, lv["concurrency"]),
-                lv["itl_p50_s"],
-                twin[i]["itl_p50_s"] if twin else None,
-                lv["acceptance_length_median"],
-            )
+            Point(c, length_at(schedule, c), lv["itl_p50_s"], t and t["itl_p50_s"], lv["acceptance_length_median"])
         )
     return out
 
@@ -145,13 +156,16 @@ def _split_yaml(path: Path) -> tuple[str, dict]:
     return "".join(lines[:n]), yaml.safe_load("".join(lines[n:])) or {}
 
 
-def _served_schedule(out: Path) -> dict[int, int]:
+def _served_schedule(out: Path, recipe) -> dict[int, int]:
+    """The draft_len_schedule the deployment serves (the build's plan, or a calibration's); one sentence where its
+    draft lengths are not planned: no draft, or the recipe's llm_args choose them (options.planned_schedule)."""
+    from trtllm_dflash.deploy.trtllm.options import planned_schedule
     from trtllm_dflash.deploy.trtllm_backend import SERVE_YAML
 
     spec = (_split_yaml(out / SERVE_YAML)[1].get("speculative_config")) or {}
-    if not spec.get("draft_len_schedule"):
+    if planned_schedule(recipe) is None or not spec.get("draft_len_schedule"):
         raise DFlashError(
-            f"{out / SERVE_YAML} has no draft_len_schedule (no draft, or draft lengths the operator chose); calibration "
+            f"{out} has no planned draft_len_schedule (no draft, or draft lengths its recipe chooses); calibration "
             "re-plans only a planned schedule."
         )
     return {int(k): int(v) for k, v in spec["draft_len_schedule"].items()}
@@ -165,7 +179,16 @@ def _recipe(manifest: dict, out: Path):
 
     fields = {k: v for k, v in manifest["options"].items() if k != "output"}
     fields["opt_in"] = tuple(fields.get("opt_in") or ())
-    return trtllm_backend.plan_deployment(BuildOptions(output=out, **fields), lambda m: None, resolve_sources)[0].recipe
+    for key, staged in (("target", "checkpoints/target"), ("draft", "checkpoints/draft")):
+        recorded = fields.get(key)  # a local path on the machine that built it: on the GPU host, the staged copy
+        if recorded and os.sep in recorded and not Path(recorded).expanduser().exists() and (out / staged).is_dir():
+            fields[key] = str(out / staged)
+    try:
+        return trtllm_backend.plan_deployment(BuildOptions(output=out, **fields), lambda m: None, resolve_sources)[
+            0
+        ].recipe
+    except (DFlashError, TypeError) as e:
+        raise DFlashError(f"{out}: cannot rebuild its recipe from the options its manifest records ({e}).") from None
 
 
 @dataclass(frozen=True)
@@ -218,7 +241,8 @@ def read_deployment(deployment: str | Path) -> tuple[Path, dict, dict[int, int],
             f"{out} is an embedded build: its engine plans its draft lengths from steps it measures at start-up; "
             "calibration re-plans a TensorRT-LLM deployment."
         )
-    return out, manifest, _served_schedule(out), _recipe(manifest, out)
+    recipe = _recipe(manifest, out)
+    return out, manifest, _served_schedule(out, recipe), recipe
 
 
 def levels_for(recipe, concurrency: list[int] | None) -> list[int]:
@@ -265,7 +289,8 @@ def calibrate(
 
 def replan(deployment: str | Path, levels: dict[str, list[dict]], servers: dict[str, str], dry_run: bool = False):
     """Re-plan the deployment's draft length by load from measured levels (`loadgen.compare`'s, the deployment's under
-    "deployment" and its twin's, if measured, under "twin"), and unless `dry_run` rewrite its files and manifest."""
+    "deployment" and its twin's, if measured, under "twin"), check the new options against its TensorRT-LLM release,
+    and unless `dry_run` rewrite its files and manifest."""
     from trtllm_dflash.atomic import locked
     from trtllm_dflash.deploy.schedule import CONTEXT, roofline_parts
     from trtllm_dflash.engine.plan import plan_schedule
@@ -282,47 +307,68 @@ def replan(deployment: str | Path, levels: dict[str, list[dict]], servers: dict[
         ("cost", f"roofline of {recipe.num_gpus}x {recipe.gpu_spec.name} scaled to steps measured at {loads} users"),
     )
     schedule = plan_schedule(acceptance, cost, recipe.max_batch_size, recipe.max_draft_len, inputs)
-    url = servers["deployment"]
+    url, gpus = servers["deployment"], f"{recipe.num_gpus}x {recipe.gpu_spec.name}"
+    users = lambda b: f"{b} user{'s' if b > 1 else ''}"  # noqa: E731
     warnings = [
-        f"at {b} user{'s' if b > 1 else ''} the measured step is {s:.2g}x the roofline's: is {url} serving this "
-        f"deployment on {recipe.num_gpus}x {recipe.gpu_spec.name}?"
+        f"at {users(b)} the measured step is {s:.2g}x the roofline's: is {url} serving this deployment on {gpus}?"
         for b, (s, _) in scales.items()
         if not 1 / SUSPECT <= s <= SUSPECT
     ]
+    warnings += [
+        f"at {users(p.batch)} the deployment's step measured no dearer than its twin's verify of as many tokens "
+        "(noise), so drafting there is priced at the verify's scale"
+        for p in noise_points(parts, points)
+    ]
+    warnings += [
+        f"at {users(p.batch)} τ {p.tau:.2f} exceeds draft length {p.draft_len} + 1: the server drafts more than the "
+        "schedule in this folder says (restarted since the last calibration?)"
+        for p in points
+        if p.draft_len and p.tau > p.draft_len + 1.05
+    ]
     result = Calibration(points, scales, before, schedule, warnings)
+    files = _options_files(out, schedule, manifest["options"].get("trtllm_version"))  # refused here, dry run or not
     if not dry_run:
         with locked(out, "calibration"):
-            _rewrite(out, manifest, schedule, result, servers, started)
+            _rewrite(out, files, result, servers, started)
     return result
 
 
-def _rewrite(
-    out: Path, manifest: dict, schedule: DraftSchedule, result: Calibration, servers: dict, started: str
-) -> None:
-    from trtllm_dflash.cpu import cpu_model
-    from trtllm_dflash.deploy.core import CALIBRATED_STEP, MANIFEST
+def _options_files(out: Path, schedule: DraftSchedule, version: str | None) -> dict[str, str]:
+    """model.yaml and trtllm-serve.yaml with the new schedule, each checked against the TensorRT-LLM release."""
     from trtllm_dflash.deploy.trtllm.schema import validate_llm_args
     from trtllm_dflash.deploy.trtllm_backend import MODEL_YAML, SERVE_YAML
+
+    files = {}
+    for rel in (MODEL_YAML, SERVE_YAML):
+        head, options = _split_yaml(out / rel)
+        options["speculative_config"] |= {
+            "max_draft_len": schedule.max_draft_len,
+            "draft_len_schedule": schedule.schedule(),
+        }
+        validate_llm_args(options, rel, version)
+        files[rel] = head + yaml.safe_dump(options, sort_keys=False, default_flow_style=False)
+    return files
+
+
+def _rewrite(out: Path, files: dict[str, str], result: Calibration, servers: dict, started: str) -> None:
+    """The files, then the manifest (read again under the lock: a build may have finished since) with their hashes
+    and the calibration."""
+    from trtllm_dflash.cpu import cpu_model
+    from trtllm_dflash.deploy.core import CALIBRATED_STEP, MANIFEST, read_build
     from trtllm_dflash.resolve import sha256_file
 
-    version = manifest["options"].get("trtllm_version")
     staged = []
     try:
-        for rel in (MODEL_YAML, SERVE_YAML):
-            head, options = _split_yaml(out / rel)
-            options["speculative_config"] |= {
-                "max_draft_len": schedule.max_draft_len,
-                "draft_len_schedule": schedule.schedule(),
-            }
-            validate_llm_args(options, rel, version)
+        for rel, text in files.items():
             tmp = out / f"{rel}.calibrated{os.getpid()}"
-            tmp.write_text(head + yaml.safe_dump(options, sort_keys=False, default_flow_style=False))
+            tmp.write_text(text)
             staged.append((tmp, out / rel))
         for tmp, dest in staged:
             os.replace(tmp, dest)
     finally:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
+    manifest = read_build(out)
     for rel, meta in manifest["steps"][CALIBRATED_STEP]["outputs"].items():  # a rebuild with the same inputs keeps them
         meta |= {"size": (out / rel).stat().st_size, "sha256": sha256_file(out / rel)}
     manifest["calibration"] = {"date": started, "client": cpu_model(), "servers": servers} | result.record()

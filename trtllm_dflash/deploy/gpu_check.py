@@ -231,10 +231,10 @@ def _openai_row(row: Row, server: Launched, opts: CheckOptions, reference: dict 
     return texts
 
 
-def _load_levels(server: Launched, opts: CheckOptions, deployment: Path, progress) -> tuple[str, list[dict]]:
+def _load_levels(server: Launched, opts: CheckOptions, deployment: Path, progress) -> tuple[str, list[dict]] | None:
     """The server of `deployment` under closed-loop load (loadgen.compare) at the loads calibration measures: on a GPU,
     1, 2, 4, ... up to its max_batch_size or CALIBRATION_LOADS; with the embedded engine one user, two requests (it
-    serves requests in turn, not batched: only the code path is checked)."""
+    serves requests in turn, not batched: only the code path is checked). None where the load failed."""
     from trtllm_dflash.clients.loadgen import compare
     from trtllm_dflash.deploy.core import read_build
     from trtllm_dflash.engine.plan import batch_sizes
@@ -243,9 +243,18 @@ def _load_levels(server: Launched, opts: CheckOptions, deployment: Path, progres
     levels = [1] if opts.engine == "embedded" else batch_sizes(top)
     progress(f"gpu-check: load at {levels} users, for calibration")
     requests = 2 if opts.engine == "embedded" else 0
-    measured = compare(
-        {"server": server.url}, list(opts.prompts), levels, max_tokens=opts.max_tokens, requests=requests
-    )
+    try:
+        measured = compare(
+            {"server": server.url},
+            list(opts.prompts),
+            levels,
+            max_tokens=opts.max_tokens,
+            requests=requests,
+            progress=progress,
+        )
+    except DFlashError as e:  # the checks stand without it
+        progress(f"gpu-check: the load for calibration failed: {e}")
+        return None
     return server.url, measured["server"]
 
 
@@ -314,7 +323,7 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
     )
     env, rows, loads = _environment(opts), [], {}
     for label, dflash, twin in _pairs(opts, base):
-        reference, calibrated = None, dflash.output  # the default pair comes last: calibration re-plans its deployment
+        reference = None
         for role, name, build in (("twin", f"{label}, no draft", twin), ("deployment", label, dflash)):
             progress(f"gpu-check: building {name} ({build.output})")
             run_build(build, progress=lambda m: None)
@@ -326,12 +335,14 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
                     with Launched(build.output, path, env, opts.startup_timeout) as server:
                         texts[path] = (_triton_row if path == "triton" else _openai_row)(row, server, opts, reference)
                         if label == "default" and path == "triton":
+                            calibrated = dflash.output
                             loads[role] = _load_levels(server, opts, build.output, progress)
                 except DFlashError as e:
                     row.checks["started"], row.note = False, str(e)
                 rows.append(row)
             reference = texts
-    calibration = _calibration(calibrated, loads, progress) if len(loads) == 2 else None
+    measured = {role: load for role, load in loads.items() if load is not None}
+    calibration = _calibration(calibrated, measured, progress) if len(measured) == 2 else None
     (opts.output / "gpu-check.json").write_text(
         json.dumps(
             {
