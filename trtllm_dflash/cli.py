@@ -115,6 +115,38 @@ def the_prompt(prompt: str | None, prompt_option: str | None) -> str:
     return sys.stdin.read() if text == "-" else text
 
 
+def load_options(fn):
+    """What `bench` and `plan --calibrate` send under load (loadgen.compare)."""
+    for opt in reversed(
+        [
+            click.option(
+                "--prompts",
+                "prompts_file",
+                type=PROMPTS_FILE,
+                default=None,
+                help=f"{PROMPTS_FORMAT[0].upper()}{PROMPTS_FORMAT[1:]}. Default: held-out GSM8K questions "
+                "alternating with everyday questions.",
+            ),
+            click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True),
+            click.option(
+                "--requests",
+                type=click.IntRange(min=0),
+                default=0,
+                help="Requests per level (default: four per client, at least 8).",
+            ),
+            click.option(
+                "--rounds",
+                type=click.IntRange(min=1),
+                default=1,
+                show_default=True,
+                help="Runs of every level on every server, the order turning; each figure is the median round's.",
+            ),
+        ]
+    ):
+        fn = opt(fn)
+    return fn
+
+
 def sampling_options(fn):
     for opt in reversed(
         [
@@ -631,28 +663,7 @@ def _levels(text: str | None, flag: str) -> list[int] | None:
 @click.option(
     "--concurrency", default="1,2,4,8", show_default=True, help="Closed-loop clients per level, comma-separated."
 )
-@click.option(
-    "--prompts",
-    "prompts_file",
-    type=PROMPTS_FILE,
-    default=None,
-    help=f"{PROMPTS_FORMAT[0].upper()}{PROMPTS_FORMAT[1:]}. Default: held-out GSM8K questions alternating with "
-    "everyday questions.",
-)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option(
-    "--requests",
-    type=click.IntRange(min=0),
-    default=0,
-    help="Requests per level (default: four per client, at least 8).",
-)
-@click.option(
-    "--rounds",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Runs of every level on every server, the order turning; each figure is the median round's.",
-)
+@load_options
 @click.option(
     "--output", default=None, help="Write the results here as JSON, and the throughput-latency plot beside it (.png)."
 )
@@ -711,21 +722,7 @@ def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output,
 @click.option(
     "--concurrency", default=None, help="Closed-loop clients per level. Default: 1, 2, 4, ... up to max_batch_size."
 )
-@click.option(
-    "--prompts",
-    "prompts_file",
-    type=PROMPTS_FILE,
-    default=None,
-    help=f"{PROMPTS_FORMAT[0].upper()}{PROMPTS_FORMAT[1:]}.",
-)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option(
-    "--requests",
-    type=click.IntRange(min=0),
-    default=0,
-    help="Requests per level (default: four per client, at least 8).",
-)
-@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True)
+@load_options
 @click.option("--dry-run", is_flag=True, help="Measure and print the new schedule; rewrite nothing.")
 @user_errors
 def plan(deployment, url, twin, concurrency, prompts_file, max_tokens, requests, rounds, dry_run):
