@@ -92,7 +92,7 @@ def calibrated_cost(
         verify[p.batch] = p.twin_step_s / parts(p.batch, 0)[0]
         if p.draft_len:  # a step measured no dearer than its longer verify (noise) leaves drafting at the verify scale:
             # never free, which would draft the longest length everywhere near this load
-            rest = p.step_s - verify[p.batch] * v
+            rest = _drafting_seconds(parts, p)
             drafting[p.batch] = rest / d if rest > 0 else verify[p.batch]
     if not drafting:
         raise DFlashError("No measured load drafted, so nothing says what drafting costs; measure at 1 user.")
@@ -105,15 +105,14 @@ def calibrated_cost(
     return cost, {b: (sv(b), sd(b)) for b in sorted(verify)}
 
 
+def _drafting_seconds(parts: Callable[[int, int], tuple[float, float]], p: Point) -> float:
+    """What a drafting point's step leaves beyond the twin's step scaled to its longer verify."""
+    return p.step_s - p.twin_step_s / parts(p.batch, 0)[0] * parts(p.batch, p.draft_len)[0]
+
+
 def noise_points(parts: Callable[[int, int], tuple[float, float]], points: list[Point]) -> list[Point]:
-    """The drafting points whose step left no time for drafting beyond the twin's scaled verify (calibrated_cost)."""
-    return [
-        p
-        for p in points
-        if p.draft_len
-        and p.twin_step_s is not None
-        and p.step_s <= p.twin_step_s / parts(p.batch, 0)[0] * parts(p.batch, p.draft_len)[0]
-    ]
+    """The drafting points whose step left no time for drafting (calibrated_cost)."""
+    return [p for p in points if p.draft_len and p.twin_step_s is not None and _drafting_seconds(parts, p) <= 0]
 
 
 def measured_acceptance(points: list[Point], cap: int):
@@ -336,7 +335,7 @@ def replan(deployment: str | Path, levels: dict[str, list[dict]], servers: dict[
 def _options_files(out: Path, schedule: DraftSchedule, version: str | None) -> dict[str, str]:
     """model.yaml and trtllm-serve.yaml with the new schedule, each checked against the TensorRT-LLM release."""
     from trtllm_dflash.deploy.trtllm.schema import validate_llm_args
-    from trtllm_dflash.deploy.trtllm_backend import MODEL_YAML, SERVE_YAML
+    from trtllm_dflash.deploy.trtllm_backend import MODEL_YAML, SERVE_YAML, options_yaml
 
     files = {}
     for rel in (MODEL_YAML, SERVE_YAML):
@@ -346,7 +345,7 @@ def _options_files(out: Path, schedule: DraftSchedule, version: str | None) -> d
             "draft_len_schedule": schedule.schedule(),
         }
         validate_llm_args(options, rel, version)
-        files[rel] = head + yaml.safe_dump(options, sort_keys=False, default_flow_style=False)
+        files[rel] = head + options_yaml(options)
     return files
 
 

@@ -14,8 +14,8 @@ each DFlash build is compared with a twin built the same way. It starts each wit
 
 and prints one PASS/FAIL table with tau and tokens/s, saved as JSON. The default pair is also loaded at 1, 2, 4, ...
 users, and its DFlash deployment's draft length by load re-planned from those steps (calibrate.py, what
-`trtdflash plan --calibrate` does), the measurements and the new schedule in the JSON. With `--engine embedded` (CI, any CPU) the same
-code runs on a local target with our engine behind the LLM API and the tritonserver nvidia-pytriton bundles:
+`trtdflash plan --calibrate` does), the measurements and the new schedule in the JSON. With `--engine embedded` (CI,
+any CPU) the same code runs on a local target with our engine behind the LLM API and the tritonserver nvidia-pytriton bundles:
 everything up to the engine swap. trtllm-serve exists only beside TensorRT-LLM, so the OpenAI path is skipped there.
 """
 

@@ -266,21 +266,22 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
     return dep, sources
 
 
-def _yaml(data: dict) -> str:
+def options_yaml(data: dict) -> str:
+    """model.yaml's and trtllm-serve.yaml's keys as written (calibrate.py rewrites them the same way)."""
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
 def model_yaml(dep: Deployment) -> str:
     return (
         "# tensorrt_llm.LLM(**these keys) in the Triton `tensorrt_llm` model; written and validated by trtdflash build.\n"
-        "# Relative paths are relative to this folder.\n" + _yaml(dep.options())
+        "# Relative paths are relative to this folder.\n" + options_yaml(dep.options())
     )
 
 
 def serve_yaml(dep: Deployment) -> str:
     return (
         f"# trtllm-serve {dep.serve_target} --config {SERVE_YAML}   (run from this folder; written by trtdflash build)\n"
-        + _yaml(dep.serve_options())
+        + options_yaml(dep.serve_options())
     )
 
 
