@@ -13,6 +13,7 @@ from trtllm_dflash.engine.plan import Acceptance, conditional_for_tau, plan_sche
 from trtllm_dflash.engine.policy import BlockPolicy
 from trtllm_dflash.engine.request import Request
 from trtllm_dflash.engine.runtime import DFlashEngine
+from trtllm_dflash.engine.step import StepRecord
 
 TOKENS = 48  # per request at every fixed draft length
 ROUNDS = 2
@@ -53,6 +54,27 @@ def test_adaptive_policy_takes_the_plan_as_its_off_switch():
     p.draft_cost.update({8: 0.002, 128: 0.01})
     assert max(p.choose([Row(), Row()])[0]) > 1 and p.speculates(2)  # where the plan drafts, the policy's own choice
     assert p.choose([Row()] * 16, [9] + [0] * 15) == ([1] * 16, [False] * 16) and not p.speculates(16)
+
+
+def test_a_plain_step_where_the_plan_drafts_nothing_teaches_the_policy_nothing():
+    """Such a step must cost what a draft-free engine's does: its costs price no choice (the policy chooses nothing
+    there), its rows reach no slot and a replan would come out the same, so observing it changes nothing. Where the
+    plan drafts, the same plain step is learnt from."""
+    p = measured_policy(cheap_until(4), adaptive=True)
+    p.verify_cost.update({1: 0.010, 16: 0.0102, 128: 0.05})
+    p.draft_cost.update({8: 0.002, 128: 0.01})
+    p._yield = [4.0, 5.0]  # drafting rows so far accepted 4 of 5 expected extra tokens
+
+    def learnt():
+        return dict(p.verify_cost), dict(p.factor), list(p._yield), p._since_plan, len(p._rows)
+
+    before = learnt()
+    busy = [Row() for _ in range(16)]
+    p.observe(busy, StepRecord(ks=[1] * 16, accepted=[0] * 16, draft_seconds=0.0, verify_seconds=0.03))
+    assert learnt() == before
+    p.observe(busy[:2], StepRecord(ks=[1] * 2, accepted=[0] * 2, draft_seconds=0.0, verify_seconds=0.03))
+    after = learnt()
+    assert all(a != b for a, b in zip(after, before))
 
 
 def test_plan_follows_the_acceptance():

@@ -119,7 +119,7 @@ class Batch:
             )
         req.prefilled = end
         if feats is not None:
-            self.dcache.stage(torch.full((end - start,), slot), torch.arange(start, end), feats[0])
+            self.dcache.stage([slot] * (end - start), list(range(start, end)), feats[0])
         head = i == 0 and req.head > 0
         if head or (
             end - start == BLOCK and self.prefix_cache.max_tokens
@@ -146,7 +146,7 @@ class Batch:
                 break
             self.cache.write(slot, start, entry.keys, entry.values)
             if entry.features is not None:
-                self.dcache.stage(torch.full((end - start,), slot), torch.arange(start, end), entry.features)
+                self.dcache.stage([slot] * (end - start), list(range(start, end)), entry.features)
             start = end
         req.prefilled = req.stats.cached_tokens = start
 
@@ -307,18 +307,20 @@ class Batch:
     def _commit(self, plans: list[RowPlan], feats: torch.Tensor | None) -> dict[Request, list[int]]:
         """Accepted guesses and the bonus token become each row's output; its position moves past them (the cache
         beyond is stale: the next forward overwrites it), and the draft gets the committed tokens' features."""
-        out, kept, offset = {}, [], 0  # kept: (slot, position, flat index) of each committed token's features
+        out, slots, positions, index, offset = {}, [], [], [], 0  # of each committed token's features
         for i, p in enumerate(plans):
             r, a = p.req, p.accepted
             r.stats.add_step(p.k, a, p.looked)
             out[r] = r.commit(p.guesses[:a] + [p.bonus])
-            kept += [(i, r.start + j, offset + j) for j in range(a + 1)]  # the token and the accepted guesses
+            slots += [i] * (a + 1)  # the token and the accepted guesses
+            positions += range(r.start, r.start + a + 1)
+            index += range(offset, offset + a + 1)
             r.start += a + 1
             r.token = p.bonus
             offset += p.k
-        if feats is not None:
-            slot, position, index = torch.tensor(kept).unbind(1)
-            self.dcache.stage(slot, position, feats[index])
+        if feats is not None:  # every verified token kept (a plain step): the features as they are, no gather
+            kept = feats if len(index) == offset else feats[torch.tensor(index)]
+            self.dcache.stage(slots, positions, kept)
         return out
 
 

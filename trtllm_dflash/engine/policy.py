@@ -53,20 +53,22 @@ FACTOR_RATE = 0.1
 # A row drafts when its estimated acceptance is among the highest, so on average its estimate was lucky: drafting rows
 # accept less than estimated (docs/performance.md#drafting-yield). The realized share of the expected extra tokens
 # is learned from rows that drafted by choice (not probes): their accepted and expected extra tokens, summed with
-# weights fading by YIELD_MEMORY a step, drafting or not, beside YIELD_PRIOR expected tokens at a share of 1 (a few
-# steps' worth, so one failed warm-up step cannot turn later requests plain). A share learned low stops being
-# measured (nothing then drafts by choice), so it must fade: held, one learned from a chat answer kept every later
-# request plain (docs/performance.md#drafting-yield).
+# weights fading by YIELD_MEMORY a step that could draft, drafting or not, beside YIELD_PRIOR expected tokens at a
+# share of 1 (a few steps' worth, so one failed warm-up step cannot turn later requests plain). A share learned low
+# stops being measured (nothing then drafts by choice), so it must fade: held, one learned from a chat answer kept
+# every later request plain (docs/performance.md#drafting-yield).
 YIELD_MEMORY, YIELD_PRIOR = 0.97, 8.0
 MARGIN = 1.02  # a longer block must beat the best shorter one by this much: ties go to less speculation
-REPLAN_STEPS = 16  # steps between plans of the draft length by batch size (plan.py) from the acceptance measured so far
+# Steps that could draft between plans of the draft length by batch size (plan.py) from the acceptance measured so far
+# (a step where the plan drafts nothing measures no acceptance: the plan would come out the same).
+REPLAN_STEPS = 16
 
 
 @dataclass
 class RowCounts:
     reached: list[float]  # [j]: steps where slot j was drafted with all before it accepted
     accepted: list[float]  # [j]: ... and slot j was accepted
-    plain_seconds: float = 0.0  # this row's share of the steps since it last drafted
+    plain_seconds: float = 0.0  # this row's share of the steps that could draft since it last drafted
 
 
 class BlockPolicy:
@@ -362,8 +364,8 @@ class BlockPolicy:
         ks, accepted = step.ks, step.accepted
         draft_seconds, verify_seconds = step.draft_seconds, step.verify_seconds
         looked, width = step.looked or (False,) * len(rows), step.width or self.max_block
-        if not (self.adaptive or self.planned):
-            return
+        if not (self.adaptive or self.planned) or (max(ks) == 1 and not self.speculates(len(rows))):
+            return  # a plain step where the plan drafts nothing: its costs price no choice, it reaches no slot
         self._since_plan += 1
         if self._since_plan >= REPLAN_STEPS:
             self.replan()

@@ -233,10 +233,11 @@ class DraftKVCache:
                 [self.features, self.features.new_zeros(self.features.shape[0], grow, self.features.shape[2])], dim=1
             )
 
-    def stage(self, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor) -> None:
-        """features [N, n_sel*H] of N committed tokens, token n at (slots[n], positions[n])."""
-        self.reserve(int(positions.max()) + 1)
-        self.features[slots, positions] = features
+    def stage(self, slots: list[int], positions: list[int], features: torch.Tensor) -> None:
+        """features [N, n_sel*H] of N committed tokens, token n at (slots[n], positions[n]). The indices come as
+        lists: every step stages its tokens, drafting or not, and the capacity check reads them without a tensor op."""
+        self.reserve(max(positions) + 1)
+        self.features[torch.tensor(slots), torch.tensor(positions)] = features
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [L, 1, nkv, N, hd] of N context tokens, token n going to (slots[n], positions[n])."""
