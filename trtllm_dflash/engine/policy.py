@@ -401,8 +401,8 @@ class BlockPolicy:
         measured, is one more measurement of that whole step: the fastest kept, as there (noise only adds time), and
         none above a longer length's. So a plan calibrated while another process slowed some steps mends itself from
         the steps served, at the next replan. A step that verified lookup guesses drafted nothing: not this cost."""
-        k = step.ks[0] - 1
-        if (rows, k) not in self.step_seconds or any(x != step.ks[0] for x in step.ks) or any(step.looked):
+        ks, k = step.ks, step.ks[0] - 1
+        if ks.count(ks[0]) < len(ks) or (rows, k) not in self.step_seconds or any(step.looked):
             return
         seconds = step.draft_seconds + step.verify_seconds
         for j in range(k + 1):
