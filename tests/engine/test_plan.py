@@ -5,16 +5,20 @@ measured modes."""
 
 import statistics
 import time
+import types
 
 import pytest
 
 from trtllm_dflash.clients.loadgen import default_prompts
-from trtllm_dflash.engine.batch import Batch
+from trtllm_dflash.engine import batch as batch_module
+from trtllm_dflash.engine.batch import STEP_ROUNDS, Batch
 from trtllm_dflash.engine.plan import Acceptance, conditional_for_tau, plan_schedule
 from trtllm_dflash.engine.policy import BlockPolicy
 from trtllm_dflash.engine.request import Request
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.engine.step import StepRecord
+from trtllm_dflash.models.checkpoint import load_draft
+from trtllm_dflash.resolve import DRAFTS_DIR
 
 TOKENS = 48  # per request at every fixed draft length
 
@@ -77,22 +81,33 @@ def test_a_plain_step_where_the_plan_drafts_nothing_teaches_the_policy_nothing()
     assert all(a != b for a, b in zip(after, before))
 
 
-def test_served_steps_mend_a_calibration_slowed_by_another_process():
-    """A plain step at 16 rows measured while the machine was busy made drafting there look cheap; the same step
-    served at its true cost plans plainly again. Steps of mixed lengths or with lookup guesses are not such costs."""
-    slowed = cheap_until(4) | {(16, 0): 0.05}
-    p = measured_policy(dict(slowed), planned=True)
-    assert p.schedule.length_at(16) > 0
-    busy = [Row() for _ in range(16)]
-    p.observe(busy, StepRecord(ks=(1,) * 15 + (2,), accepted=(0,) * 16, verify_seconds=0.01))
-    p.observe(busy, StepRecord(ks=(1,) * 16, accepted=(0,) * 16, verify_seconds=0.01, looked=(True,) + (False,) * 15))
-    assert p.step_seconds == slowed
-    p.observe(busy, StepRecord(ks=(1,) * 16, accepted=(0,) * 16, draft_seconds=0.0, verify_seconds=0.01))
-    assert p.step_seconds == slowed | {(16, 0): 0.01}
-    p.observe(busy[:4], StepRecord(ks=(4,) * 4, accepted=(3,) * 4, draft_seconds=0.001, verify_seconds=0.001))
-    assert p.step_seconds == slowed | {(16, 0): 0.01} | {(4, k): 0.002 for k in range(4)}  # none dearer than a longer
-    p.replan()
-    assert p.schedule.length_at(16) == 0
+def test_measured_steps_price_each_length_by_its_ratio_to_the_plain_step_of_its_round(target, monkeypatch):
+    """Real steps on a clock that runs 1.5x slow throughout (another process busy) but for one quiet plain step, with
+    one spike: each length costs the plain step's fastest times its true ratio to it. Each length's fastest alone
+    would price every drafting step 1.5x too dear and plan plain decoding where drafting pays."""
+    draft = load_draft(DRAFTS_DIR / "smollm2-135m")
+    target.set_taps(draft.config.target_layer_ids)
+    block = draft.config.block_size
+    policy = BlockPolicy(block, planned=True)
+    batch = Batch(target, draft, block, slots=2, policy=policy, lookup=False)
+    clock = types.SimpleNamespace(now=0.0, steps=0)
+    monkeypatch.setattr(batch_module, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    real_step = batch.step
+
+    def step(ks, observe=True):
+        out = real_step(ks, observe=observe)
+        k, i = ks[0] - 1, clock.steps % (1 + STEP_ROUNDS * 2 * (block - 1))  # the i-th step at this batch size
+        turn, quiet = (i - 1) // (2 * block - 2), i == 0  # quiet: the first plain step
+        clock.now += 0.010 * (1 + 0.1 * k) * (1.0 if quiet else 1.5) * (4.0 if (turn, k) == (1, 2) else 1.0)
+        clock.steps += 1
+        return out
+
+    monkeypatch.setattr(batch, "step", step)
+    batch.measure_steps()
+    assert policy.step_seconds.keys() == {(b, k) for b in (1, 2) for k in range(block)}
+    for (b, k), seconds in policy.step_seconds.items():
+        assert seconds == pytest.approx(0.010 * (1 + 0.1 * k)), (b, k)
+    assert policy.schedule.length_at(2) > 0
 
 
 def test_plan_follows_the_acceptance():
@@ -107,7 +122,7 @@ def test_plan_follows_the_acceptance():
 def fixed_length_rates(engine: DFlashEngine, prompts: list[list[int]], rows: int) -> dict[int, float]:
     """Committed tokens per second at every fixed draft length while `rows` requests run (until the first has its
     TOKENS), in plain steps' seconds: the same prompts at every length, so the same text (greedy output does not
-    depend on the length), and the policy learns the acceptance and the step costs from these steps. Each length has
+    depend on the length), and the policy learns the acceptance from these steps. Each length has
     a batch of its own and the batches take turns step by step (forward then backward); a length's step costs the
     median over turns of its seconds over the plain step's in the same turn. So neither a spike nor a slower spell of
     this shared machine falls on some lengths and not on others."""
@@ -152,4 +167,5 @@ def test_planned_length_comes_within_ten_percent_of_the_best_fixed_length():
     for rows, rate in rates.items():
         k = engine.policy.schedule.length_at(rows)
         best = max(rate, key=rate.get)
-        assert rate[k] >= 0.9 * rate[best], (rows, k, best, rate, engine.policy.schedule.table())
+        priced = {j: round(engine.policy.step_seconds[rows, j] / engine.policy.step_seconds[rows, 0], 2) for j in rate}
+        assert rate[k] >= 0.9 * rate[best], (rows, k, best, rate, priced, engine.policy.population_conditional())

@@ -10,6 +10,7 @@ not depend on what runs beside it. `speculative_stream` is one request through t
 from __future__ import annotations
 
 import bisect
+import statistics
 import time
 from collections.abc import Iterator
 
@@ -30,7 +31,8 @@ from trtllm_dflash.models.draft_ngram import RequestCounts
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.threads import widened
 
-CALIBRATION_ROUNDS = 3  # Batch.calibrate, Batch.measure_steps: rounds over every size, the fastest of each kept
+CALIBRATION_ROUNDS = 3  # Batch.calibrate: rounds over every size, the fastest of each kept
+STEP_ROUNDS = 3  # Batch.measure_steps: rounds over every draft length, each priced by its median round
 # Batch.measure_steps' placeholder prompts: short of a whole prefill chunk (prefix_cache.BLOCK), so none is cached
 MEASURE_PROMPT = BLOCK - 16
 
@@ -224,27 +226,45 @@ class Batch:
         """T(rows, K) for the draft-length planner (plan.py): whole steps of 1, 2, 4, ... up to `slots` rows at every
         draft length K (0 = plain decoding), rows of placeholder requests removed after. A whole step pays what no
         single forward shows (the draft's context update, each row's attention, the bookkeeping), and it is what the
-        plan trades. Rounds as in `calibrate`, each (rows, K) keeping its fastest, and none above a longer K's;
-        acceptance is not learnt here."""
+        plan trades.
+
+        The plan compares lengths at one batch size, so what must hold is each length's cost relative to the plain
+        step. Each round steps every draft length once (the order reversed each round), each between two plain steps,
+        and a length costs the fastest plain step times the median over STEP_ROUNDS rounds of its seconds over the
+        mean of the plain steps either side: a slower spell of the machine (another process running) mostly spans a
+        length and its neighbours and cancels, and a spike or a one-off setup lands in one round and is outvoted.
+        Each length's own fastest would price it by whichever moment happened to be quiet for it, and on a busy
+        machine plan plain decoding where drafting pays. No length is left costing more than a longer one; acceptance
+        is not learnt here."""
         assert not self.rows, "measure steps before admitting requests"
         if self.draft is None:
             return
         seconds: dict[tuple[int, int], float] = {}
-        budget = CALIBRATION_ROUNDS * self.block_size * (self.block_size + 1)
+        budget = STEP_ROUNDS * self.block_size * (self.block_size + 1)  # more than STEP_ROUNDS rounds commit
+        lengths = list(range(1, self.block_size))
+
+        def timed(k: int, b: int) -> float:
+            t0 = time.perf_counter()
+            self.step([k + 1] * b, observe=False)
+            return time.perf_counter() - t0
+
         for b in batch_sizes(self.slots):
             reqs = [Request([0] * MEASURE_PROMPT, budget) for _ in range(b)]
             for r in reqs:
                 while not self.add(r):
                     pass
-            for _ in range(CALIBRATION_ROUNDS):
-                for k in range(self.block_size):
-                    t0 = time.perf_counter()
-                    self.step([k + 1] * b, observe=False)
-                    seconds[b, k] = min(seconds.get((b, k), float("inf")), time.perf_counter() - t0)
+            plain, ratios = [timed(0, b)], {k: [] for k in lengths}
+            for _ in range(STEP_ROUNDS):
+                for k in lengths:
+                    took = timed(k, b)
+                    plain.append(timed(0, b))
+                    ratios[k].append(2 * took / (plain[-2] + plain[-1]))
+                lengths.reverse()
             for r in reqs:
                 self.remove(r)
-            for k in reversed(range(self.block_size - 1)):  # a longer step never costs less (noise only adds time)
-                seconds[b, k] = min(seconds[b, k], seconds[b, k + 1])
+            cost = {0: min(plain)} | {k: min(plain) * statistics.median(r) for k, r in ratios.items()}
+            for k in reversed(range(self.block_size)):  # a longer step never costs less
+                seconds[b, k] = min(cost[k], seconds.get((b, k + 1), cost[k]))
         self.policy.step_seconds = seconds
         self.policy.replan()
 

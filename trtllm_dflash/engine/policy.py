@@ -59,8 +59,8 @@ FACTOR_RATE = 0.1
 # every later request plain (docs/performance.md#drafting-yield).
 YIELD_MEMORY, YIELD_PRIOR = 0.97, 8.0
 MARGIN = 1.02  # a longer block must beat the best shorter one by this much: ties go to less speculation
-# Steps that could draft between plans of the draft length by batch size (plan.py) from the acceptance and step costs
-# measured so far (a step where the plan drafts nothing measures neither: the plan would come out the same).
+# Steps that could draft between plans of the draft length by batch size (plan.py) from the acceptance measured so far
+# (a step where the plan drafts nothing measures none: the plan would come out the same).
 REPLAN_STEPS = 16
 
 
@@ -167,8 +167,8 @@ class BlockPolicy:
         return out
 
     def replan(self) -> None:
-        """The draft length by batch size (plan.py) from the measured step costs (Batch.measure_steps, refined by the
-        steps served since) and the acceptance the requests showed so far."""
+        """The draft length by batch size (plan.py) from the measured step costs (Batch.measure_steps) and the
+        acceptance the requests showed so far."""
         self._since_plan = 0
         if not self.step_seconds:
             return
@@ -366,7 +366,6 @@ class BlockPolicy:
         looked, width = step.looked or (False,) * len(rows), step.width or self.max_block
         if not (self.adaptive or self.planned):
             return
-        self._refine_step_cost(len(rows), step)
         if max(ks) == 1 and not self.speculates(len(rows)):
             return  # a plain step where the plan drafts nothing: its costs price no choice, it reaches no slot
         self._since_plan += 1
@@ -395,18 +394,6 @@ class BlockPolicy:
             self.verified_tokens(ks), draft_seconds if drafting else None, verify_seconds, draft_tokens=drafting * width
         )
         self._count(rows, step)
-
-    def _refine_step_cost(self, rows: int, step: StepRecord) -> None:
-        """A step whose rows all drafted the same length (or all decoded plainly), at a batch size Batch.measure_steps
-        measured, is one more measurement of that whole step: the fastest kept, as there (noise only adds time), and
-        none above a longer length's. So a plan calibrated while another process slowed some steps mends itself from
-        the steps served, at the next replan. A step that verified lookup guesses drafted nothing: not this cost."""
-        ks, k = step.ks, step.ks[0] - 1
-        if ks.count(ks[0]) < len(ks) or (rows, k) not in self.step_seconds or any(step.looked):
-            return
-        seconds = step.draft_seconds + step.verify_seconds
-        for j in range(k + 1):
-            self.step_seconds[rows, j] = min(self.step_seconds[rows, j], seconds)
 
     def _count(self, rows: list, step: StepRecord) -> None:
         """Each row's and the population's acceptance counts, and each row's time since it last drafted."""
