@@ -42,6 +42,18 @@ def test_the_verdict_passes_only_where_dflash_keeps_up_at_every_level():
     assert not gate_verdict({"d": [_level(1, 20, errors=1)], "t": [_level(1, 10)]})["passed"]
 
 
+def test_the_verdict_pairs_each_round_with_the_twins_round_beside_it():
+    """The machine slowed in the second round and sped up in the third: DFlash was ahead in two rounds of three, and
+    its median round (80) falls below the twin's (85) only because they are different rounds."""
+    d = {"steady_tokens_per_s": 80.0, "steady_tokens_per_s_rounds": [100.0, 60.0, 80.0]}
+    t = {"steady_tokens_per_s": 85.0, "steady_tokens_per_s_rounds": [98.0, 59.0, 85.0]}
+    verdict = gate_verdict({"d": [_level(4, 0) | d], "t": [_level(4, 0) | t]})
+    assert verdict["passed"] and verdict["levels"][0]["speedup"] == round(60 / 59, 3)
+    t["steady_tokens_per_s_rounds"] = [101.0, 59.0, 85.0]  # now behind in two rounds of three
+    lost = gate_verdict({"d": [_level(4, 0) | d], "t": [_level(4, 0) | t]})
+    assert not lost["passed"] and lost["levels"][0]["speedup"] == round(100 / 101, 3)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -309,7 +309,24 @@ def compare(
     progress=print,
 ) -> dict[str, list[dict]]:
     """Every concurrency level on every server in turn, the order turning each round, so that a drift in the
-    machine's speed falls on all of them; per server, one `summary` per level (the median round's).
+    machine's speed falls on all of them; per server, one `summary` per level (the median round's)."""
+    runs = compare_rounds(
+        urls, prompts, concurrency, max_tokens=max_tokens, requests=requests, rounds=rounds, progress=progress
+    )
+    return {name: [{"concurrency": c} | median_level(runs[name][c]) for c in concurrency] for name in urls}
+
+
+def compare_rounds(
+    urls: dict[str, str],
+    prompts: list[str],
+    concurrency: list[int],
+    *,
+    max_tokens: int,
+    requests: int = 0,
+    rounds: int = 1,
+    progress=print,
+) -> dict[str, dict[int, list[dict]]]:
+    """`compare`'s rounds as they ran: per server and level, one `summary` a round (what median_level reduces).
 
     A level sends `requests` jobs (default: four per client, at least 8): with fewer than about four per client only
     the first part of a level has every client busy, and the steady figure needs that window.
@@ -322,9 +339,7 @@ def compare(
             f"--requests ({requests}) must exceed the highest concurrency ({max(concurrency)}): the steady "
             "window starts once every client streams and ends when the queue runs dry."
         )
-    for (
-        url
-    ) in urls.values():  # one short request each: a wrong address fails here in one sentence, and the server warms up
+    for url in urls.values():  # one short request each: a wrong address fails here in one sentence, and it warms up
         probe = _one(url, 0, Job(prompts[0], 8), 600.0)
         if probe.error:
             raise DFlashError(probe.error)
@@ -343,7 +358,7 @@ def compare(
                         f"{lv['tokens_per_s_per_user']:.1f}/user, TTFT p50 {lv['ttft_p50_s']:.3f} s, "
                         f"acceptance {lv['acceptance_length_median']}, errors {len(lv['errors'])}"
                     )
-    return {name: [{"concurrency": c} | median_level(runs[name][c]) for c in concurrency] for name in names}
+    return runs
 
 
 def plot_pareto(levels: dict[str, list[dict]], title: str, path: Path) -> None:
