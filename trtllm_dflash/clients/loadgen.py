@@ -298,21 +298,11 @@ def check_levels(concurrency: list[int]) -> None:
         raise DFlashError(f"Concurrency levels must be positive numbers of clients, got {list(concurrency)}.")
 
 
-def compare(
-    urls: dict[str, str],
-    prompts: list[str],
-    concurrency: list[int],
-    *,
-    max_tokens: int,
-    requests: int = 0,
-    rounds: int = 1,
-    progress=print,
-) -> dict[str, list[dict]]:
+def compare(urls: dict[str, str], prompts: list[str], concurrency: list[int], **options) -> dict[str, list[dict]]:
     """Every concurrency level on every server in turn, the order turning each round, so that a drift in the
-    machine's speed falls on all of them; per server, one `summary` per level (the median round's)."""
-    runs = compare_rounds(
-        urls, prompts, concurrency, max_tokens=max_tokens, requests=requests, rounds=rounds, progress=progress
-    )
+    machine's speed falls on all of them; per server, one `summary` per level (the median round's). `options`: as
+    `compare_rounds` takes them."""
+    runs = compare_rounds(urls, prompts, concurrency, **options)
     return {name: [{"concurrency": c} | median_level(runs[name][c]) for c in concurrency] for name in urls}
 
 
