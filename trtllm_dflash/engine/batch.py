@@ -240,7 +240,7 @@ class Batch:
         if self.draft is None:
             return
         seconds: dict[tuple[int, int], float] = {}
-        budget = STEP_ROUNDS * self.block_size * (self.block_size + 1)  # more than STEP_ROUNDS rounds commit
+        budget = STEP_ROUNDS * self.block_size * (self.block_size + 1)  # more tokens than STEP_ROUNDS rounds commit
         lengths = list(range(1, self.block_size))
 
         def timed(k: int, b: int) -> float:
