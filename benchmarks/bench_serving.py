@@ -5,8 +5,8 @@ level, held-out prompts (GSM8K questions never used for training, and chat quest
 served at once and each level runs on one and then the other (the order alternating between rounds), so a drift in
 the machine's speed falls on both, and each build starts first for half the rounds (`bench.compare_builds`: the
 server started second serves faster on these VMs). Every figure is the median of `--rounds` runs, and DFlash's ratio
-to the build without a draft the median of the rounds' ratios (each round's pair served back to back, as the
-acceptance gate judges). Reports total tokens/s (steady: while all clients have a request in flight; and over the
+to the build without a draft the geometric mean of the rounds' ratios (each round's pair served back to back), with
+its 95 % bounds each way and a verdict, as the acceptance gate judges: faster, slower, or within noise. Reports total tokens/s (steady: while all clients have a request in flight; and over the
 whole run), tokens/s per user, time to first token and inter-token latency (p50/p99) per level, DFlash's ratio, and a
 Pareto plot (tokens/s per user vs steady total tokens/s).
 
@@ -25,7 +25,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from trtllm_dflash.clients.bench import compare_builds, gate_verdict
+from trtllm_dflash.clients.bench import compare_builds, gate_lines, gate_verdict
 from trtllm_dflash.clients.loadgen import default_prompts, plot_pareto
 from trtllm_dflash.config import SPECULATION
 from trtllm_dflash.cpu import machine_info
@@ -108,11 +108,13 @@ def main(argv=None):
             for name, _ in builds:
                 result["levels"][f"{dtype} {name}"] = levels[name]
             d, a = result["levels"][f"{dtype} dflash"], result["levels"][f"{dtype} no-draft"]
+            judged = gate_verdict({"d": d, "a": a})["levels"]
             result["ratios"][dtype] = {
-                # the median round's ratio, each round's pair served back to back: the acceptance gate's speed-up
-                "dflash_vs_no_draft": {
-                    str(lv["concurrency"]): lv["speedup"] for lv in gate_verdict({"d": d, "a": a})["levels"]
-                },
+                # the rounds' geometric mean, each round's pair served back to back: the acceptance gate's speed-up,
+                # its 95 % bounds each way and its verdict (faster, slower, or within noise: the bounds hold 1)
+                "dflash_vs_no_draft": {str(lv["concurrency"]): lv["speedup"] for lv in judged},
+                "dflash_vs_no_draft_bounds": {str(lv["concurrency"]): lv["bounds"] for lv in judged},
+                "verdict": {str(lv["concurrency"]): lv["verdict"] for lv in judged},
                 "dflash_median_vs_no_draft_median": {  # each build's median round over the other's
                     str(x["concurrency"]): round(x["steady_tokens_per_s"] / y["steady_tokens_per_s"], 3)
                     for x, y in zip(d, a)
@@ -140,6 +142,13 @@ def main(argv=None):
         out.with_suffix(".png"),
     )
     print(json.dumps(result["ratios"], indent=2))
+    for dtype in args.dtypes:
+        d, a = result["levels"][f"{dtype} dflash"], result["levels"][f"{dtype} no-draft"]
+        print(
+            "\n".join(
+                [f"{dtype}, DFlash against the build without a draft:", *gate_lines(gate_verdict({"d": d, "a": a}))]
+            )
+        )
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

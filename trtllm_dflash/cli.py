@@ -465,6 +465,14 @@ def chat(
     default=None,
     help="With --verify-on: clients per level, comma-separated (default: 1, 2, 4, ... up to --max-batch-size).",
 )
+@click.option(
+    "--verify-rounds",
+    type=click.IntRange(min=2),
+    default=2,
+    show_default=True,
+    help="With --verify-on: rounds per level, half with each build's server started first; more rounds tell a "
+    "smaller loss from the rounds' spread.",
+)
 @user_errors
 def build(
     target,
@@ -492,6 +500,7 @@ def build(
     dry_run,
     verify_on,
     verify_concurrency,
+    verify_rounds,
 ):
     """Build a Triton model repository (plus checkpoints or GPU launch files, manifest.json) from a target and a DFlash draft."""
     from pathlib import Path
@@ -529,7 +538,8 @@ def build(
     if verify_on and not dry_run:
         from trtllm_dflash.clients.bench import build_verified
 
-        build_verified(opts, verify_on, _levels(verify_concurrency, "--verify-concurrency"), progress=progress)
+        levels = _levels(verify_concurrency, "--verify-concurrency")
+        build_verified(opts, verify_on, levels, rounds=verify_rounds, progress=progress)
     else:
         run_build(opts, progress=progress, dry_run=dry_run)
 
@@ -671,7 +681,7 @@ def _levels(text: str | None, flag: str) -> list[int] | None:
     "--gate",
     is_flag=True,
     help="Acceptance gate: the first --url is a DFlash deployment, the second its --no-draft twin; exit 1 where DFlash "
-    "is slower at any concurrency level.",
+    "is slower at any concurrency level (with --rounds 2 or more: slower beyond the rounds' spread, 95 % confidence).",
 )
 @click.option(
     "--deployment",
@@ -684,7 +694,7 @@ def _levels(text: str | None, flag: str) -> list[int] | None:
 def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output, gate, deployment):
     """Load running servers with closed-loop streaming clients (each sends its next request when its last one ends):
     tokens/s, per-user speed, time to first token, inter-token latency and acceptance at each concurrency level."""
-    from trtllm_dflash.clients.bench import gate_failure, run_bench
+    from trtllm_dflash.clients.bench import gate_failure, gate_lines, run_bench
 
     report = run_bench(
         urls,
@@ -700,12 +710,13 @@ def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output,
     )
     click.echo(report["table"])
     if gate:
+        click.echo("\n".join(["", "Gate, DFlash against its twin:", *gate_lines(report["gate"])]))
         if failure := gate_failure(report["gate"]):
             click.echo(
                 f"Gate failed: {failure}; serve the twin at that load, or plan a shorter draft length.", err=True
             )
             sys.exit(1)
-        click.echo("Gate passed: DFlash is at least as fast as its draft-free twin at every level.")
+        click.echo("Gate passed: DFlash is not measurably slower than its draft-free twin at any level.")
 
 
 @main.command()
