@@ -6,9 +6,10 @@ served at once and each level runs on one and then the other (the order alternat
 the machine's speed falls on both, and each build starts first for half the rounds (`bench.compare_builds`: the
 server started second serves faster on these VMs). Every figure is the median of `--rounds` runs, and DFlash's ratio
 to the build without a draft the geometric mean of the rounds' ratios (each round's pair served back to back), with
-its 95 % bounds each way and a verdict, as the acceptance gate judges: faster, slower, or within noise. Reports total tokens/s (steady: while all clients have a request in flight; and over the
-whole run), tokens/s per user, time to first token and inter-token latency (p50/p99) per level, DFlash's ratio, and a
-Pareto plot (tokens/s per user vs steady total tokens/s).
+its 95 % bounds each way and a verdict, as the acceptance gate judges: faster, slower, or within noise. Reports total
+tokens/s (steady: while all clients have a request in flight; and over the whole run), tokens/s per user, time to
+first token and inter-token latency (p50/p99) per level, DFlash's ratio, and a Pareto plot (tokens/s per user vs
+steady total tokens/s).
 
     python benchmarks/bench_serving.py --dtypes fp32 bf16 --concurrency 1 2 4 8 16
 """
@@ -78,6 +79,7 @@ def main(argv=None):
         "ratios": {},
     }
     builds = (("dflash", False), ("no-draft", True))
+    verdicts = {}  # dtype -> gate_verdict of DFlash against the build without a draft
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
             folders = {
@@ -108,7 +110,8 @@ def main(argv=None):
             for name, _ in builds:
                 result["levels"][f"{dtype} {name}"] = levels[name]
             d, a = result["levels"][f"{dtype} dflash"], result["levels"][f"{dtype} no-draft"]
-            judged = gate_verdict({"d": d, "a": a})["levels"]
+            verdicts[dtype] = gate_verdict({"d": d, "a": a})
+            judged = verdicts[dtype]["levels"]
             result["ratios"][dtype] = {
                 # the rounds' geometric mean, each round's pair served back to back: the acceptance gate's speed-up,
                 # its 95 % bounds each way and its verdict (faster, slower, or within noise: the bounds hold 1)
@@ -142,13 +145,8 @@ def main(argv=None):
         out.with_suffix(".png"),
     )
     print(json.dumps(result["ratios"], indent=2))
-    for dtype in args.dtypes:
-        d, a = result["levels"][f"{dtype} dflash"], result["levels"][f"{dtype} no-draft"]
-        print(
-            "\n".join(
-                [f"{dtype}, DFlash against the build without a draft:", *gate_lines(gate_verdict({"d": d, "a": a}))]
-            )
-        )
+    for dtype, verdict in verdicts.items():
+        print("\n".join([f"{dtype}, DFlash against the build without a draft:", *gate_lines(verdict)]))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
