@@ -11,7 +11,7 @@ import torch
 from trtllm_dflash.engine.batch import Batch
 from trtllm_dflash.engine.policy import BlockPolicy
 from trtllm_dflash.engine.prefix_cache import BLOCK
-from trtllm_dflash.engine.request import Request
+from trtllm_dflash.engine.request import MAX_PARTS, Request
 from trtllm_dflash.engine.runtime import DFlashEngine
 from trtllm_dflash.engine.scheduler import Scheduler
 from trtllm_dflash.errors import DFlashError
@@ -521,3 +521,30 @@ def test_the_shared_head_is_the_templates_and_none_where_a_template_refuses_a_lo
     assert shared_prefix(refusing, engine.target.max_positions) == []
     refusing.chat_template = None
     assert shared_prefix(refusing, engine.target.max_positions) == []
+
+
+def test_a_row_that_decoded_plainly_drafts_from_the_context_it_would_have_built_step_by_step(engine, references):
+    """The draft's context K/V of a row that decoded plainly past the feature log's part limit (request.MAX_PARTS, where
+    the log joins its parts), taken in at once when it drafts, is what a row taking its features in at every step
+    holds; and the log never holds more than its limit of forwards' outputs."""
+    ids, _ = references[2]
+    steps = MAX_PARTS + 10
+    rows = []
+    for each_step in (True, False):
+        batch = Batch(engine.target, engine.draft, engine.block_size)
+        proposer = batch.proposers[-1]
+        req = Request(ids, steps + 1)
+        while not batch.add(req):
+            pass
+        for _ in range(steps):
+            batch.step([1])
+            assert len(req.features.parts) <= MAX_PARTS
+            if each_step:
+                proposer.update_context([req], [0])
+        assert req.features.tokens == (0 if each_step else req.start)
+        proposer.update_context([req], [0])
+        assert req.features.tokens == 0 and batch.dcache.lengths[0] == req.start == len(ids) + steps
+        rows.append((batch.dcache.k[:, 0, :, : req.start], batch.dcache.v[:, 0, :, : req.start]))
+    (k1, v1), (k2, v2) = rows
+    torch.testing.assert_close(k1, k2)
+    torch.testing.assert_close(v1, v2)

@@ -41,7 +41,7 @@ def _run(batch: Batch, ids: list[int], max_new: int):
     while not (out := batch.add(req)):
         pass
     kv = batch.cache.read(batch.rows.index(req), 0, len(ids))
-    feats = batch.dcache.features[batch.rows.index(req), : len(ids)].clone()
+    feats = req.features.tensor().clone()  # none taken into the draft's context yet
     while not req.stats.finish_reason:
         out += batch.step()[req]
     batch.remove(req)

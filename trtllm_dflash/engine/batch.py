@@ -22,7 +22,7 @@ from trtllm_dflash.engine.plan import batch_sizes
 from trtllm_dflash.engine.policy import BlockPolicy
 from trtllm_dflash.engine.prefix_cache import BLOCK, Entry, PrefixCache, chunk_ends, chunk_keys
 from trtllm_dflash.engine.propose import DraftProposer, LookupProposer
-from trtllm_dflash.engine.request import GenerationStats, Request
+from trtllm_dflash.engine.request import GenerationStats, PendingFeatures, Request
 from trtllm_dflash.engine.sampling import greedy, sample, sampling_probs
 from trtllm_dflash.engine.step import RowPlan, StepRecord, accept
 from trtllm_dflash.kernels import bf16_gemm
@@ -102,6 +102,7 @@ class Batch:
                 req.counts = RequestCounts(req.prompt_ids)
             if self.dcache is not None:
                 self.dcache.lengths[len(self.rows) - 1] = 0
+                req.features = PendingFeatures()
             p = len(self.prefix)
             req.head = p if 0 < p < n and req.prompt_ids[:p] == self.prefix else 0
             req.chunk_ends = chunk_ends(n, req.head)
@@ -121,7 +122,7 @@ class Batch:
             )
         req.prefilled = end
         if feats is not None:
-            self.dcache.stage([slot] * (end - start), list(range(start, end)), feats[0])
+            req.features.add(feats[0], 0, end - start)
         head = i == 0 and req.head > 0
         if head or (
             end - start == BLOCK and self.prefix_cache.max_tokens
@@ -148,7 +149,7 @@ class Batch:
                 break
             self.cache.write(slot, start, entry.keys, entry.values)
             if entry.features is not None:
-                self.dcache.stage([slot] * (end - start), list(range(start, end)), entry.features)
+                req.features.add(entry.features, 0, end - start)
             start = end
         req.prefilled = req.stats.cached_tokens = start
 
@@ -169,7 +170,7 @@ class Batch:
         moved = self.rows[src]
         self.cache.move(src, dst, max(moved.start, moved.prefilled))
         if self.dcache is not None:
-            self.dcache.move(src, dst, max(moved.start, moved.prefilled))
+            self.dcache.move(src, dst)
         self.rows[dst] = moved
 
     @torch.inference_mode()
@@ -326,21 +327,18 @@ class Batch:
 
     def _commit(self, plans: list[RowPlan], feats: torch.Tensor | None) -> dict[Request, list[int]]:
         """Accepted guesses and the bonus token become each row's output; its position moves past them (the cache
-        beyond is stale: the next forward overwrites it), and the draft gets the committed tokens' features."""
-        out, slots, positions, index, offset = {}, [], [], [], 0  # of each committed token's features
-        for i, p in enumerate(plans):
+        beyond is stale: the next forward overwrites it), and the draft gets the committed tokens' features (the token
+        and the accepted guesses: the first a + 1 of the row's k in `feats`)."""
+        out, offset = {}, 0
+        for p in plans:
             r, a = p.req, p.accepted
             r.stats.add_step(p.k, a, p.looked)
             out[r] = r.commit(p.guesses[:a] + [p.bonus])
-            slots += [i] * (a + 1)  # the token and the accepted guesses
-            positions += range(r.start, r.start + a + 1)
-            index += range(offset, offset + a + 1)
+            if feats is not None:
+                r.features.add(feats, offset, a + 1)
             r.start += a + 1
             r.token = p.bonus
             offset += p.k
-        if feats is not None:  # every verified token kept (a plain step): the features as they are, no gather
-            kept = feats if len(index) == offset else feats[torch.tensor(index)]
-            self.dcache.stage(slots, positions, kept)
         return out
 
 

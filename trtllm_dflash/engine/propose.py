@@ -52,18 +52,19 @@ class DraftProposer:
     def update_context(self, reqs: list, which: list[int]) -> None:
         """Context K/V of the pending features (positions committed since the row last drafted) of reqs[i] for i in
         `which`: one GEMM over all of them, written into each row's slot."""
-        dc, slots, positions = self.dcache, [], []
+        dc, slots, positions, features = self.dcache, [], [], []
         for i in which:
-            lo, hi = dc.lengths[i], reqs[i].start
-            if hi > lo:
-                slots.append(torch.full((hi - lo,), i))
-                positions.append(torch.arange(lo, hi))
-                dc.lengths[i] = hi
+            r, lo = reqs[i], dc.lengths[i]
+            if r.start > lo:
+                assert r.features.tokens == r.start - lo, "pending features must cover the slot's missing context"
+                slots.append(torch.full((r.start - lo,), i))
+                positions.append(torch.arange(lo, r.start))
+                features.append(r.features.tensor())
+                r.features.clear()
+                dc.lengths[i] = r.start
         if slots:
             slots, positions = torch.cat(slots), torch.cat(positions)
-            k, v = self.draft.context_kv(
-                self.draft.project_context(dc.features[slots, positions][None]), positions[None]
-            )
+            k, v = self.draft.context_kv(self.draft.project_context(torch.cat(features)[None]), positions[None])
             dc.write(slots, positions, k, v)
 
     def propose(self, plans: list[RowPlan]) -> int:

@@ -81,6 +81,42 @@ def _generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
 
 
+# PendingFeatures: parts a request's log holds before they are joined into one tensor, which bounds the forwards' outputs
+# that one request keeps alive while it decodes plainly
+MAX_PARTS = 64
+
+
+class PendingFeatures:
+    """The target's features (n_sel*H per token) of a request's committed positions that its draft context has not
+    taken in yet: for a row decoding plainly, every step's. Each step adds its row of the verify forward's output
+    where it lies, with no copy: copied into a per-slot buffer, a step's rows each landed in memory the forward had
+    just evicted, and those scattered writes made a plain step of the DFlash build measurably dearer than the build
+    without a draft's (docs/performance.md#plain-steps). They are joined once, when the row drafts.
+
+    Invariant: `tokens` rows in position order, from the first position the row's draft context lacks up to its
+    `start`; at most MAX_PARTS parts."""
+
+    def __init__(self):
+        self.parts: list[tuple[torch.Tensor, int, int]] = []  # (a forward's features, first row, rows)
+        self.tokens = 0
+
+    def add(self, features: torch.Tensor, first: int, rows: int) -> None:
+        self.parts.append((features, first, rows))
+        self.tokens += rows
+        if len(self.parts) > MAX_PARTS:
+            self.tensor()
+
+    def tensor(self) -> torch.Tensor:
+        """The pending rows as one tensor [tokens, n_sel*H], which stays the log's one part."""
+        if len(self.parts) != 1:
+            self.parts = [(torch.cat([f[i : i + n] for f, i, n in self.parts]), 0, self.tokens)]
+        features, first, rows = self.parts[0]
+        return features[first : first + rows]
+
+    def clear(self) -> None:
+        self.parts, self.tokens = [], 0
+
+
 class Request:
     """One generation: its inputs, its place in the sequence and what it has committed."""
 
@@ -109,6 +145,7 @@ class Request:
         self.counts: RequestCounts | None = (
             None  # prompt and committed tokens' n-grams, where the draft's prior reads them
         )
+        self.features: PendingFeatures | None = None  # where a draft conditions on the target (Batch.add)
 
     @property
     def remaining(self) -> int:

@@ -206,21 +206,16 @@ def dflash_attention_mask(q_pos, q_anchor, q_block, k_pos, k_block, causal: bool
 
 
 class DraftKVCache:
-    """Context K/V of every draft layer for `slots` requests, preallocated, and the target features waiting to become
-    context K/V: a row decoding plainly leaves its features here (a static buffer, so nothing from a step's forward
-    is kept alive) until it drafts again, if it ever does.
+    """Context K/V of every draft layer for `slots` requests, preallocated. The target features that have yet to
+    become context K/V are each request's own (request.PendingFeatures), so moving a row moves its K/V alone.
 
     k/v [L, slots, nkv, capacity, hd]: slot i's positions [0, lengths[i]) are valid.
-    features [slots, capacity, n_sel*H]: slot i's positions [lengths[i], its committed length) are pending.
     """
 
     def __init__(self, config: DraftConfig, slots: int, capacity: int, dtype, device=None):
         shape = (config.num_hidden_layers, slots, config.num_key_value_heads, capacity, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.features = torch.zeros(
-            slots, capacity, len(config.target_layer_ids) * config.hidden_size, dtype=dtype, device=device
-        )
         self.lengths = [0] * slots
 
     def reserve(self, length: int) -> None:
@@ -229,15 +224,6 @@ class DraftKVCache:
             grow = max(length, 2 * capacity) - capacity
             self.k = torch.cat([self.k, self.k.new_zeros(*self.k.shape[:3], grow, self.k.shape[4])], dim=3)
             self.v = torch.cat([self.v, self.v.new_zeros(*self.v.shape[:3], grow, self.v.shape[4])], dim=3)
-            self.features = torch.cat(
-                [self.features, self.features.new_zeros(self.features.shape[0], grow, self.features.shape[2])], dim=1
-            )
-
-    def stage(self, slots: list[int], positions: list[int], features: torch.Tensor) -> None:
-        """features [N, n_sel*H] of N committed tokens, token n at (slots[n], positions[n]). The indices come as
-        lists: every step stages its tokens, drafting or not, and the capacity check reads them without a tensor op."""
-        self.reserve(max(positions) + 1)
-        self.features[torch.tensor(slots), torch.tensor(positions)] = features
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [L, 1, nkv, N, hd] of N context tokens, token n going to (slots[n], positions[n])."""
@@ -245,12 +231,11 @@ class DraftKVCache:
         self.k[:, slots, :, positions] = k[:, 0].permute(2, 0, 1, 3)  # advanced indices first: [N, L, nkv, hd]
         self.v[:, slots, :, positions] = v[:, 0].permute(2, 0, 1, 3)
 
-    def move(self, src: int, dst: int, committed: int) -> None:
-        """Slot src's context K/V and its features of positions below `committed` into slot dst."""
+    def move(self, src: int, dst: int) -> None:
+        """Slot src's context K/V into slot dst."""
         n = self.lengths[src]
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        self.features[dst, n:committed] = self.features[src, n:committed]
         self.lengths[dst] = n
 
 
