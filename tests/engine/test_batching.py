@@ -540,9 +540,11 @@ def test_a_row_that_decoded_plainly_drafts_from_the_context_it_would_have_built_
             batch.step([1])
             assert len(req.features.parts) <= MAX_PARTS
             if each_step:
-                proposer.update_context([req], [0])
+                with torch.inference_mode():  # as a drafting step calls it (Batch.step)
+                    proposer.update_context([req], [0])
         assert req.features.tokens == (0 if each_step else req.start)
-        proposer.update_context([req], [0])
+        with torch.inference_mode():
+            proposer.update_context([req], [0])
         assert req.features.tokens == 0 and batch.dcache.lengths[0] == req.start == len(ids) + steps
         rows.append((batch.dcache.k[:, 0, :, : req.start], batch.dcache.v[:, 0, :, : req.start]))
     (k1, v1), (k2, v2) = rows
