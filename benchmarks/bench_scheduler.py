@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -67,36 +66,26 @@ class PhaseClock:
 
 def closed_loop(scheduler, prompts: list[list[int]], requests: int, concurrency: int, max_tokens: int, stop) -> dict:
     """`requests` requests over `concurrency` client threads, as loadgen.run_load sends them to a server."""
-    from trtllm_dflash.clients.loadgen import LoadRun, Outcome, summary
+    from trtllm_dflash.clients import loadgen
     from trtllm_dflash.config import SamplingParams
     from trtllm_dflash.engine.request import Request
+    from trtllm_dflash.errors import DFlashError
 
-    todo, lock, outcomes, dry = list(range(requests)), threading.Lock(), [None] * requests, []
-
-    def client():
-        while True:
-            with lock:
-                if not todo:
-                    dry.append(time.perf_counter())
-                    return
-                i = todo.pop(0)
-            out, t0 = Outcome(i), time.perf_counter()
+    def send(i: int) -> loadgen.Outcome:
+        out, t0 = loadgen.Outcome(i), time.perf_counter()
+        try:
             handle = scheduler.submit(Request(prompts[i % len(prompts)], max_tokens, SamplingParams(), stop))
             for tokens, stats in handle.tokens():
                 out.tokens += len(tokens)
                 out.arrivals.append((time.perf_counter(), out.tokens))
                 out.acceptance_length = stats.acceptance_length
-            out.ttft, out.latency = out.arrivals[0][0] - t0, time.perf_counter() - t0
-            outcomes[i] = out
+        except DFlashError as e:  # counted as the gate counts a failed request
+            out.error = str(e)
+        out.latency = time.perf_counter() - t0
+        out.ttft = out.arrivals[0][0] - t0 if out.arrivals else out.latency
+        return out
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    first_wave = [o.arrivals[0][0] for o in outcomes[:concurrency]]
-    return summary(LoadRun(outcomes, time.perf_counter() - t0, (max(first_wave), min(dry))))
+    return loadgen.summary(loadgen.closed_loop(send, requests, concurrency))
 
 
 def measure(args) -> dict:
@@ -151,6 +140,7 @@ def measure(args) -> dict:
                     "engine_thread": {k: round(v, 3) for k, v in sorted(clock.seconds.items())},
                 }
             )
+            print(f"{args.first} made first: {c} users, {args.rounds} rounds done", flush=True)
     finally:
         for scheduler in builds.values():
             scheduler.stop()
@@ -167,7 +157,8 @@ def in_child(args, first: str, rounds: int) -> dict:
         argv += ["--concurrency", *map(str, args.concurrency)] + (
             ["--requests", str(args.requests)] if args.requests else []
         )
-        subprocess.run(argv, check=True)
+        if subprocess.run(argv).returncode != 0:
+            raise SystemExit(f"The measuring process with the {first} build made first failed (its error is above).")
         return json.loads(out.read_text())
 
 
@@ -199,6 +190,11 @@ def main(argv=None):
     from trtllm_dflash.clients.loadgen import check_levels
 
     check_levels(args.concurrency)
+    if args.requests is not None and args.requests <= max(args.concurrency):
+        ap.error(
+            f"--requests ({args.requests}) must exceed the highest concurrency ({max(args.concurrency)}): the steady "
+            "window lasts while every client has a request in flight."
+        )
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"scheduler-{args.target}.json"
     if args.first != "both":
         out.write_text(json.dumps(measure(args), indent=2) + "\n")

@@ -205,7 +205,13 @@ def _one_openai(url: str, index: int, job: Job, timeout: float) -> Outcome:
 
 def run_load(url: str, jobs: list[Job], concurrency: int, timeout: float = 600.0) -> LoadRun:
     """Run every job over `concurrency` clients."""
-    todo, lock, outcomes, dry = list(range(len(jobs))), threading.Lock(), [None] * len(jobs), []
+    return closed_loop(lambda i: _one(url, i, jobs[i], timeout), len(jobs), concurrency)
+
+
+def closed_loop(send, requests: int, concurrency: int) -> LoadRun:
+    """`send(i)` -> Outcome for i in 0..requests-1 over `concurrency` client threads, each taking the next request when
+    its last one ends; the steady window from every first-wave client's first token until the queue ran dry."""
+    todo, lock, outcomes, dry = list(range(requests)), threading.Lock(), [None] * requests, []
 
     def client():
         while True:
@@ -214,7 +220,7 @@ def run_load(url: str, jobs: list[Job], concurrency: int, timeout: float = 600.0
                     dry.append(time.perf_counter())
                     return
                 i = todo.pop(0)
-            outcomes[i] = _one(url, i, jobs[i], timeout)
+            outcomes[i] = send(i)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
