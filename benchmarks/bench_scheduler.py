@@ -9,8 +9,8 @@ and a DFlash engine and a draft-free engine over it each get their scheduler (en
 threads (each submits its next request when the previous one ends) load one scheduler and then the other, the order
 alternating between rounds, with the held-out prompts `bench_serving.py` sends and its steady window (loadgen.summary:
 while every client has a request in flight). Which build's scheduler is made first moves the comparison as a server's
-start order does (its KV cache and buffers land at lower addresses: docs/performance.md#scheduler-in-process), so half the rounds run in a process that makes the DFlash build's
-first and half in one that makes it second. Each level's figure is the geometric mean of the rounds' paired ratios
+start order does (its KV cache and buffers land at lower addresses: docs/performance.md#served-feature-log), so half
+the rounds run in a process that makes the DFlash build's first and half in one that makes it second. Each level's figure is the geometric mean of the rounds' paired ratios
 with its 95 % bounds and the acceptance gate's verdict (clients/bench.py), and each build's engine-thread seconds by
 phase (prefill, steps) over the whole level, wall and CPU, which say where a difference comes from.
 
@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -125,21 +124,10 @@ def measure(args) -> dict:
             runs = {name: [] for name in builds}
             for r in range(args.rounds):
                 for name in ("dflash", "no_draft") if r % 2 == 0 else ("no_draft", "dflash"):
-                    runs[name].append(
-                        closed_loop(builds[name], prompts, requests, c, args.max_tokens, engine.eos_token_ids)
-                    )
-            result["levels"].append(
-                {
-                    "concurrency": c,
-                    "requests": requests,
-                    "steady_tokens_per_s_rounds": {
-                        n: [run["steady_tokens_per_s"] for run in v] for n, v in runs.items()
-                    },
-                    "acceptance_length_rounds": [run["acceptance_length_median"] for run in runs["dflash"]],
-                    "errors": [e for v in runs.values() for run in v for e in run["errors"]],
-                    "engine_thread": {k: round(v, 3) for k, v in sorted(clock.seconds.items())},
-                }
-            )
+                    run = closed_loop(builds[name], prompts, requests, c, args.max_tokens, engine.eos_token_ids)
+                    runs[name].append(run | {"concurrency": c})
+            engine_thread = {k: round(v, 3) for k, v in sorted(clock.seconds.items())}
+            result["levels"].append({"runs": runs, "engine_thread": engine_thread})
             print(f"{args.first} made first: {c} users, {args.rounds} rounds done", flush=True)
     finally:
         for scheduler in builds.values():
@@ -187,7 +175,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from trtllm_dflash.clients.bench import gate_verdict
-    from trtllm_dflash.clients.loadgen import check_levels
+    from trtllm_dflash.clients.loadgen import check_levels, median_level
 
     check_levels(args.concurrency)
     if args.requests is not None and args.requests <= max(args.concurrency):
@@ -217,22 +205,10 @@ def main(argv=None):
     print(f"{'users':>5}  {'DFlash tok/s':>12}  {'no draft tok/s':>14}  {'ratio':>6}  {'bounds':>11}  verdict")
     for i, c in enumerate(args.concurrency):
         parts = [half["levels"][i] for half in halves.values()]
-        tps = {n: [x for p in parts for x in p["steady_tokens_per_s_rounds"][n]] for n in ("dflash", "no_draft")}
-        tau = [x for p in parts for x in p["acceptance_length_rounds"]]
-        med = {n: statistics.median_low(v) for n, v in tps.items()}
-        judged = {  # as the gate sees two servers' levels (loadgen.median_level)
-            n: [
-                {
-                    "concurrency": c,
-                    "steady_tokens_per_s": med[n],
-                    "steady_tokens_per_s_rounds": tps[n],
-                    "errors": [e for p in parts for e in p["errors"]],
-                    "acceptance_length_median": statistics.median_low(tau) if n == "dflash" else 1.0,
-                }
-            ]
-            for n in ("dflash", "no_draft")
-        }
-        verdict = gate_verdict(judged)["levels"][0]
+        levels = {n: median_level([run for p in parts for run in p["runs"][n]]) for n in ("dflash", "no_draft")}
+        verdict = gate_verdict({n: [lv] for n, lv in levels.items()})["levels"][0]  # as the gate judges two servers
+        tps = {n: lv["steady_tokens_per_s_rounds"] for n, lv in levels.items()}
+        med = {n: lv["steady_tokens_per_s"] for n, lv in levels.items()}
         seconds = {f"{first} made first": p["engine_thread"] for first, p in zip(halves, parts)}
         result["levels"].append(verdict | {"steady_tokens_per_s_rounds": tps, "engine_thread": seconds})
         low, high = verdict["bounds"] or (verdict["speedup"],) * 2
