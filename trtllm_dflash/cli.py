@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from trtllm_dflash.config import DRAFT_LOSSES, DTYPE_CHOICES, SPECULATION
+from trtllm_dflash.config import DRAFT_LOSSES, DTYPE_CHOICES, ROUTER_MODES, SPECULATION
 from trtllm_dflash.deploy.recipes import OPT_INS
 from trtllm_dflash.deploy.trtllm.schema import DEFAULT_RELEASE as DEFAULT_TRTLLM_RELEASE
 from trtllm_dflash.deploy.trtllm.schema import RELEASES as TRTLLM_RELEASES
@@ -597,16 +597,39 @@ def gpu_check(output, engine, target, draft, gpu, max_tokens):
     help="OpenAI-compatible API (/v1/completions, /v1/chat/completions).",
 )
 @click.option("--no-openai", is_flag=True, help="Serve Triton's endpoints only.")
+@click.option(
+    "--dynamo",
+    is_flag=True,
+    help="Serve with NVIDIA Dynamo instead: its frontend (OpenAI API on --http-port, a KV router) and --workers "
+    "replicas of the build, the machine's CPUs split between them (needs the `dynamo` extra).",
+)
+@click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True, help="With --dynamo: replicas.")
+@click.option(
+    "--router-mode",
+    type=click.Choice(ROUTER_MODES),
+    default="kv",
+    show_default=True,
+    help="With --dynamo: kv sends a prompt to the worker that holds its prefix (and with it the draft's context).",
+)
 @user_errors
-def serve(build_dir, host, grpc_port, http_port, metrics_port, openai_port, no_openai):
-    """Serve a build with NVIDIA Triton Inference Server (plus an OpenAI-compatible API) until Ctrl-C / SIGTERM."""
+def serve(build_dir, host, grpc_port, http_port, metrics_port, openai_port, no_openai, dynamo, workers, router_mode):
+    """Serve a build with NVIDIA Triton Inference Server (plus an OpenAI-compatible API), or with --dynamo as a fleet
+    of replicas behind NVIDIA Dynamo's KV router, until Ctrl-C / SIGTERM."""
     from pathlib import Path
 
-    from trtllm_dflash.serving.serve import ServerConfig, serve_forever
+    from trtllm_dflash.serving.serve import ServerConfig, TritonServer, serve_forever
 
-    config = ServerConfig(Path(build_dir), host, grpc_port, http_port, metrics_port, None if no_openai else openai_port)
+    if dynamo:
+        from trtllm_dflash.serving.fleet import Fleet, FleetConfig
+
+        server = Fleet(FleetConfig(Path(build_dir), workers, host, http_port, router_mode))
+    else:
+        config = ServerConfig(
+            Path(build_dir), host, grpc_port, http_port, metrics_port, None if no_openai else openai_port
+        )
+        server = TritonServer(config)
     try:
-        code = serve_forever(config, progress=lambda m: click.echo(m, err=True))
+        code = serve_forever(server, progress=lambda m: click.echo(m, err=True))
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)

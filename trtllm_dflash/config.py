@@ -435,6 +435,7 @@ def check_prefix_cache_tokens(value: int) -> None:
         raise DFlashError(f"--prefix-cache-tokens must be 0 (off) or more, got {value}.")
 
 
+ROUTER_MODES = ("kv", "round-robin", "random", "least-loaded")  # Dynamo frontend --router-mode values a fleet takes
 ENGINE_FILE = "engine.json"  # beside the embedded engine model's config.pbtxt in a built repository
 
 

@@ -88,6 +88,32 @@ def server_thread_env() -> dict[str, str]:
     return env
 
 
+def worker_cpu_shares(workers: int) -> list[list[int]]:
+    """The CPUs of this process's affinity mask split between `workers` processes of one fleet: contiguous shares as
+    even as they go, every worker at least one CPU (more workers than CPUs share them round-robin)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if workers >= len(cpus):
+        return [[cpus[i % len(cpus)]] for i in range(workers)]
+    size, extra = divmod(len(cpus), workers)
+    shares, start = [], 0
+    for i in range(workers):
+        end = start + size + (i < extra)
+        shares.append(cpus[start:end])
+        start = end
+    return shares
+
+
+def worker_thread_env(cpus: int) -> dict[str, str]:
+    """A fleet worker's settings on its share of `cpus` CPUs: the server's rule (server_thread_env) on that share,
+    steps on one CPU fewer and a prompt's prefill on all of them; the user's own values win."""
+    env = {"OMP_NUM_THREADS": str(max(1, cpus - 1))}
+    if cpus > 1:
+        env[WIDE_ENV] = str(cpus)
+    if "OMP_WAIT_POLICY" not in os.environ:
+        env["GOMP_SPINCOUNT"] = SPIN_COUNT
+    return {k: v for k, v in env.items() if k not in os.environ or k in _DEFAULTED}
+
+
 def server_threads() -> tuple[int, int] | None:
     """(threads for a step, threads for a prompt's prefill) in a server's model process (server_thread_env); None
     elsewhere, where torch's own count serves every forward."""

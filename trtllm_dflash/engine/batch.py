@@ -20,7 +20,7 @@ from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.engine.lookup import MAX_GUESSES, NgramIndex
 from trtllm_dflash.engine.plan import batch_sizes
 from trtllm_dflash.engine.policy import BlockPolicy
-from trtllm_dflash.engine.prefix_cache import BLOCK, Entry, PrefixCache, chunk_ends, chunk_keys
+from trtllm_dflash.engine.prefix_cache import BLOCK, CacheListener, Entry, PrefixCache, chunk_ends, chunk_keys
 from trtllm_dflash.engine.propose import DraftProposer, LookupProposer
 from trtllm_dflash.engine.request import GenerationStats, PendingFeatures, Request
 from trtllm_dflash.engine.sampling import greedy, sample, sampling_probs
@@ -51,13 +51,14 @@ class Batch:
         threads: tuple[int, int] | None = None,
         prefix: list[int] | None = None,
         cache_tokens: int = 0,
+        cache_listener: CacheListener | None = None,
     ):
         """`lookup`: rows whose recent tokens occurred before may verify what followed them instead of drafting.
         `threads`: torch threads for steps and for prompt chunks of WIDE_TOKENS tokens or more (a server's:
         threads.server_threads); None: torch's count for all.
         `prefix`: tokens many prompts start with (the chat template's head: text.shared_prefix), the first of a
         prompt's canonical prefill chunks (prefix_cache.py). Chunks seen before are copied from the prefix cache
-        (K/V and draft features; the head always, others within `cache_tokens`). The chunks set the last bits of
+        (K/V and draft features; the head always, others within `cache_tokens`; `cache_listener` hears what it keeps and drops). The chunks set the last bits of
         the cache (a forward's attention rounds by its chunk), so every path of an engine passes the same prefix:
         then a prompt's cache holds the same bits alone or served, computed or copied, with a draft or without."""
         self.target, self.draft = target, (draft if block_size > 1 else None)
@@ -83,7 +84,7 @@ class Batch:
         self.last_step: StepRecord | None = None  # what the latest step did (step.py)
         self.threads = threads
         self.prefix = list(prefix or [])
-        self.prefix_cache = PrefixCache(cache_tokens)
+        self.prefix_cache = PrefixCache(cache_tokens, cache_listener)
 
     @torch.inference_mode()
     def add(self, req: Request) -> list[int]:
@@ -128,7 +129,8 @@ class Batch:
             end - start == BLOCK and self.prefix_cache.max_tokens
         ):  # a whole chunk, kept for prompts that start alike
             k, v = self.cache.read(slot, start, end)
-            self.prefix_cache.put(req.chunk_keys[i], Entry(k, v, None if feats is None else feats[0].clone()), pin=head)
+            entry = Entry(k, v, None if feats is None else feats[0].clone())
+            self.prefix_cache.put(req.chunk_keys[i], entry, pin=head, tokens=req.prompt_ids[:end])
         if end < n:
             return []
         row = req.hold_stops(logits[0, -1:], 0)  # [1, V]

@@ -8,6 +8,9 @@ whether this prompt computed it or another's did (attention rounds by its chunk)
 depends on what ran before it. An entry is keyed by a hash chained over every chunk up to its own (vLLM's block
 hashes: a chunk's key commits to all tokens before it); the least recently used go first once the entries pass
 their token budget. The head's entry is pinned: every chat request starts with it.
+
+A `CacheListener` hears every entry kept and dropped, on the engine thread: a Dynamo worker publishes them as KV
+events, so its router sends a prompt to the replica that holds its prefix (serving/dynamo_worker.py).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the build imports the default budget without loading torch
     import torch
@@ -57,9 +61,17 @@ class Entry:
         return self.keys[0].shape[1]
 
 
+class CacheListener(Protocol):
+    def stored(self, key: bytes, tokens: Sequence[int], start: int) -> None:
+        """Entry `key` now holds positions [start, len(tokens)) of a prompt that begins with `tokens`."""
+
+    def removed(self, key: bytes) -> None:
+        """Entry `key` is gone."""
+
+
 class PrefixCache:
-    def __init__(self, max_tokens: int):
-        self.max_tokens = max_tokens
+    def __init__(self, max_tokens: int, listener: CacheListener | None = None):
+        self.max_tokens, self.listener = max_tokens, listener
         self.entries: OrderedDict[bytes, Entry] = OrderedDict()  # least recently used first
         self.pinned: dict[bytes, Entry] = {}
         self.tokens = 0  # held by `entries` (pinned ones not counted)
@@ -75,16 +87,21 @@ class PrefixCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self.pinned or key in self.entries
 
-    def put(self, key: bytes, entry: Entry, pin: bool = False) -> None:
+    def put(self, key: bytes, entry: Entry, pin: bool = False, tokens: Sequence[int] = ()) -> None:
+        """Keep `entry` under `key`; `tokens`: the prompt up to the entry's end, for the listener."""
         if key in self:
             return
-        if pin:
+        if not pin:
+            if entry.tokens > self.max_tokens:
+                return
+            while self.tokens + entry.tokens > self.max_tokens:
+                old_key, old = self.entries.popitem(last=False)
+                self.tokens -= old.tokens
+                if self.listener is not None:
+                    self.listener.removed(old_key)
+            self.entries[key] = entry
+            self.tokens += entry.tokens
+        else:
             self.pinned[key] = entry
-            return
-        if entry.tokens > self.max_tokens:
-            return
-        while self.tokens + entry.tokens > self.max_tokens:
-            _, old = self.entries.popitem(last=False)
-            self.tokens -= old.tokens
-        self.entries[key] = entry
-        self.tokens += entry.tokens
+        if self.listener is not None:
+            self.listener.stored(key, tokens, len(tokens) - entry.tokens)

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from trtllm_dflash.config import SPECULATION, SamplingParams
+from trtllm_dflash.config import SPECULATION, EngineOptions, SamplingParams
 from trtllm_dflash.cpu import resolve_dtype
 from trtllm_dflash.engine.batch import Batch, speculative_stream
 from trtllm_dflash.engine.plan import conditional_for_tau
 from trtllm_dflash.engine.policy import OPTIMISTIC, BlockPolicy
 from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
+from trtllm_dflash.engine.prefix_cache import CacheListener
 from trtllm_dflash.engine.request import GenerationStats, Request
 from trtllm_dflash.engine.scheduler import Scheduler
 from trtllm_dflash.errors import DFlashError
@@ -146,6 +148,22 @@ class DFlashEngine:
             tm.set_taps(draft_cfg.target_layer_ids)
         return cls(tm, dm, block, speculation, held_out_tau(draft_path) if dm is not None else None, lookup)
 
+    @classmethod
+    def from_options(cls, opts: EngineOptions, base: Path, progress=print) -> DFlashEngine:
+        """The engine a build's options describe (paths relative to `base`): what the Triton `dflash` model and a
+        Dynamo worker serve, so both load the same engine from the same file."""
+        return cls.load(
+            str(base / opts.target_dir),
+            str(base / opts.draft_dir) if opts.draft_dir else None,
+            no_draft=not opts.draft_dir,
+            dtype=opts.dtype,
+            block_size=opts.block_size,
+            speculation=opts.speculation,
+            lookup=opts.lookup,
+            int8_draft=opts.int8_draft,
+            progress=progress,
+        )
+
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat, self.target.max_positions)
 
@@ -173,9 +191,11 @@ class DFlashEngine:
         on_step=None,
         log=print,
         prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
+        cache_listener: CacheListener | None = None,
     ) -> Scheduler:
         """The in-flight batching loop over this engine (one per server); `prefix_cache_tokens`: how many prompt tokens'
-        K/V and features it keeps for later prompts that start the same way (prefix_cache.py)."""
+        K/V and features it keeps for later prompts that start the same way (prefix_cache.py), `cache_listener` what
+        hears of them."""
         batch = Batch(
             self.target,
             self.draft,
@@ -186,6 +206,7 @@ class DFlashEngine:
             threads=server_threads(),
             prefix=self.prefix,
             cache_tokens=prefix_cache_tokens,
+            cache_listener=cache_listener,
         )
         return Scheduler(batch, slot_tokens, on_step, log, calibrate=lambda: self.calibrate(batch))
 

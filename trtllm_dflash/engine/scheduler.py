@@ -90,10 +90,13 @@ class EngineMetrics:
 
 
 class Handle:
-    """A submitted request as its own thread sees it: events arrive on `events`, `cancel()` retires it at the next step."""
+    """A submitted request as its own thread sees it: events arrive on `events`, `cancel()` retires it at the next step.
 
-    def __init__(self, req: Request):
-        self.req, self.events, self.cancelled = req, queue.Queue(), False
+    `events` is anything with a thread-safe `put`: a queue.Queue (default) that a request thread reads, or a bridge
+    into an event loop (an asyncio server's request reads the same events without a thread of its own)."""
+
+    def __init__(self, req: Request, events=None):
+        self.req, self.events, self.cancelled = req, queue.Queue() if events is None else events, False
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -146,7 +149,8 @@ class Scheduler:
             self.thread.join()
             raise self._error
 
-    def submit(self, req: Request) -> Handle:
+    def submit(self, req: Request, events=None) -> Handle:
+        """Queue `req`; what it commits arrives on the handle's `events` (Handle), then DONE or an error."""
         need = len(req.prompt_ids) + req.max_new_tokens + self.batch.block_size
         if need > self.slot_tokens:
             raise DFlashError(
@@ -154,7 +158,7 @@ class Scheduler:
                 f"{req.max_new_tokens} + block {self.batch.block_size}) but a slot holds {self.slot_tokens}; "
                 "lower max_tokens or shorten the prompt."
             )
-        handle = Handle(req)
+        handle = Handle(req, events)
         with self.cv:
             self.waiting.append(handle)
             self.metrics.queued = len(self.waiting)

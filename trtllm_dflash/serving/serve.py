@@ -108,7 +108,22 @@ def locate_tritonserver() -> tuple[Path, Path | None, dict[str, str]]:
     return root / "bin" / "tritonserver", backends, env
 
 
-def _stop_with_parent() -> None:
+def check_ports(host: str, ports) -> None:
+    """Refuse in one sentence a (flag, port) whose port something listens on (None: not used)."""
+    for flag, port in ((f, p) for f, p in ports if p is not None):
+        with socket.socket() as sock:
+            sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+            )  # as servers do: TIME_WAIT is fine, a listener is not
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                raise DFlashError(
+                    f"Cannot use {host}:{port} ({e.strerror}); pick another {flag} or stop what is listening there."
+                ) from None
+
+
+def stop_with_parent() -> None:
     """Linux: the server gets SIGTERM if we die without stopping it (e.g. SIGKILL), so it is never orphaned."""
     if sys.platform.startswith("linux"):
         import ctypes
@@ -180,23 +195,15 @@ class TritonServer:
         return cmd, {**os.environ, **server_thread_env(), **env}  # the models' torch threads: see threads.py
 
     def _check_ports(self) -> None:
-        ports = (
-            ("--grpc-port", self.grpc_port),
-            ("--http-port", self.http_port),
-            ("--metrics-port", self.metrics_port),
-            ("--openai-port", self.openai_port),
+        check_ports(
+            self.host,
+            (
+                ("--grpc-port", self.grpc_port),
+                ("--http-port", self.http_port),
+                ("--metrics-port", self.metrics_port),
+                ("--openai-port", self.openai_port),
+            ),
         )
-        for flag, port in ((f, p) for f, p in ports if p is not None):
-            with socket.socket() as sock:
-                sock.setsockopt(
-                    socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-                )  # as servers do: TIME_WAIT is fine, a listener is not
-                try:
-                    sock.bind((self.host, port))
-                except OSError as e:
-                    raise DFlashError(
-                        f"Cannot use {self.host}:{port} ({e.strerror}); pick another {flag} or stop what is listening there."
-                    ) from None
 
     def start(self) -> TritonServer:
         self._check_ports()
@@ -211,7 +218,7 @@ class TritonServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_stop_with_parent,
+                preexec_fn=stop_with_parent,
             )
         try:
             self._wait_ready()
@@ -244,6 +251,18 @@ class TritonServer:
         raise DFlashError(
             f"tritonserver was not ready after {self.config.startup_timeout:.0f} s; see {self.log_path}:\n{self.log_tail()}"
         )
+
+    name = "tritonserver"
+
+    @property
+    def description(self) -> str:
+        return f"tritonserver on {self.repo}"
+
+    def failure(self) -> str | None:
+        """None while the server runs; what to tell the user once it has exited."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return f"tritonserver exited with code {self.proc.returncode}; see {self.log_path}:\n{self.log_tail()}"
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -303,29 +322,29 @@ def stop_all(servers: list[TritonServer], timeout: float = 30.0) -> None:
         server.stop(timeout)
 
 
-def serve_forever(config: ServerConfig, progress=print) -> int:
-    """`trtdflash serve`: start, print endpoints, stop gracefully on SIGINT/SIGTERM; returns the exit code."""
-    server = TritonServer(config)
+def serve_forever(server, progress=print) -> int:
+    """`trtdflash serve`: start `server` (a TritonServer or a dynamo Fleet), print its endpoints, stop it gracefully on
+    SIGINT/SIGTERM, or report it when it exits by itself; returns the exit code."""
     stop = {"signal": None, "ready": False}
 
     def on_signal(signum, _frame):
         if not stop["ready"]:
-            raise KeyboardInterrupt  # still starting: abort the wait; start() stops the server
+            raise KeyboardInterrupt  # still starting: abort the wait; start() stops what it started
         stop["signal"] = signum
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        progress(f"Starting tritonserver on {server.repo} ...")
+        progress(f"Starting {server.description} ...")
         server.start()
         stop["ready"] = True
         progress("Ready.\n" + server.endpoints())
-        while stop["signal"] is None and server.proc.poll() is None:
+        while stop["signal"] is None and (failure := server.failure()) is None:
             time.sleep(0.2)
         if stop["signal"] is not None:
-            progress(f"Got {signal.Signals(stop['signal']).name}; stopping tritonserver gracefully...")
+            progress(f"Got {signal.Signals(stop['signal']).name}; stopping {server.name} gracefully...")
             server.stop()
             return 0
-        progress(f"tritonserver exited with code {server.proc.returncode}; see {server.log_path}:\n{server.log_tail()}")
+        progress(failure)
         return 1
     finally:
         server.stop()

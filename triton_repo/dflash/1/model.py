@@ -29,17 +29,7 @@ class TritonPythonModel(EngineModel):
         config = json.loads(args["model_config"])
         here = Path(args["model_repository"])
         opts = EngineOptions.from_json((here / ENGINE_FILE).read_text(), str(here / ENGINE_FILE))
-        self.engine = DFlashEngine.load(
-            str(here / opts.target_dir),
-            str(here / opts.draft_dir) if opts.draft_dir else None,
-            no_draft=not opts.draft_dir,
-            dtype=opts.dtype,
-            block_size=opts.block_size,
-            speculation=opts.speculation,
-            lookup=opts.lookup,
-            int8_draft=opts.int8_draft,
-            progress=pb_utils.Logger.log_info,
-        )
+        self.engine = DFlashEngine.from_options(opts, here, progress=pb_utils.Logger.log_info)
         max_batch = int(config["max_batch_size"])
         max_seq_len = int(config["parameters"]["max_seq_len"]["string_value"])
         # A Metric needs its MetricFamily alive: both are kept for the model's life.
