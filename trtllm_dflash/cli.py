@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from trtllm_dflash.config import DRAFT_LOSSES, DTYPE_CHOICES, ROUTER_MODES, SPECULATION
+from trtllm_dflash.deploy.dynamo import DYNAMO_MODES
 from trtllm_dflash.deploy.recipes import OPT_INS
 from trtllm_dflash.deploy.trtllm.schema import DEFAULT_RELEASE as DEFAULT_TRTLLM_RELEASE
 from trtllm_dflash.deploy.trtllm.schema import RELEASES as TRTLLM_RELEASES
@@ -450,6 +451,20 @@ def chat(
     type=click.Choice(list(OPT_INS)),
     help="Take a recipe's choice that no upstream DFlash test covers (default: the tested one instead); repeatable.",
 )
+@click.option(
+    "--replicas",
+    type=click.IntRange(1, 1024),
+    default=1,
+    show_default=True,
+    help="TensorRT-LLM: workers of --tp GPUs each behind Dynamo's KV router in dynamo/ (launch.sh, graph.yaml).",
+)
+@click.option(
+    "--dynamo-mode",
+    type=click.Choice(DYNAMO_MODES),
+    default="agg",
+    show_default=True,
+    help="TensorRT-LLM: Dynamo's serving mode; disagg is refused with a draft (the decode side drafts without the prompt).",
+)
 @click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
 @click.option(
@@ -496,6 +511,8 @@ def build(
     draft_engine,
     trtllm_version,
     opt_in,
+    replicas,
+    dynamo_mode,
     output,
     dry_run,
     verify_on,
@@ -530,6 +547,8 @@ def build(
         draft_engine=draft_engine,
         trtllm_version=trtllm_version,
         opt_in=tuple(opt_in),
+        replicas=replicas,
+        dynamo_mode=dynamo_mode,
     )
 
     def progress(message: str) -> None:

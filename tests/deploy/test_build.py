@@ -1,5 +1,6 @@
 """`trtdflash build` without a server: plan, atomic output, links, manifest, skipping valid work, clear errors."""
 
+import inspect
 import json
 import os
 import shutil
@@ -101,7 +102,7 @@ def _engine_options(out) -> EngineOptions:
 
 
 def test_engine_options_reach_the_served_model(random_draft_dir, tmp_path):
-    """What `build` is told about the engine lands in the dflash model's parameters, and model.py reads each one."""
+    """What `build` is told about the engine lands in the dflash model's parameters, and the model reads each one."""
     out = tmp_path / "build"
     r = CliRunner().invoke(
         main,
@@ -122,8 +123,11 @@ def test_engine_options_reach_the_served_model(random_draft_dir, tmp_path):
     assert r.exit_code == 0, r.output
     opts = _engine_options(out)
     assert (opts.int8_draft, opts.lookup, opts.speculation) == (False, False, "fixed")
-    model_py = (out / "triton_repo/dflash/1/model.py").read_text()
-    assert [f.name for f in fields(EngineOptions) if f"opts.{f.name}" not in model_py] == []
+    # model.py loads the engine through DFlashEngine.from_options (as the Dynamo worker does): between them, each
+    # option is read
+    readers = (out / "triton_repo/dflash/1/model.py").read_text() + inspect.getsource(DFlashEngine.from_options)
+    assert "DFlashEngine.from_options(opts" in readers
+    assert [f.name for f in fields(EngineOptions) if f"opts.{f.name}" not in readers] == []
     run_build(_opts(out, random_draft_dir), progress=lambda m: None)  # the defaults
     opts = _engine_options(out)
     assert (opts.int8_draft, opts.lookup, opts.speculation) == (True, True, "adaptive")

@@ -12,7 +12,11 @@ each DFlash build is compared with a twin built the same way. It starts each wit
   finish    a short request ends "length", a stop word "stop"
   cancel    a stream left after its first response, and the next request still answers the same
 
-and prints one PASS/FAIL table with tau and tokens/s, saved as JSON. The default pair is also loaded at 1, 2, 4, ...
+On a GPU host each deployment is also served by NVIDIA Dynamo as DEPLOY.md says (`dynamo/launch.sh` inside Dynamo's
+TensorRT-LLM image: its frontend, the KV router, one worker), where greedy, finish and cancel are checked through the
+frontend's OpenAI API (tau and counts come from the Triton path of the same deployment: a frontend streams text).
+
+The table is one PASS/FAIL row per deployment and path, with tau and tokens/s, saved as JSON. The default pair is also loaded at 1, 2, 4, ...
 users, and its DFlash deployment's draft length by load re-planned from those steps (calibrate.py, what
 `trtdflash plan --calibrate` does), the measurements and the new schedule in the JSON. With `--engine embedded` (CI,
 any CPU) the same code runs on a local target with our engine behind the LLM API and the tritonserver nvidia-pytriton bundles:
@@ -44,6 +48,11 @@ PROMPTS = (
     "Explain in one sentence why the sky is blue.",
 )
 ENGINE_ENV = "TRTDFLASH_LLM_ENGINE"  # = the tensorrt_llm Triton model's switch
+LAUNCH = {  # each path as DEPLOY.md starts it, from the deployment's folder
+    "triton": ["./launch.sh"],
+    "openai": ["./launch.sh", "openai"],
+    "dynamo": ["./dynamo/launch.sh"],
+}
 ARCH_RECIPE_GPU = {"hopper": "h100", "blackwell": "b200"}  # the one-GPU recipes' GPUs, by architecture
 CALIBRATION_LOADS = 64  # the heaviest load the check measures for calibration (each level sends 4 requests per user)
 
@@ -133,7 +142,7 @@ class Launched:
         self.ports = {name: free_port() for name in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT")}
         self.log = deployment / f"{path}.log"
         with open(self.log, "wb") as log:
-            args = ["./launch.sh"] + (["openai"] if path == "openai" else [])
+            args = LAUNCH[path]
             self.proc = subprocess.Popen(
                 args,
                 cwd=deployment,
@@ -142,7 +151,7 @@ class Launched:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        health = "/health" if path == "openai" else "/v2/health/ready"
+        health = {"openai": "/health", "triton": "/v2/health/ready", "dynamo": "/v1/models"}[path]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -152,10 +161,12 @@ class Launched:
                 )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.ports['HTTP_PORT']}{health}", timeout=2) as r:
-                    if r.status == 200:
+                    # Dynamo's frontend answers before a worker registers; its model list says when one has
+                    if r.status == 200 and (path != "dynamo" or json.loads(r.read()).get("data")):
                         return
-            except OSError:
-                time.sleep(1)
+            except (OSError, ValueError):
+                pass
+            time.sleep(1)
         self.stop()
         raise DFlashError(f"{deployment.name}: `{shlex.join(args)}` was not ready in {timeout:.0f} s; see {self.log}.")
 
@@ -215,16 +226,35 @@ def _triton_row(row: Row, server: Launched, opts: CheckOptions, reference: dict 
     return texts
 
 
+def _finish_reason(url: str, prompt: str, max_tokens: int, stop: str | None = None) -> str | None:
+    """One greedy chat completion through an OpenAI API, unstreamed: its finish_reason."""
+    from trtllm_dflash.clients.loadgen import openai_base, openai_model
+
+    body = {"model": openai_model(url), "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    body |= {"temperature": 0.0} | ({"stop": [stop]} if stop else {})
+    request = urllib.request.Request(
+        openai_base(url) + "/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as r:
+        return json.load(r)["choices"][0].get("finish_reason")
+
+
 def _openai_row(row: Row, server: Launched, opts: CheckOptions, reference: dict | None) -> list[str]:
+    """trtllm-serve's or Dynamo's frontend's OpenAI API (row.path): greedy identity with the twin on the same path, the
+    finish reasons, a stream left after its first chunk."""
     from trtllm_dflash.clients.loadgen import Job, run_load
 
     run = run_load(server.openai_url, [Job(p, opts.max_tokens, stream=True) for p in opts.prompts], 1)
     errors = [o.error for o in run.outcomes if o.error]
     if errors:
-        raise DFlashError(f"{row.variant}: the OpenAI path failed a request: {errors[0]}")
+        raise DFlashError(f"{row.variant}: the {row.path} path failed a request: {errors[0]}")
     texts = [o.text for o in run.outcomes]
-    row.checks["greedy"] = None if reference is None else texts == reference.get("openai")
+    row.checks["greedy"] = None if reference is None else texts == reference.get(row.path)
     row.tokens_per_second = sum(o.tokens for o in run.outcomes) / max(sum(o.latency for o in run.outcomes), 1e-9)
+    words = texts[1].split()
+    row.checks["finish"] = _finish_reason(server.openai_url, opts.prompts[0], 4) == "length" and (
+        len(words) < 2 or _finish_reason(server.openai_url, opts.prompts[1], opts.max_tokens, words[1]) == "stop"
+    )
     left = run_load(server.openai_url, [Job(opts.prompts[2], opts.max_tokens, leave_after=1)], 1).outcomes[0]
     again = run_load(server.openai_url, [Job(opts.prompts[2], opts.max_tokens)], 1).outcomes[0]
     row.checks["cancel"] = left.left and not again.error and again.text == texts[2]
@@ -296,6 +326,30 @@ def _environment(opts: CheckOptions) -> dict[str, str]:
     }
 
 
+def available_paths(progress) -> tuple[str, ...]:
+    """The launch paths this container can run: no published image has all three (Triton's beside a TensorRT-LLM with
+    DFlash none at all; DEPLOY.md), so each is checked where it runs and the rest are named."""
+    import importlib.util
+    import shutil
+
+    runs = {
+        "triton": shutil.which("tritonserver") is not None,
+        "openai": shutil.which("trtllm-serve") is not None,
+        "dynamo": importlib.util.find_spec("dynamo") is not None
+        and importlib.util.find_spec("dynamo.trtllm") is not None,
+    }
+    paths = tuple(p for p, ok in runs.items() if ok)
+    if not paths:
+        raise DFlashError(
+            "This container has no tritonserver, no trtllm-serve and no dynamo.trtllm; run the GPU check inside the "
+            "TensorRT-LLM release image or Dynamo's TensorRT-LLM image (DEPLOY.md)."
+        )
+    skipped = [p for p, ok in runs.items() if not ok]
+    if skipped:
+        progress(f"gpu-check: not in this container, so not checked here: {', '.join(skipped)} (DEPLOY.md's images)")
+    return paths
+
+
 def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> list[Row]:
     """Build, launch and check every variant on every path; writes gpu-check.json into opts.output."""
     if opts.engine not in ("trtllm", "embedded"):
@@ -308,7 +362,7 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
         gpu, _ = host_gpu()
         preset, recipe_gpu = pick_target(gpu)
         target, gpu = opts.target or preset, opts.gpu or recipe_gpu
-        paths = ("triton", "openai")
+        paths = available_paths(progress)
     else:
         target, gpu, paths = opts.target, opts.gpu, ("triton",)
     opts.output.mkdir(parents=True, exist_ok=True)
@@ -330,7 +384,7 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
             texts = {}
             for path in paths:
                 row = Row(name, path)
-                progress(f"gpu-check: {name} through ./launch.sh{' openai' if path == 'openai' else ''}")
+                progress(f"gpu-check: {name} through {shlex.join(LAUNCH[path])}")
                 try:
                     with Launched(build.output, path, env, opts.startup_timeout) as server:
                         texts[path] = (_triton_row if path == "triton" else _openai_row)(row, server, opts, reference)

@@ -25,12 +25,25 @@ class Finding:
     sentence: str
 
 
-def lint(recipe: Recipe, options: Mapping[str, Any], template_kwargs: Mapping[str, Any]) -> list[Finding]:
+def lint(
+    recipe: Recipe, options: Mapping[str, Any], template_kwargs: Mapping[str, Any], dynamo_mode: str = "agg"
+) -> list[Finding]:
     """What the deployment (`options`: its LLM-API options; `template_kwargs`: what the Triton path renders the chat
-    template with) does differently from what the recipe's draft was trained on."""
+    template with; `dynamo_mode`: how its Dynamo workers serve) does differently from what the recipe's draft was
+    trained on."""
     if recipe.draft_config is None:
         return []
     found = []
+    if dynamo_mode != "agg":
+        found.append(
+            Finding(
+                True,
+                "disaggregated",
+                f"Dynamo's disaggregated mode ({dynamo_mode}) hands its decode workers a KV cache without the "
+                "draft's context, so DFlash drafts without the prompt and acceptance drops silently (TensorRT-LLM "
+                "#19352 only warns): build with --dynamo-mode agg, or without a draft (--no-draft).",
+            )
+        )
     transceiver = (options.get("cache_transceiver_config") or {}).get("backend")
     if transceiver:
         found.append(

@@ -86,6 +86,8 @@ class BuildOptions:
     opt_in: tuple[
         str, ...
     ] = ()  # trtllm: combinations upstream has not tested with DFlash, taken anyway (recipes.OPT_INS)
+    replicas: int = 1  # trtllm: Dynamo workers in dynamo/ (launch.sh and the DynamoGraphDeployment)
+    dynamo_mode: str = "agg"  # trtllm: Dynamo's serving mode; only aggregated serves DFlash (deploy/lint.py)
 
     @property
     def resolved_backend(self) -> str:
@@ -112,6 +114,22 @@ class BuildOptions:
         check_speculation(self.speculation)
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise DFlashError(f"--max-seq-len must be at least 2, got {self.max_seq_len}.")
+        from trtllm_dflash.deploy.dynamo import DYNAMO_MODES
+
+        if not 1 <= self.replicas <= 1024:
+            raise DFlashError(f"--replicas must be in 1..1024, got {self.replicas}.")
+        if self.dynamo_mode not in DYNAMO_MODES:
+            raise DFlashError(f"--dynamo-mode must be one of {', '.join(DYNAMO_MODES)}, got {self.dynamo_mode!r}.")
+        if (self.replicas != 1 or self.dynamo_mode != "agg") and self.resolved_backend != "trtllm":
+            raise DFlashError(
+                "--replicas and --dynamo-mode shape a GPU deployment's dynamo/ folder; an embedded build is served "
+                "as a fleet with `trtdflash serve BUILD --dynamo --workers N`."
+            )
+        if self.dynamo_mode != "agg" and self.no_draft:
+            raise DFlashError(
+                "trtdflash writes aggregated Dynamo deployments only; for disaggregated serving without a draft use "
+                "Dynamo's own disagg template (dynamo/profiler/templates/dgd/trtllm/disagg.yaml)."
+            )
         if self.draft is not None and self.no_draft:
             raise DFlashError("--draft and --no-draft contradict each other; pass one of them.")
         if self.draft_engine and self.no_draft:

@@ -30,6 +30,8 @@ from pathlib import Path
 import yaml
 
 from trtllm_dflash.config import max_draft_len
+from trtllm_dflash.deploy import dynamo
+from trtllm_dflash.deploy.dynamo import DYNAMO_IMAGE, DYNAMO_TRTLLM
 from trtllm_dflash.deploy.memory import MemoryPlan, plan_recipe
 from trtllm_dflash.deploy.recipes import (
     Parallelism,
@@ -41,7 +43,7 @@ from trtllm_dflash.deploy.recipes import (
     presets,
 )
 from trtllm_dflash.deploy.steps import PlannedFile, Step, stage_step, target_steps, template_step, text_step
-from trtllm_dflash.deploy.trtllm.schema import FIRST_DFLASH_RELEASE, release
+from trtllm_dflash.deploy.trtllm.schema import DFLASH_FIXES, FIRST_DFLASH_RELEASE, release
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import check_draft
 from trtllm_dflash.models.speculators import resolve_any_draft
@@ -82,6 +84,8 @@ class Deployment:
 
     trtllm_version: str | None = None  # the TensorRT-LLM release the options are validated against (None: the default)
     replaced: dict[str, str] = dataclasses.field(default_factory=dict)  # opt-in name -> the tested choice taken instead
+    replicas: int = 1  # Dynamo workers (dynamo/), each on the recipe's GPUs
+    dynamo_mode: str = "agg"  # the Dynamo serving mode asked for (deploy/lint.py refuses disagg with a draft)
 
     @property
     def release(self):
@@ -99,7 +103,7 @@ class Deployment:
         """The compatibility lint's findings (deploy/lint.py) for this deployment."""
         from trtllm_dflash.deploy.lint import lint
 
-        return lint(self.recipe, self.options(), self.template_kwargs)
+        return lint(self.recipe, self.options(), self.template_kwargs, self.dynamo_mode)
 
     @property
     def schedule(self):
@@ -123,6 +127,14 @@ class Deployment:
         from trtllm_dflash.deploy.trtllm.options import serve_options
 
         return serve_options(self.recipe, draft=self.serve_draft, where=SERVE_YAML, trtllm_version=self.trtllm_version)
+
+    def dynamo_options(self) -> dict:
+        """dynamo/engine.yaml: trtllm-serve's options, validated against the release Dynamo's image carries."""
+        from trtllm_dflash.deploy.trtllm.options import serve_options
+
+        return serve_options(
+            self.recipe, draft=self.serve_draft, where=dynamo.ENGINE_YAML, trtllm_version=DYNAMO_TRTLLM
+        )
 
 
 def _check_weights(recipe: Recipe) -> None:
@@ -215,6 +227,8 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
             draft_files=draft_files,
             trtllm_version=opts.trtllm_version,
             replaced=tested,
+            replicas=opts.replicas,
+            dynamo_mode=opts.dynamo_mode,
         )
         progress(
             f"Recipe {recipe.id}: the target's weights are not local; the GPU host fetches {recipe.weights}"
@@ -243,6 +257,8 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
             quantize=quantize,
             trtllm_version=opts.trtllm_version,
             replaced=tested,
+            replicas=opts.replicas,
+            dynamo_mode=opts.dynamo_mode,
         )
     if dep.replaced:
         progress(
@@ -261,8 +277,9 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
             f"{m.kv_cache_bytes / 1e9:.1f} GB at --max-batch-size {m.max_batch_size}; use --max-batch-size "
             f"{m.max_batch_size_that_fits} or less, a shorter --max-seq-len, more GPUs, or --force."
         )
-    dep.options()  # validate both files now, before anything is written
+    dep.options()  # validate every options file now, before anything is written
     dep.serve_options()
+    dep.dynamo_options()
     return dep, sources
 
 
@@ -316,12 +333,15 @@ except PackageNotFoundError:
 from packaging.version import Version
 if Version(found) < Version("{FIRST_DFLASH_RELEASE}"):
     sys.exit(f"TensorRT-LLM {{found}} has no DFlash (it came in {FIRST_DFLASH_RELEASE}); run this inside {rel.container}.")
+for fixed_in, pr, without in {list(DFLASH_FIXES)!r}:
+    if Version(found) < Version(fixed_in):
+        print(f"Warning: TensorRT-LLM {{found}} lacks {{pr}} (in {{fixed_in}}): {{without}}.", file=sys.stderr)
 if found != "{rel.name}":
     print(f"Note: TensorRT-LLM {{found}} here; the options were validated against {rel.name}.", file=sys.stderr)
 CHECK
 fi
 {exports}case "${{1:-triton}}" in
-  triton) command -v tritonserver > /dev/null || {{ echo "tritonserver is not on PATH; use ./launch.sh openai, or a container with Triton (DEPLOY.md)." >&2; exit 2; }}
+  triton) command -v tritonserver > /dev/null || {{ echo "tritonserver is not on PATH (no published image has it beside a TensorRT-LLM with DFlash): use ./launch.sh openai, dynamo/launch.sh inside {DYNAMO_IMAGE}, or build an image with both (DEPLOY.md)." >&2; exit 2; }}
           exec tritonserver --model-repository="$PWD/triton_repo" --http-port="$http" --grpc-port="$grpc" \\
             --metrics-port="$metrics" --disable-auto-complete-config ;;
   openai) exec trtllm-serve {shlex.quote(dep.serve_target)} --config {SERVE_YAML} --host 0.0.0.0 --port "$http" ;;
@@ -405,10 +425,37 @@ cd /deploy && ./launch.sh openai         # trtllm-serve, OpenAI-compatible on :8
 ./launch.sh                              # or Triton: gRPC :8001, HTTP :8000 (model "ensemble")
 ```
 
-`launch.sh` refuses a TensorRT-LLM older than {FIRST_DFLASH_RELEASE} (no DFlash) and says so when the container's
-release is not {rel.name}. The Triton path needs `tritonserver` beside TensorRT-LLM {FIRST_DFLASH_RELEASE} or later:
-NVIDIA's `tritonserver:<yy.mm>-trtllm-python-py3` images up to 26.07 carry TensorRT-LLM 1.2.1, which has no DFlash,
-so use an image that has both (unconfirmed: we know of no published tag).
+`launch.sh` refuses a TensorRT-LLM older than {FIRST_DFLASH_RELEASE} (no DFlash), names each DFlash fix the running
+release lacks, and says so when the container's release is not {rel.name}.
+
+**An image for the Triton path.** `./launch.sh` (Triton) needs `tritonserver` beside a TensorRT-LLM with DFlash, and no
+published image has both: NVIDIA's `tritonserver:<yy.mm>-trtllm-python-py3` images up to 26.07 carry TensorRT-LLM 1.2.1
+(no DFlash), and `{rel.container}` is built without `/opt/tritonserver`. The documented route is TensorRT-LLM's own
+Triton image, built from a checkout at the release tag (it compiles TensorRT-LLM: about 63 GB of disk, hours):
+
+```bash
+git clone --branch v{rel.name} https://github.com/NVIDIA/TensorRT-LLM && cd TensorRT-LLM
+git lfs pull && make -C docker tritonrelease_build    # then run ./launch.sh inside that image
+```
+
+Or serve without Triton: `./launch.sh openai` here, or Dynamo below, whose published image serves DFlash as it is.
+
+## Serve with NVIDIA Dynamo (replicas behind a KV router)
+
+`dynamo/` holds the same deployment for Dynamo {dynamo.DYNAMO_RELEASE}: `engine.yaml` (these options, validated against
+TensorRT-LLM {DYNAMO_TRTLLM}, the release its image carries), `launch.sh` and `graph.yaml`, {dep.replicas} worker(s) of
+{r.num_gpus} GPU(s) each (`trtdflash build --replicas N`). Aggregated only: a disaggregated decode worker drafts without
+the prompt's hidden states.
+
+```bash
+docker run --rm -it --gpus all --net host --shm-size=2g -v "$PWD":/deploy {DYNAMO_IMAGE} \\
+  bash -c 'cd /deploy && ./dynamo/launch.sh'        # one host: frontend (OpenAI on :8000, KV router) + workers
+kubectl create secret generic {dynamo.HF_SECRET} --from-literal=HF_TOKEN=...   # Kubernetes, with Dynamo's operator
+kubectl apply -f dynamo/graph.yaml                  # a DynamoGraphDeployment and the ConfigMap holding engine.yaml
+```
+
+{"The weights are in this folder: on Kubernetes, copy it into the volume claimed by `" + dynamo.graph_name(r.model) + "-deployment` (mounted at " + dynamo.DEPLOYMENT_MOUNT + ")." if dep.local else "The workers fetch the weights from Hugging Face on first start."}
+{"KV block reuse is off in this recipe (upstream's DFlash tests turn it off; `--opt-in block-reuse` takes it), so TensorRT-LLM publishes no KV events and the router balances load without prefix matches." if not r.llm_args.get("kv_cache_config", {}).get("enable_block_reuse", True) or "block-reuse" in dep.replaced else "The workers publish their KV cache blocks, so the router sends a conversation's next turn to the replica that holds its prefix."}
 
 ## Check first
 
@@ -495,4 +542,34 @@ def steps(opts, dep: Deployment, sources, hashes: dict[str, str]) -> list:
             executable=("launch.sh",),
         )
     )
+    out.append(dynamo_step(dep))
     return out
+
+
+def dynamo_step(dep: Deployment) -> Step:
+    """dynamo/: the same deployment served by NVIDIA Dynamo (deploy/dynamo.py), on one host or on Kubernetes."""
+    r = dep.recipe
+    engine = dynamo.engine_yaml(options_yaml(dep.dynamo_options()))
+    served, gpus = r.model, r.num_gpus
+    dgd = dynamo.graph(
+        name=dynamo.graph_name(r.model),
+        model=dep.serve_target,
+        served=served,
+        replicas=dep.replicas,
+        gpus_per_worker=gpus,
+        local=dep.local,
+    )
+    launch = dynamo.launch_sh(
+        model=dep.serve_target, served=served, replicas=dep.replicas, gpus_per_worker=gpus, recipe_id=r.id
+    )
+    files = {
+        dynamo.ENGINE_YAML: engine,
+        f"{dynamo.FOLDER}/launch.sh": launch,
+        f"{dynamo.FOLDER}/graph.yaml": dynamo.graph_yaml(dgd, engine),
+    }
+    return text_step(
+        "dynamo",
+        f"write dynamo/: engine options, launch.sh and a DynamoGraphDeployment of {dep.replicas} worker(s)",
+        files,
+        executable=(f"{dynamo.FOLDER}/launch.sh",),
+    )
