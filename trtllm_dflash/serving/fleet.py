@@ -118,7 +118,7 @@ class Fleet:
 
     @property
     def description(self) -> str:
-        return f"a Dynamo fleet of {self.config.workers} workers on {self.build_dir}"
+        return f"a Dynamo fleet of {self.config.workers} worker{'s' if self.config.workers > 1 else ''} on {self.build_dir}"
 
     @property
     def url(self) -> str:
