@@ -638,6 +638,18 @@ def serve(build_dir, host, grpc_port, http_port, metrics_port, openai_port, no_o
 
     from trtllm_dflash.serving.serve import ServerConfig, TritonServer, serve_forever
 
+    ctx = click.get_current_context()
+
+    def given(*names: str) -> list[str]:
+        source = click.core.ParameterSource.DEFAULT
+        return [f"--{n.replace('_', '-')}" for n in names if ctx.get_parameter_source(n) != source]
+
+    if dynamo and (triton := given("grpc_port", "metrics_port", "openai_port", "no_openai")):
+        raise click.UsageError(
+            f"{', '.join(triton)}: Triton's endpoints only; a --dynamo fleet serves the OpenAI API on --http-port."
+        )
+    if not dynamo and (fleet := given("workers", "router_mode")):
+        raise click.UsageError(f"{', '.join(fleet)}: a Dynamo fleet's only; add --dynamo.")
     if dynamo:
         from trtllm_dflash.serving.fleet import Fleet, FleetConfig
 

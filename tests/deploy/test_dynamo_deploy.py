@@ -146,3 +146,9 @@ def test_launch_sh_names_the_dflash_fixes_an_older_tensorrt_llm_lacks(deployment
     late = run("1.4.0rc1")
     assert late.returncode == 0 and "lacks" not in late.stderr
     assert Path(deployment / "DEPLOY.md").read_text().count("tritonrelease_build") == 1
+
+
+def test_serve_dynamo_refuses_a_tensorrt_llm_deployment_in_one_sentence(deployment):
+    result = CliRunner().invoke(main, ["serve", str(deployment), "--dynamo"])
+    assert result.exit_code == 2 and "is a TensorRT-LLM deployment: on GPUs run its dynamo/launch.sh" in result.output
+    assert not (deployment / ".dynamo").exists()

@@ -164,6 +164,23 @@ def test_router_blocks_publish_each_block_once_and_remove_it_after_its_last_entr
     assert events[3] == ("removed", {"block_hashes": hb})
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dynamo", "--grpc-port", "9001"], "--grpc-port: Triton's endpoints only"),
+        (["--workers", "3"], "--workers: a Dynamo fleet's only; add --dynamo"),
+        (["--dynamo", "--workers", "0"], "0 is not in the range"),
+    ],
+)
+def test_serve_refuses_in_one_sentence_what_the_other_server_takes(build_dir, args, message):
+    from click.testing import CliRunner
+
+    from trtllm_dflash.cli import main
+
+    result = CliRunner().invoke(main, ["serve", str(build_dir), *args])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
 def test_greedy_text_through_dynamos_chat_rendering_equals_the_engines(fleet, engine, build_dir):
     """Dynamo's frontend renders the chat template and detokenizes: the same prompt tokens as text.encode_prompt (a
     prompt of those token ids answers the same), the same text as the engine."""
@@ -287,4 +304,4 @@ def test_ctrl_c_stops_every_process_of_the_fleet(fleet, build_dir):
     time.sleep(0.5)
     alive = [c for c in fleet.children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [c.cmdline() for c in alive]
-    assert not list((build_dir / ".dynamo").iterdir())
+    assert not (build_dir / ".dynamo").exists()

@@ -127,7 +127,10 @@ class _LoopEvents:
         self.loop, self.queue = loop, asyncio.Queue()
 
     def put(self, event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the worker's loop has closed (shutting down): nobody reads this request any more
+            pass
 
 
 def _number(options: dict, name: str, default, kind=float):

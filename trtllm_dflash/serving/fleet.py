@@ -2,7 +2,7 @@
 
 No etcd and no NATS: discovery is a folder of the build's (`--discovery-backend file`, removed when the fleet stops),
 KV events travel over ZMQ (`--event-plane zmq`), requests over TCP. Every address Dynamo advertises is the fleet's
-host (LOOPBACK_ENV), so nothing leaves 127.0.0.1 unless told to.
+host (advertised_env), so nothing leaves 127.0.0.1 unless told to.
 
 The machine's CPUs are split between the workers: each is pinned to its own share and runs the server's thread
 rule on it (threads.worker_thread_env), so two workers on two cores do not preempt each other's OpenMP barriers.
@@ -15,6 +15,7 @@ then SIGKILL after a grace period), and gets SIGTERM if the parent dies without 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -34,7 +35,7 @@ from trtllm_dflash.config import ROUTER_MODES
 from trtllm_dflash.deploy import read_build
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.serving.openai_server import model_id
-from trtllm_dflash.serving.serve import check_ports, free_port, stop_with_parent
+from trtllm_dflash.serving.serve import check_ports, free_port, log_dir, stop_with_parent
 from trtllm_dflash.threads import worker_cpu_shares, worker_thread_env
 
 MIGRATION_LIMIT = 3  # times the frontend moves a stream whose worker died to another one
@@ -54,8 +55,11 @@ def system_port(host: str) -> int:
     raise DFlashError(f"No free port in 10000..32767 on {host} for a worker's status server.")
 
 
-def loopback_env(host: str) -> dict[str, str]:
-    """Dynamo advertises the machine's own address for its planes unless these name one: the fleet's host."""
+def advertised_env(host: str) -> dict[str, str]:
+    """Dynamo advertises the machine's own address for its planes unless these name one: the fleet's host (a
+    wildcard host is no address to reach: then Dynamo's own choice stands)."""
+    if host in ("0.0.0.0", "::", ""):
+        return {}
     keys = ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST")
     return dict.fromkeys(keys, host)
 
@@ -114,7 +118,7 @@ class Fleet:
         self.system_ports: list[int] = []  # each worker's status server: /health and its engine's /metrics
         self.procs: dict[str, subprocess.Popen] = {}  # "frontend", "worker-0", ...
         self.store: Path | None = None
-        self.logs = Path(tempfile.mkdtemp(prefix="trtdflash-fleet-"))
+        self.logs = Path(tempfile.mkdtemp(prefix="dynamo-fleet-", dir=log_dir("dynamo")))  # one log per process
 
     @property
     def description(self) -> str:
@@ -128,7 +132,7 @@ class Fleet:
         return f"http://{self.host}:{self.system_ports[worker]}/metrics"
 
     def _env(self) -> dict[str, str]:
-        env = {**os.environ, **loopback_env(self.host), "DYN_FILE_KV": str(self.store)}
+        env = {**os.environ, **advertised_env(self.host), "DYN_FILE_KV": str(self.store)}
         env.pop("DYN_SYSTEM_PORT", None)
         return env
 
@@ -239,6 +243,8 @@ class Fleet:
                 self.procs[name].wait()
         if self.store is not None:
             shutil.rmtree(self.store, ignore_errors=True)
+            with contextlib.suppress(OSError):  # another fleet of this build may still use it
+                self.store.parent.rmdir()
             self.store = None
 
     def __enter__(self) -> Fleet:

@@ -108,6 +108,16 @@ def locate_tritonserver() -> tuple[Path, Path | None, dict[str, str]]:
     return root / "bin" / "tritonserver", backends, env
 
 
+def log_dir(server: str, keep: int = 20) -> Path:
+    """`<cache>/<server>/logs`, where each start of a server writes its log (a file or a folder named `<server>-*`);
+    only the newest `keep` are kept."""
+    d = cache_dir() / server / "logs"
+    d.mkdir(parents=True, exist_ok=True)
+    for old in sorted(d.glob(f"{server}*"), key=lambda p: p.stat().st_mtime)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+    return d
+
+
 def check_ports(host: str, ports) -> None:
     """Refuse in one sentence a (flag, port) whose port something listens on (None: not used)."""
     for flag, port in ((f, p) for f, p in ports if p is not None):
@@ -148,16 +158,7 @@ class TritonServer:
         self.proc: subprocess.Popen | None = None
         self._stopping = False  # SIGTERM sent (once: a graceful stop is under way)
         self.frontend = None  # the OpenAIFrontend while running
-        self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log", dir=self._log_dir())[1])
-
-    @staticmethod
-    def _log_dir(keep: int = 20) -> Path:
-        """One log per server start; only the newest `keep` are kept."""
-        d = cache_dir() / "triton" / "logs"
-        d.mkdir(parents=True, exist_ok=True)
-        for old in sorted(d.glob("tritonserver-*.log"), key=lambda p: p.stat().st_mtime)[:-keep]:
-            old.unlink(missing_ok=True)
-        return d
+        self.log_path = Path(tempfile.mkstemp(prefix="tritonserver-", suffix=".log", dir=log_dir("triton"))[1])
 
     @property
     def grpc_url(self) -> str:
