@@ -112,16 +112,34 @@ def test_the_cache_keeps_the_most_recently_used_chunks_within_its_budget():
     def entry(tokens):
         return Entry([torch.zeros(3, tokens, 4)], [torch.zeros(3, tokens, 4)], None)
 
-    cache = PrefixCache(2 * BLOCK)
-    cache.put(b"head", entry(24), pin=True)  # pinned: outside the budget, never evicted
-    cache.put(b"a", entry(BLOCK))
-    cache.put(b"b", entry(BLOCK))
+    heard = []  # what a listener (a Dynamo worker's KV events) is told, in order
+
+    class Listener:
+        def stored(self, key, prompt, start, end):
+            heard.append(("stored", key, start, end))
+
+        def removed(self, key):
+            heard.append(("removed", key))
+
+    prompt = list(range(24 + 3 * BLOCK))
+    cache = PrefixCache(2 * BLOCK, Listener())
+    cache.put(b"head", entry(24), pin=True, prompt=prompt, end=24)  # pinned: outside the budget, never evicted
+    cache.put(b"a", entry(BLOCK), prompt=prompt, end=24 + BLOCK)
+    cache.put(b"b", entry(BLOCK), prompt=prompt, end=24 + 2 * BLOCK)
     assert cache.get(b"a") is not None  # now the most recently used
-    cache.put(b"c", entry(BLOCK))
+    cache.put(b"c", entry(BLOCK), prompt=prompt, end=24 + 3 * BLOCK)
     assert b"b" not in cache and b"a" in cache and b"c" in cache and b"head" in cache
     assert cache.tokens == 2 * BLOCK
     cache.put(b"big", entry(3 * BLOCK))  # larger than the whole budget: not kept, nothing evicted for it
     assert b"big" not in cache and cache.tokens == 2 * BLOCK
+    cache.put(b"a", entry(BLOCK), prompt=prompt, end=24 + BLOCK)  # held already: nothing to tell
+    assert heard == [
+        ("stored", b"head", 0, 24),
+        ("stored", b"a", 24, 24 + BLOCK),
+        ("stored", b"b", 24 + BLOCK, 24 + 2 * BLOCK),
+        ("removed", b"b"),  # evicted before what replaced it is stored
+        ("stored", b"c", 24 + 2 * BLOCK, 24 + 3 * BLOCK),
+    ]
     assert PrefixCache(0).put(b"x", entry(BLOCK)) is None and b"x" not in PrefixCache(0)
 
 

@@ -146,8 +146,8 @@ def test_router_blocks_publish_each_block_once_and_remove_it_after_its_last_entr
     blocks = RouterBlocks()
     blocks.publisher = Publisher()
     a, b = list(range(40)), list(range(20)) + list(range(100, 120))
-    blocks.stored(b"a0", a[:40], 0)  # blocks 0 and 1 (tokens 0-31); 8 tokens left over
-    blocks.stored(b"b0", b[:40], 0)  # block 0 is held already: only b's block 1
+    blocks.stored(b"a0", a, 0, 40)  # blocks 0 and 1 (tokens 0-31); 8 tokens left over
+    blocks.stored(b"b0", b, 0, 40)  # block 0 is held already: only b's block 1
     ha, hb = block_hashes(a, 2), block_hashes(b, 2)
     assert ha[0] == hb[0] and ha[1] != hb[1]
     assert events[0] == (

@@ -58,9 +58,10 @@ class Batch:
         threads.server_threads); None: torch's count for all.
         `prefix`: tokens many prompts start with (the chat template's head: text.shared_prefix), the first of a
         prompt's canonical prefill chunks (prefix_cache.py). Chunks seen before are copied from the prefix cache
-        (K/V and draft features; the head always, others within `cache_tokens`; `cache_listener` hears what it keeps and drops). The chunks set the last bits of
+        (K/V and draft features; the head always, others within `cache_tokens`). The chunks set the last bits of
         the cache (a forward's attention rounds by its chunk), so every path of an engine passes the same prefix:
-        then a prompt's cache holds the same bits alone or served, computed or copied, with a draft or without."""
+        then a prompt's cache holds the same bits alone or served, computed or copied, with a draft or without.
+        `cache_listener` hears what the prefix cache keeps and drops (a Dynamo worker's KV events)."""
         self.target, self.draft = target, (draft if block_size > 1 else None)
         self.block_size = block_size if self.draft is not None else 1
         self.lookup = lookup and self.draft is not None
@@ -130,7 +131,7 @@ class Batch:
         ):  # a whole chunk, kept for prompts that start alike
             k, v = self.cache.read(slot, start, end)
             entry = Entry(k, v, None if feats is None else feats[0].clone())
-            self.prefix_cache.put(req.chunk_keys[i], entry, pin=head, tokens=req.prompt_ids[:end])
+            self.prefix_cache.put(req.chunk_keys[i], entry, pin=head, prompt=req.prompt_ids, end=end)
         if end < n:
             return []
         row = req.hold_stops(logits[0, -1:], 0)  # [1, V]

@@ -62,8 +62,8 @@ class Entry:
 
 
 class CacheListener(Protocol):
-    def stored(self, key: bytes, tokens: Sequence[int], start: int) -> None:
-        """Entry `key` now holds positions [start, len(tokens)) of a prompt that begins with `tokens`."""
+    def stored(self, key: bytes, prompt: Sequence[int], start: int, end: int) -> None:
+        """Entry `key` now holds positions [start, end) of `prompt` (its key commits to prompt[:end])."""
 
     def removed(self, key: bytes) -> None:
         """Entry `key` is gone."""
@@ -87,8 +87,8 @@ class PrefixCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self.pinned or key in self.entries
 
-    def put(self, key: bytes, entry: Entry, pin: bool = False, tokens: Sequence[int] = ()) -> None:
-        """Keep `entry` under `key`; `tokens`: the prompt up to the entry's end, for the listener."""
+    def put(self, key: bytes, entry: Entry, pin: bool = False, prompt: Sequence[int] = (), end: int = 0) -> None:
+        """Keep `entry` under `key`: positions [end - entry.tokens, end) of `prompt` (what the listener hears)."""
         if key in self:
             return
         if not pin:
@@ -104,4 +104,4 @@ class PrefixCache:
         else:
             self.pinned[key] = entry
         if self.listener is not None:
-            self.listener.stored(key, tokens, len(tokens) - entry.tokens)
+            self.listener.stored(key, prompt, end - entry.tokens, end)

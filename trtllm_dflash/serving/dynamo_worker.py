@@ -71,12 +71,12 @@ class RouterBlocks:
         self.entries: dict[bytes, list[int]] = {}  # cache key -> the router blocks it completes
         self.count: dict[int, int] = {}  # router block -> entries completing it
 
-    def stored(self, key: bytes, tokens: Sequence[int], start: int) -> None:
-        first, end = start // ROUTER_BLOCK, len(tokens) // ROUTER_BLOCK
+    def stored(self, key: bytes, prompt: Sequence[int], start: int, end: int) -> None:
+        first, end = start // ROUTER_BLOCK, end // ROUTER_BLOCK  # the router blocks that end in (start, end]
         if end <= first:
             self.entries[key] = []
             return
-        hashes = block_hashes(tokens, end)
+        hashes = block_hashes(prompt, end)
         self.entries[key] = hashes[first:]
         new = [i for i in range(first, end) if self.count.get(hashes[i], 0) == 0]
         for h in hashes[first:]:
@@ -84,7 +84,7 @@ class RouterBlocks:
         for run_start, run_end in _runs(new):  # one stored event per run of new blocks, linked to its parent
             self._publish(
                 "publish_stored",
-                token_ids=list(tokens[run_start * ROUTER_BLOCK : run_end * ROUTER_BLOCK]),
+                token_ids=list(prompt[run_start * ROUTER_BLOCK : run_end * ROUTER_BLOCK]),
                 num_block_tokens=[ROUTER_BLOCK] * (run_end - run_start),
                 block_hashes=hashes[run_start:run_end],
                 parent_hash=hashes[run_start - 1] if run_start else None,
