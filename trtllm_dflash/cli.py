@@ -714,6 +714,21 @@ def _levels(text: str | None, flag: str) -> list[int] | None:
         ) from None
 
 
+def _speeds(text: str | None, flag: str) -> list[float]:
+    """Positive speeds from "20,50" (None: none)."""
+    if text is None:
+        return []
+    try:
+        speeds = [float(c) for c in text.split(",")]
+    except ValueError:
+        speeds = []
+    if not speeds or min(speeds) <= 0:
+        raise click.BadParameter(
+            f"give tokens/s per user separated by commas, such as 20,50; got {text!r}.", param_hint=flag
+        )
+    return speeds
+
+
 @main.command()
 @click.option(
     "--url",
@@ -744,8 +759,14 @@ def _levels(text: str | None, flag: str) -> list[int] | None:
     help="With --gate: the DFlash build's folder, whose manifest.json records the verdict (speed-up and tau per "
     "level, the prompts' hash, date, machine).",
 )
+@click.option(
+    "--interactivity",
+    default=None,
+    help="Tokens/s per user, comma-separated (such as 20,50): each server's total throughput at that per-user speed, "
+    "read off its measured curve (never extrapolated), and the first server's ratio to the others.",
+)
 @user_errors
-def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output, gate, deployment):
+def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output, gate, deployment, interactivity):
     """Load running servers with closed-loop streaming clients (each sends its next request when its last one ends):
     tokens/s, per-user speed, time to first token, inter-token latency and acceptance at each concurrency level."""
     from trtllm_dflash.clients.bench import gate_failure, gate_lines, run_bench
@@ -760,9 +781,12 @@ def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output,
         output=output,
         gate=gate,
         deployment=deployment,
+        interactivity=_speeds(interactivity, "--interactivity"),
         progress=lambda m: click.echo(m, err=True),
     )
     click.echo(report["table"])
+    if report.get("interactivity"):
+        click.echo("\n".join(["", "Throughput at a per-user speed (total tok/s):", *report["interactivity_lines"]]))
     if gate:
         click.echo("\n".join(["", "Gate, DFlash against its twin:", *gate_lines(report["gate"])]))
         if failure := gate_failure(report["gate"]):

@@ -234,3 +234,34 @@ def test_calibration_replans_a_deployment_from_the_steps_its_servers_show(pair, 
     assert rebuilt["calibration"] == record  # the files it rewrote were reused, and it still vouches for them
     for rel, meta in rebuilt["steps"]["engine_options"]["outputs"].items():
         assert meta["sha256"] == sha256_file(deployment / rel), rel
+
+
+@pytest.mark.slow
+def test_bench_reads_each_servers_throughput_at_a_per_user_speed_off_its_curve(pair, tmp_path):
+    """`bench --interactivity` on two real servers: the readout printed and kept in the results JSON is the one the
+    measured levels give (interactivity.readout), a speed no level reached says so, and the plot marks each target."""
+    from trtllm_dflash.clients.interactivity import readout
+
+    (_, servers), out = pair, tmp_path / "bench.json"
+    args = [
+        TRTDFLASH,
+        "bench",
+        "--url",
+        f"dflash={servers['dflash'].grpc_url}",
+        "--url",
+        f"twin={servers['twin'].grpc_url}",
+    ]
+    args += ["--concurrency", "1,2", "--requests", "4", "--max-tokens", "32", "--interactivity", "1e9"]
+    args += ["--output", str(out)]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    first = [lv["tokens_per_s_per_user"] for lv in report["levels"]["dflash"]]
+    target = sum(first) / 2  # between the two measured levels of the first server: always read
+    assert report["interactivity"] == readout(report["levels"], [1e9])
+    assert report["interactivity"][0]["throughput"] == {"dflash": None, "twin": None}
+    assert "Throughput at a per-user speed" in run.stdout and "not reached" in run.stdout
+    at = readout(report["levels"], [target])[0]["throughput"]["dflash"]
+    steady = sorted(lv["steady_tokens_per_s"] for lv in report["levels"]["dflash"])
+    assert at is not None and steady[0] <= at <= steady[-1]
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -197,6 +197,66 @@ def test_greedy_text_through_dynamos_chat_rendering_equals_the_engines(fleet, en
         assert chat["choices"][0]["finish_reason"] == completion["choices"][0]["finish_reason"]
 
 
+def test_stop_strings_budgets_sampling_and_refusals_through_the_frontend(fleet, engine):
+    """The frontend's stop strings cut the engine's text; max_tokens ends it "length"; a seeded sample repeats; an
+    option the runtime cannot honour is refused with its sentence, and the fleet answers on."""
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    expected = reference(engine, engine.encode(PROMPTS[2]))
+    word = expected.split()[2]
+    stopped = fleet.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": [word]},
+    )["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["message"]["content"] == expected[: expected.index(word)]
+    short = fleet.chat(messages, max_tokens=3)
+    assert short["choices"][0]["finish_reason"] == "length" and short["usage"]["completion_tokens"] == 3
+    sample = {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "seed": 7}
+    first, again = (fleet.post("/v1/chat/completions", sample)["choices"][0]["message"]["content"] for _ in range(2))
+    assert first == again
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        fleet.post("/v1/chat/completions", sample | {"presence_penalty": 0.5})
+    assert "presence_penalty=0.5 is not supported by the DFlash runtime" in refused.value.read().decode()
+    assert fleet.chat(messages)["choices"][0]["message"]["content"] == expected
+
+
+def test_a_client_that_leaves_cancels_its_request_in_the_engine(fleet):
+    """A stream dropped after its first chunk stops decoding at the next step: the worker's engine retires the request
+    having generated far fewer tokens than it asked for."""
+
+    def totals():
+        rows = []
+        for url in fleet.metrics:
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            values = {}
+            for name in ("dflash_requests_finished_total", "dflash_generated_tokens_total"):
+                values[name] = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+            rows.append(values)
+        return rows
+
+    before = totals()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 400}
+    body |= {"temperature": 0, "stream": True, "ignore_eos": True}
+    req = urllib.request.Request(
+        fleet.url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        next(line for line in r if line.startswith(b"data:"))
+
+    def retired(rows):
+        return sum(
+            a["dflash_requests_finished_total"] - b["dflash_requests_finished_total"] for a, b in zip(rows, before)
+        )
+
+    deadline = time.monotonic() + 30
+    while not retired(after := totals()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert retired(after) == 1
+    generated = sum(
+        a["dflash_generated_tokens_total"] - b["dflash_generated_tokens_total"] for a, b in zip(after, before)
+    )
+    assert 0 < generated < 200
+
+
 def test_later_turns_land_on_the_worker_that_caches_their_prefix(fleet, engine, build_dir):
     """The KV router reads the workers' prefix caches (their KV events): every later turn of a conversation goes to
     the worker that served its first, whose prefix-cache hit counter rises by what the response reports cached;

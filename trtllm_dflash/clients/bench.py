@@ -16,6 +16,7 @@ import math
 import os
 import statistics
 import tempfile
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -324,11 +325,13 @@ def run_bench(
     output: str | None = None,
     gate: bool = False,
     deployment: str | None = None,
+    interactivity: Sequence[float] = (),
     progress=print,
 ) -> dict:
     """Load the servers, then the report (and, with `output`, the results JSON and the plot beside it). `gate`: judge
     the first server against the second (gate_verdict), and with `deployment` (the DFlash build's folder) record the
-    verdict in its manifest.json."""
+    verdict in its manifest.json. `interactivity`: tokens/s per user at which to read each server's throughput off its
+    measured curve (interactivity.readout)."""
     from trtllm_dflash.cpu import cpu_model
 
     servers = parse_urls(urls)
@@ -356,6 +359,10 @@ def run_bench(
         "num_prompts": len(prompts),
         "levels": levels,
     }
+    if interactivity:
+        from trtllm_dflash.clients.interactivity import readout
+
+        report["interactivity"] = readout(levels, interactivity)
     if gate:
         report["gate"] = _verdict(levels, prompts, report["prompts"], started, servers)
         if deployment:
@@ -373,6 +380,12 @@ def run_bench(
             levels,
             f"trtdflash bench, concurrency annotated\n{started[:16].replace('T', ' ')} UTC, client {report['client_cpu']}",
             out.with_suffix(".png"),
+            interactivity,
         )
         progress(f"wrote {out} and {out.with_suffix('.png')}")
-    return report | {"table": table(levels)}
+    extra = {"table": table(levels)}
+    if interactivity:
+        from trtllm_dflash.clients.interactivity import readout_lines
+
+        extra["interactivity_lines"] = readout_lines(report["interactivity"], list(levels))
+    return report | extra

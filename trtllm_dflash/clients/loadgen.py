@@ -357,8 +357,9 @@ def compare_rounds(
     return runs
 
 
-def plot_pareto(levels: dict[str, list[dict]], title: str, path: Path) -> None:
-    """Tokens/s per user against the server's steady tokens/s, one line per server, each point's concurrency on it."""
+def plot_pareto(levels: dict[str, list[dict]], title: str, path: Path, interactivity=()) -> None:
+    """Tokens/s per user against the server's steady tokens/s, one line per server, each point's concurrency on it;
+    a dotted line at each `interactivity` target (tokens/s per user) the readout reads throughput at."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -373,6 +374,9 @@ def plot_pareto(levels: dict[str, list[dict]], title: str, path: Path) -> None:
         )  # pairs: a build and its baseline
         for lv, x, y in zip(lvs, xs, ys):
             ax.annotate(str(lv["concurrency"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for target in interactivity:
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.annotate(f"{target:g} tok/s/user", (0, target), xycoords=("axes fraction", "data"), fontsize=7, va="bottom")
     ax.set_xlabel("total output tokens/s (server, all clients busy)")
     ax.set_ylabel("output tokens/s per user (median)")
     ax.set_title(title, fontsize=9)

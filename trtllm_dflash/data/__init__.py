@@ -6,6 +6,7 @@ magpie-smollm2: chat questions SmolLM2-135M-Instruct wrote itself and its greedy
 with a data card (card.json: how they were made, filter counts).
 answers-smollm2: SmolLM2-135M-Instruct's greedy answers to the other training sources' first prompts (train/answers.py),
 so a training stage's data phase needs one forward per record instead of generation; card.json says how they were made.
+bench-builtin: 33 prompts we wrote in 11 categories (SPEED-Bench's record shape), `trtdflash bench --dataset builtin`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,125 @@
+"""SPEED-Bench's files read as NVIDIA's harness reads them (a parquet fixture we write in its schema), our built-in set,
+and the harness's metrics checked against hand computations on a recorded stream."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from trtllm_dflash.clients.datasets import PLACEHOLDER, builtin_records, read_speed_bench, select
+from trtllm_dflash.clients.specbench import Conversation, Turn, acceptance, timing
+from trtllm_dflash.errors import DFlashError
+
+
+def row(qid, category, turns, **extra):
+    return {
+        "question_id": qid,
+        "category": category,
+        "sub_category": "",
+        "turns": turns,
+        "source": "ours",
+        "src_id": qid,
+        "difficulty": "",
+        "multiturn": len(turns) > 1,
+    } | extra
+
+
+def write(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.fixture
+def speed_dir(tmp_path):
+    """prepare_data.py's layout: DATA/speed/<config>/test.parquet."""
+    rows = [row(f"q{i}", c, [f"question {i}"]) for i, c in enumerate("aabcbac")]
+    rows[3] = row("q3", "c", ["first turn", "second turn"])
+    write(tmp_path / "speed" / "qualitative" / "test.parquet", rows)
+    return tmp_path
+
+
+def test_prepare_datas_layout_a_folder_or_a_file_reads_the_same_records(speed_dir):
+    records = read_speed_bench(speed_dir, "qualitative")
+    assert [r.question_id for r in records] == [f"q{i}" for i in range(7)]
+    assert records[3].turns == ("first turn", "second turn") and records[3].multiturn
+    file = speed_dir / "speed" / "qualitative" / "test.parquet"
+    assert read_speed_bench(file) == records == read_speed_bench(file.parent)
+
+
+def test_num_requests_picks_round_robin_over_categories_as_the_harness_does(speed_dir):
+    records = read_speed_bench(speed_dir)
+    # categories a,a,b,c,b,a,c: the i-th of each category in first-appearance order (specdec_bench _stratified_select)
+    assert [r.question_id for r in select(records, 6)] == ["q0", "q2", "q3", "q1", "q4", "q6"]
+    assert [r.question_id for r in select(records, None)] == [r.question_id for r in records]
+    assert [r.question_id for r in select(records, 2, ["b"])] == ["q2", "q4"]
+    with pytest.raises(DFlashError, match="--category 'x' is not in the data; it has a, b, c"):
+        select(records, None, ["x"])
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([row("q0", "a", [f"{PLACEHOLDER}\n\nsome template {{article}}"])], "still holds SPEED-Bench's placeholder"),
+        ([{k: v for k, v in row("q0", "a", ["x"]).items() if k != "category"}], "no 'category' field"),
+        ([row("q0", "a", "not a list")], "'turns' must be a list of strings"),
+        ([row("q0", "a", ["x"], multiturn="no")], "'multiturn' must be a boolean"),
+        ([], "holds no records"),
+    ],
+)
+def test_bad_data_gets_one_sentence(tmp_path, rows, message):
+    path = tmp_path / "d.parquet"
+    if rows:
+        write(path, rows)
+    else:
+        pq.write_table(pa.table({"question_id": pa.array([], pa.string())}), path)
+    with pytest.raises(DFlashError, match=message):
+        read_speed_bench(path)
+    if "placeholder" in message:
+        with pytest.raises(DFlashError, match="prepare_data.py --dataset speed --config qualitative"):
+            read_speed_bench(path)
+
+
+def test_a_missing_folder_names_the_command_that_writes_it(tmp_path):
+    with pytest.raises(DFlashError, match="speed/throughput_2k/test.parquet.*--config throughput_2k"):
+        read_speed_bench(tmp_path, "throughput_2k")
+    with pytest.raises(DFlashError, match="--config must be one of qualitative"):
+        read_speed_bench(tmp_path, "throughput_3k")
+
+
+def test_the_builtin_set_has_eight_categories_or_more_in_the_same_shape():
+    records = builtin_records()
+    categories = {r.category for r in records}
+    assert len(categories) >= 8 and {"coding", "math", "rag", "multilingual"} <= categories
+    assert any(r.multiturn and len(r.turns) == 2 for r in records)
+    assert len({r.question_id for r in records}) == len(records)
+
+
+def test_the_metrics_match_a_hand_computation_on_a_recorded_stream():
+    # two requests of category "math": one of two turns; one request of "code". Chunks are tokens per response.
+    convs = [
+        Conversation("m1", "math", [Turn(0.0, [1.0, 1.5, 2.0], [1, 4, 3]), Turn(3.0, [3.5, 4.0], [1, 2])]),
+        Conversation("m2", "math", [Turn(0.5, [1.2, 2.2], [1, 1])]),
+        Conversation("c1", "code", [Turn(1.0, [2.0, 2.5, 3.0, 5.0], [1, 4, 4, 2])]),
+    ]
+    a = acceptance(convs)
+    # Request_AL: tokens over steps, turns pooled: m1 = 11/5, m2 = 2/2, c1 = 11/4
+    assert a["Request_AL"] == pytest.approx({"m1": 2.2, "m2": 1.0, "c1": 2.75})
+    assert a["Category_AL"] == pytest.approx({"math": 1.6, "code": 2.75})  # unweighted over requests
+    assert a["Average_AL"] == pytest.approx((2.2 + 1.0 + 2.75) / 3)
+    assert a["Acceptance_Length_Histogram"] == {1: 5, 2: 2, 3: 1, 4: 3}  # 11 steps
+    # S(1)=11, S(2)=6, S(3)=4, S(4)=3: conditional S(k)/S(k-1), joint S(k)/S(1)
+    assert a["Conditional_Acceptance_Rate"] == pytest.approx({1: 1.0, 2: 6 / 11, 3: 4 / 6, 4: 3 / 4})
+    assert a["Joint_Acceptance_Rate"] == pytest.approx({1: 1.0, 2: 6 / 11, 3: 4 / 11, 4: 3 / 11})
+    t = timing(convs)
+    assert t["Output TPS"] == pytest.approx(24 / 5.0)  # 24 tokens from the first send (0.0) to the last response (5.0)
+    assert t["TTFT Time"]["min"] == pytest.approx(0.5) and t["TTFT Time"]["max"] == pytest.approx(1.0)
+    # generation tokens/s per turn: (tokens - 1) / (last - first response): 7/1.0, 2/0.5, 1/1.0, 10/3.0
+    assert t["Request Generation Tokens Per Second"]["mean"] == pytest.approx((7 + 4 + 1 + 10 / 3) / 4)
+    assert t["Request Generation Step Time"]["max"] == pytest.approx(2.0)  # c1's last gap
+    assert t["E2E Request Time"]["mean"] == pytest.approx((2.0 + 1.0 + 1.7 + 4.0) / 4)
+
+
+def test_a_shorter_length_never_seen_is_skipped_as_the_harness_skips_it():
+    a = acceptance([Conversation("x", "a", [Turn(0.0, [1.0] * 4, [1, 1, 2, 4])])])
+    assert a["Conditional_Acceptance_Rate"] == pytest.approx({1: 1.0, 2: 0.5, 4: 0.5})
+    assert a["Joint_Acceptance_Rate"] == pytest.approx({1: 1.0, 2: 0.5, 4: 0.25})
