@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from trtllm_dflash.clients.datasets import CONFIGS as SPEED_CONFIGS
 from trtllm_dflash.config import DRAFT_LOSSES, DTYPE_CHOICES, ROUTER_MODES, SPECULATION
 from trtllm_dflash.deploy.dynamo import DYNAMO_MODES
 from trtllm_dflash.deploy.recipes import OPT_INS
@@ -452,6 +453,13 @@ def chat(
     help="Take a recipe's choice that no upstream DFlash test covers (default: the tested one instead); repeatable.",
 )
 @click.option(
+    "--acceptance-profile",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="TensorRT-LLM: plan the draft length by load from this measured speculation profile (what `trtdflash bench "
+    "--dataset ... --output` writes beside its results) instead of a published or assumed τ.",
+)
+@click.option(
     "--replicas",
     type=click.IntRange(1, 1024),
     default=1,
@@ -511,6 +519,7 @@ def build(
     draft_engine,
     trtllm_version,
     opt_in,
+    acceptance_profile,
     replicas,
     dynamo_mode,
     output,
@@ -547,6 +556,7 @@ def build(
         draft_engine=draft_engine,
         trtllm_version=trtllm_version,
         opt_in=tuple(opt_in),
+        acceptance_profile=acceptance_profile,
         replicas=replicas,
         dynamo_mode=dynamo_mode,
     )
@@ -765,11 +775,83 @@ def _speeds(text: str | None, flag: str) -> list[float]:
     help="Tokens/s per user, comma-separated (such as 20,50): each server's total throughput at that per-user speed, "
     "read off its measured curve (never extrapolated), and the first server's ratio to the others.",
 )
+@click.option(
+    "--dataset",
+    type=click.Choice(["speed-bench", "builtin"]),
+    default=None,
+    help="Run categorised records as NVIDIA's SPEED-Bench harness does (one client slot per record for all its turns) "
+    "and report its metrics per category: speed-bench reads --data, builtin is our own set of 11 categories.",
+)
+@click.option(
+    "--data",
+    type=click.Path(path_type=str),
+    default=None,
+    help="With --dataset speed-bench: the folder specdec_bench's prepare_data.py wrote (DATA/speed/<config>/"
+    "test.parquet), a folder of parquet files, or one.",
+)
+@click.option(
+    "--config",
+    "speed_config",
+    type=click.Choice(SPEED_CONFIGS),
+    default="qualitative",
+    show_default=True,
+    help="With --dataset speed-bench: which SPEED-Bench config.",
+)
+@click.option("--category", default=None, help="With --dataset: only these categories, comma-separated.")
+@click.option(
+    "--num-requests",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --dataset: this many records, round-robin over categories (specdec_bench's selection). Default: all.",
+)
+@click.option(
+    "--tokenizer",
+    type=click.Path(file_okay=False, path_type=str),
+    default=None,
+    help="With --dataset and a Triton gRPC --url: the build's tokenizer/ folder, to render multi-turn conversations.",
+)
 @user_errors
-def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output, gate, deployment, interactivity):
+def bench(
+    urls,
+    concurrency,
+    prompts_file,
+    max_tokens,
+    requests,
+    rounds,
+    output,
+    gate,
+    deployment,
+    interactivity,
+    dataset,
+    data,
+    speed_config,
+    category,
+    num_requests,
+    tokenizer,
+):
     """Load running servers with closed-loop streaming clients (each sends its next request when its last one ends):
-    tokens/s, per-user speed, time to first token, inter-token latency and acceptance at each concurrency level."""
+    tokens/s, per-user speed, time to first token, inter-token latency and acceptance at each concurrency level; with
+    --dataset, SPEED-Bench's records and metrics per category."""
     from trtllm_dflash.clients.bench import gate_failure, gate_lines, run_bench
+
+    if dataset is None and (data or category or num_requests or tokenizer):
+        raise click.UsageError("--data, --category, --num-requests and --tokenizer go with --dataset.")
+    if dataset is not None:
+        _bench_dataset(
+            urls,
+            concurrency,
+            max_tokens,
+            output,
+            interactivity,
+            dataset,
+            data,
+            speed_config,
+            category,
+            num_requests,
+            tokenizer,
+            gate or deployment or prompts_file,
+        )
+        return
 
     report = run_bench(
         urls,
@@ -795,6 +877,39 @@ def bench(urls, concurrency, prompts_file, max_tokens, requests, rounds, output,
             )
             sys.exit(1)
         click.echo("Gate passed: DFlash is not measurably slower than its draft-free twin at any level.")
+
+
+def _bench_dataset(
+    urls, concurrency, max_tokens, output, interactivity, dataset, data, config, category, n, tokenizer, other
+):
+    from pathlib import Path
+
+    from trtllm_dflash.clients.bench import category_table, run_dataset
+    from trtllm_dflash.clients.datasets import builtin_records, read_speed_bench, select
+
+    if other:
+        raise click.UsageError("--dataset runs its own records: leave out --gate, --deployment and --prompts.")
+    if dataset == "speed-bench" and not data:
+        raise click.UsageError("--dataset speed-bench needs --data: the folder specdec_bench's prepare_data.py wrote.")
+    records = builtin_records() if dataset == "builtin" else read_speed_bench(Path(data), config)
+    records = select(records, n, [c for c in (category or "").split(",") if c])
+    report = run_dataset(
+        urls,
+        _levels(concurrency, "--concurrency"),
+        records,
+        dataset=dataset if dataset == "builtin" else f"speed-bench {config}",
+        max_tokens=max_tokens,
+        tokenizer=tokenizer,
+        interactivity=_speeds(interactivity, "--interactivity"),
+        output=output,
+        progress=lambda m: click.echo(m, err=True),
+    )
+    click.echo(category_table(report))
+    if report.get("interactivity"):
+        from trtllm_dflash.clients.interactivity import readout_lines
+
+        lines = readout_lines(report["interactivity"], list(report["levels"]))
+        click.echo("\n".join(["Throughput at a per-user speed (Output TPS, per-request generation tok/s):", *lines]))
 
 
 @main.command()

@@ -123,3 +123,23 @@ def test_a_shorter_length_never_seen_is_skipped_as_the_harness_skips_it():
     a = acceptance([Conversation("x", "a", [Turn(0.0, [1.0] * 4, [1, 1, 2, 4])])])
     assert a["Conditional_Acceptance_Rate"] == pytest.approx({1: 1.0, 2: 0.5, 4: 0.5})
     assert a["Joint_Acceptance_Rate"] == pytest.approx({1: 1.0, 2: 0.5, 4: 0.25})
+
+
+def test_the_profile_gives_each_draft_positions_conditional_acceptance_overall_and_per_category():
+    from trtllm_dflash.clients.specbench import per_position, profile
+    from trtllm_dflash.engine.plan import Acceptance
+
+    # steps of 1, 4, 3, 1, 2 tokens: S(1)=5, S(2)=3, S(3)=2, S(4)=1 -> positions 3/5, 2/3, 1/2
+    assert per_position({1: 2, 2: 1, 3: 1, 4: 1}) == pytest.approx([0.6, 2 / 3, 0.5])
+    assert per_position({1: 3}) == [] and per_position({}) == []
+    convs = [
+        Conversation("m1", "math", [Turn(0.0, [1.0] * 5, [1, 4, 3, 1, 2])]),
+        Conversation("c1", "code", [Turn(0.0, [1.0] * 2, [1, 2])]),
+    ]
+    p = profile(convs, {"dataset": "builtin"})
+    assert p["conditional"] == pytest.approx(per_position({1: 3, 2: 2, 3: 1, 4: 1}))
+    assert p["categories"]["math"]["conditional"] == pytest.approx([0.6, 2 / 3, 0.5])
+    assert p["categories"]["code"]["tau"] == pytest.approx(1.5) and p["conditions"] == {"dataset": "builtin"}
+    planned = Acceptance.from_profile(p, "profile")
+    assert planned.conditional == pytest.approx(tuple(p["conditional"]))
+    assert planned.expected_tokens(3) == pytest.approx(1 + 4 / 7 + 2 / 7 + 1 / 7)  # S(k)/S(1) summed: 7 steps

@@ -105,3 +105,49 @@ def test_a_malformed_draft_acceptance_is_one_sentence(tmp_path, monkeypatch):
     monkeypatch.setattr(recipes, "recipes_root", lambda: root)
     with pytest.raises(DFlashError, match="draft_acceptance: tau must lie between 1 and block_size"):
         load_recipe("qwen3-8b", "h100")
+
+
+def test_a_measured_profile_plans_the_draft_lengths_in_place_of_an_assumed_tau(tmp_path):
+    """`build --acceptance-profile`: gpt-oss-20b publishes no τ (τ 3 is assumed, and the plan drafts its cap of 5 at
+    every load); a profile that measured a draft rarely accepted past its first guess plans shorter drafts, names
+    itself in DEPLOY.md, and upstream's rules accept its schedule in every release we validate against. A profile
+    that is no profile is one sentence."""
+    import json
+
+    from trtllm_dflash.deploy.trtllm.schema import validate_llm_args
+
+    profile = tmp_path / "speculation_profile.json"
+    conditions = {"dataset": "builtin", "date": "2026-12-07T17:30:00+00:00", "machine": "test"}
+    profile.write_text(json.dumps({"conditional": [0.5, 0.1, 0.05, 0.02, 0.01], "conditions": conditions}))
+
+    def build(*extra):
+        out = tmp_path / f"out{len(extra)}"
+        result = CliRunner().invoke(main, ["build", "--target", "gpt-oss-20b", "--output", str(out), *extra])
+        assert result.exit_code == 0, result.output
+        return out, yaml.safe_load((out / "trtllm-serve.yaml").read_text())["speculative_config"]["draft_len_schedule"]
+
+    assumed_dir, assumed = build()
+    measured_dir, measured = build("--acceptance-profile", str(profile))
+    assert max(assumed.values()) == 5 and max(measured.values()) < 5
+    assert "assumed" in (assumed_dir / "DEPLOY.md").read_text()
+    deploy = (measured_dir / "DEPLOY.md").read_text()
+    assert "profile speculation_profile.json (builtin, 2026-12-07T17:30:00+00:00, test): measured" in deploy
+    options = yaml.safe_load((measured_dir / "triton_repo/tensorrt_llm/1/model.yaml").read_text())
+    for rel in RELEASES:
+        validate_llm_args(options, "model.yaml", rel)
+    profile.write_text(json.dumps({"conditional": [1.5]}))
+    bad = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "--target",
+            "gpt-oss-120b",
+            "--tp",
+            "8",
+            "--output",
+            str(tmp_path / "x"),
+            "--acceptance-profile",
+            str(profile),
+        ],
+    )
+    assert bad.exit_code == 2 and "acceptance rates between 0 and 1" in bad.output and not (tmp_path / "x").exists()

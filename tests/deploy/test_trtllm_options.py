@@ -187,7 +187,8 @@ def test_a_valid_schedule_and_graph_sizes_pass():
 
 def test_an_unknown_release_is_one_sentence():
     with pytest.raises(
-        DFlashError, match=r"--trtllm-version must be one of 1\.4\.0rc4, 1\.4\.0rc1, main@0004396, got '1\.2\.1'"
+        DFlashError,
+        match=r"--trtllm-version must be one of 1\.4\.0rc4, 1\.4\.0rc1, 1\.3\.0rc29, main@0004396, got '1\.2\.1'",
     ):
         release("1.2.1")
 

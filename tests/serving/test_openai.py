@@ -342,3 +342,69 @@ def test_bench_loads_the_frontend_as_it_would_a_peers(server, tmp_path):
     for level in next(iter(report["levels"].values())):
         assert level["completed"] == 3 and level["errors"] == [] and level["tokens"] == 3 * 8
         assert level["ttft_p50_s"] > 0 and level["steady_tokens_per_s"] > 0 and level["acceptance_length_median"] >= 1
+
+
+def test_bench_runs_categorised_records_as_speed_bench_does_through_triton_and_openai(server, build_dir, tmp_path):
+    """`bench --dataset`: records of two categories, some of two turns, on Triton's gRPC path (the conversation rendered
+    with the build's tokenizer) and through this frontend (which reports usage with every chunk): every record runs all
+    its turns, each chunk's tokens counted exactly, and the metrics come per category; `--dataset speed-bench` reads a
+    parquet file in SPEED-Bench's schema through the CLI."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trtllm_dflash.clients.bench import category_table, run_dataset
+    from trtllm_dflash.clients.datasets import builtin_records, select
+
+    records = select(builtin_records(), 6, ["math", "rag"])
+    assert sum(r.multiturn for r in records) == 2
+    urls = [f"grpc={server.grpc_url}", f"openai={server.openai_url}"]
+    report = run_dataset(
+        urls, [2], records, dataset="builtin", max_tokens=16, tokenizer=str(build_dir / "tokenizer"), progress=None
+    )
+    for name in ("grpc", "openai"):
+        (level,) = report["levels"][name]
+        assert not level["errors"] and not level["chunk_tokens_estimated"], level["errors"]
+        assert set(level["acceptance"]["Request_AL"]) == {r.question_id for r in records}
+        assert set(level["acceptance"]["Category_AL"]) == {"math", "rag"} and level["acceptance"]["Average_AL"] > 1
+        hist = level["acceptance"]["Acceptance_Length_Histogram"]
+        turns = sum(len(r.turns) for r in records)  # 8: each turn streams at least its first token
+        assert sum(hist.values()) >= turns and level["timing"]["Number of Output Tokens"]["max"] <= 16
+        assert level["timing"]["Output TPS"] > 0 and level["timing"]["TTFT Time"]["min"] > 0
+    table = category_table(report)
+    assert "math" in table and "rag" in table and "overall" in table and "shared out by characters" not in table
+
+    data = tmp_path / "speed" / "qualitative" / "test.parquet"
+    data.parent.mkdir(parents=True)
+    rows = [
+        {
+            "question_id": f"q{i}",
+            "category": c,
+            "sub_category": "",
+            "turns": [t],
+            "source": "ours",
+            "src_id": str(i),
+            "difficulty": "",
+            "multiturn": False,
+        }
+        for i, (c, t) in enumerate(
+            [("math", "What is 12 times 12?"), ("qa", "Name a large ocean."), ("math", "What is 3 + 4?")]
+        )
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    args = [sys.executable, "-m", "trtllm_dflash.cli", "bench", "--url", f"ours={server.openai_url}"]
+    args += ["--dataset", "speed-bench", "--data", str(tmp_path), "--num-requests", "2", "--concurrency", "1"]
+    out = tmp_path / "results" / "sb.json"
+    run = subprocess.run(
+        args + ["--max-tokens", "12", "--output", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr
+    assert "math" in run.stdout and "qa" in run.stdout and "overall" in run.stdout
+    profile = json.loads((out.parent / "speculation_profile.json").read_text())  # what build --acceptance-profile reads
+    assert profile["conditions"]["dataset"] == "speed-bench qualitative" and set(profile["categories"]) == {
+        "math",
+        "qa",
+    }
+    assert all(0 <= p <= 1 for p in profile["conditional"]) and profile["tau"] >= 1

@@ -389,3 +389,126 @@ def run_bench(
 
         extra["interactivity_lines"] = readout_lines(report["interactivity"], list(levels))
     return report | extra
+
+
+def run_dataset(
+    urls,
+    concurrency: list[int],
+    records,
+    *,
+    dataset: str,
+    max_tokens: int = 128,
+    tokenizer: str | None = None,
+    interactivity: Sequence[float] = (),
+    output: str | None = None,
+    progress=print,
+) -> dict:
+    """`bench --dataset`: the records (datasets.Record) at every concurrency level on every server, run as SPEED-Bench's
+    harness runs them (loadgen.run_records), measured with its definitions (specbench: acceptance per category,
+    histogram, conditional and joint acceptance; Output TPS, TTFT, generation tokens/s). A level's point on the
+    interactivity curve is the harness's Output TPS against its median per-request generation tokens/s. The first
+    server's speculation profile (specbench.profile), measured at the first level, goes beside `output`."""
+    from trtllm_dflash.clients.interactivity import PER_USER, TOTAL, readout
+    from trtllm_dflash.clients.loadgen import run_records
+    from trtllm_dflash.clients.specbench import PROFILE, acceptance, profile, timing
+    from trtllm_dflash.cpu import cpu_model
+
+    servers = parse_urls(urls)
+    check_levels(concurrency)
+    progress = progress or (lambda message: None)
+    render = None
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        render = lambda messages: tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # noqa: E731
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    levels: dict[str, list[dict]] = {name: [] for name in servers}
+    first = None  # the first server's conversations at the first level: what its speculation profile is measured on
+    for c in concurrency:
+        for name, url in servers.items():
+            convs, errors, estimated = run_records(url, records, c, max_tokens, render=render)
+            first = first or convs
+            if len(errors) == len(records):
+                raise DFlashError(f"{name} failed every record; the first: {errors[0]}")
+            t = timing(convs)
+            level = {
+                "concurrency": c,
+                "acceptance": acceptance(convs),
+                "timing": t,
+                "errors": errors,
+                "chunk_tokens_estimated": estimated,
+                TOTAL: t.get("Output TPS"),  # the harness's window: first request sent to last response
+                PER_USER: (t.get("Request Generation Tokens Per Second") or {}).get("quantiles", {}).get("0.5"),
+            }
+            levels[name].append(level)
+            progress(
+                f"c={c:<3d} {name}: Average_AL {level['acceptance']['Average_AL']:.2f}, Output TPS "
+                f"{t.get('Output TPS', 0.0):.1f}, errors {len(errors)}"
+            )
+    report = {
+        "benchmark": "trtdflash bench --dataset",
+        "dataset": dataset,
+        "definitions": "NVIDIA/Model-Optimizer examples/specdec_bench a2fbac7 (metrics/acceptance_rate.py, "
+        "specbench.py, timing.py)",
+        "date": started,
+        "client_cpu": cpu_model(),
+        "servers": servers,
+        "max_tokens": max_tokens,
+        "records": [r.question_id for r in records],
+        "levels": levels,
+    }
+    if interactivity:
+        report["interactivity"] = readout(levels, interactivity)
+    name = next(iter(servers))
+    conditions = {
+        "server": f"{name} ({servers[name]})",
+        "dataset": dataset,
+        "categories": sorted({r.category for r in records}),
+        "records": len(records),
+        "concurrency": concurrency[0],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "date": started,
+        "machine": report["client_cpu"],
+        "chunk_tokens_estimated": levels[name][0]["chunk_tokens_estimated"],
+    }
+    report["profile"] = profile(first, conditions)
+    if output:
+        out = Path(output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for path, data in ((out, report), (out.parent / PROFILE, report["profile"])):
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps(data, indent=2) + "\n")
+            os.replace(tmp, path)  # whole or not at all
+        progress(f"wrote {out} and the first server's {out.parent / PROFILE}")
+    return report
+
+
+def category_table(report: dict) -> str:
+    """Per level: each category's acceptance (Category_AL) and the overall Average_AL per server, then Output TPS."""
+    names = list(report["levels"])
+    lines = []
+    for i, level in enumerate(report["levels"][names[0]]):
+        per = [report["levels"][n][i] for n in names]
+        categories = list(dict.fromkeys(c for lv in per for c in lv["acceptance"]["Category_AL"]))
+        head = f"{'users ' + str(level['concurrency']):<16}" + "".join(f"{n:>14}" for n in names)
+        lines += [head, "-" * len(head)]
+        for cat in categories:
+            cells = "".join(
+                f"{lv['acceptance']['Category_AL'][cat]:>14.2f}"
+                if cat in lv["acceptance"]["Category_AL"]
+                else f"{'-':>14}"
+                for lv in per
+            )
+            lines.append(f"{cat:<16}{cells}")
+        lines.append(f"{'overall':<16}" + "".join(f"{lv['acceptance']['Average_AL']:>14.2f}" for lv in per))
+        lines.append(f"{'Output TPS':<16}" + "".join(f"{lv['timing'].get('Output TPS', 0.0):>14.1f}" for lv in per))
+        lines.append("")
+    estimated = [n for n in names if any(lv["chunk_tokens_estimated"] for lv in report["levels"][n])]
+    lines.append(
+        "acceptance: tokens per streamed response, pooled per request, averaged over requests (SPEED-Bench's "
+        "Category_AL, Average_AL); Output TPS: all output tokens from the first request sent to the last response."
+        + (f" {', '.join(estimated)}: no per-chunk usage, tokens shared out by characters." if estimated else "")
+    )
+    return "\n".join(lines)

@@ -233,6 +233,113 @@ def closed_loop(send, requests: int, concurrency: int) -> LoadRun:
     return LoadRun(outcomes, wall, (max((o.arrivals[0][0] for o in first_wave), default=t0), min(dry)))
 
 
+def _grpc_turn(url: str, messages: list[dict], max_tokens: int, render, timeout: float):
+    """One turn over Triton's gRPC stream: (Turn, answer). A first turn is rendered by the build's chat template; a
+    later one, the whole conversation, by `render` (the chat template applied client-side) and sent as text."""
+    from trtllm_dflash.clients.specbench import Turn
+
+    if len(messages) == 1:
+        request = CompletionRequest(messages[0]["content"], max_tokens, True)
+    elif render is None:
+        raise DFlashError(
+            "A multi-turn record over Triton's gRPC needs --tokenizer DIR (the build's tokenizer/) to render the "
+            "conversation, or an OpenAI URL (http://HOST:PORT), whose server renders it."
+        )
+    else:
+        request = CompletionRequest(render(messages), max_tokens, True, apply_chat_template=False)
+    responses: queue.Queue = queue.Queue()
+    turn = Turn(time.perf_counter())
+    stream = EnsembleStream(url, request, lambda result, error: responses.put((result, error)))
+    try:
+        seen = 0
+        while not stream.finished:
+            try:
+                stream.read(*responses.get(timeout=timeout))
+            except queue.Empty:
+                raise DFlashError(f"no response within {timeout:.0f} s") from None
+            if stream.done.num_tokens > seen:  # a step's committed tokens (the empty final response adds none)
+                turn.arrivals.append(time.perf_counter())
+                turn.chunks.append(stream.done.num_tokens - seen)
+                seen = stream.done.num_tokens
+    finally:
+        stream.close()
+    return turn, stream.done.text
+
+
+def _openai_turn(url: str, messages: list[dict], max_tokens: int, timeout: float):
+    """One turn through an OpenAI chat API, streamed: (Turn, answer, whether the chunks' token counts are estimated).
+    A chunk's tokens are exact where the server reports usage with every chunk (vLLM's and SGLang's
+    `continuous_usage_stats`); elsewhere the final usage is shared out by characters."""
+    from trtllm_dflash.clients.specbench import Turn
+
+    body = {"model": openai_model(url), "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+    body |= {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    request = urllib.request.Request(
+        openai_base(url) + "/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    turn, pieces, counts, final = Turn(time.perf_counter()), [], [], None
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            for line in r:
+                data = line.decode("utf-8").strip()
+                if not data.startswith("data:") or data[5:].strip() == "[DONE]":
+                    continue
+                chunk = json.loads(data[5:])
+                if "error" in chunk:
+                    raise DFlashError(chunk["error"].get("message", str(chunk["error"])))
+                usage = chunk.get("usage") or {}
+                final = usage.get("completion_tokens", final)
+                piece = (chunk["choices"][0].get("delta") or {}).get("content") if chunk.get("choices") else None
+                if piece:
+                    turn.arrivals.append(time.perf_counter())
+                    pieces.append(piece)
+                    counts.append(usage.get("completion_tokens"))
+    except urllib.error.HTTPError as e:
+        raise DFlashError(f"HTTP {e.code}: {e.read().decode(errors='replace')[:200]}") from None
+    exact = bool(counts) and all(c is not None for c in counts)
+    if exact:
+        turn.chunks = [b - a for a, b in zip([0, *counts], counts)]
+    else:
+        total, chars = final or len(pieces), [len(p) for p in pieces]
+        shares = [round(total * sum(chars[: i + 1]) / max(sum(chars), 1)) for i in range(len(chars))]
+        turn.chunks = [b - a for a, b in zip([0, *shares], shares)]
+    return turn, "".join(pieces), not exact
+
+
+def run_records(url: str, records, concurrency: int, max_tokens: int, *, render=None, timeout: float = 600.0):
+    """SPEED-Bench's closed loop (specdec_bench run.py): one client slot per record for all its turns, each turn the
+    user's message after the model's own answer to the last, greedy. Returns (Conversation per record, errors,
+    whether any chunk's token count was estimated). `render(messages) -> text` is the chat template, for multi-turn
+    records over Triton's gRPC."""
+    from trtllm_dflash.clients.specbench import Conversation
+
+    convs = [Conversation(r.question_id, r.category) for r in records]
+    errors: list[str] = []
+    estimated = []
+
+    def send(i: int) -> Outcome:
+        messages, out = [], Outcome(i)
+        for text in records[i].turns:
+            messages.append({"role": "user", "content": text})
+            try:
+                if url.startswith(("http://", "https://")):
+                    turn, answer, guessed = _openai_turn(url, messages, max_tokens, timeout)
+                    estimated.append(guessed)
+                else:
+                    turn, answer = _grpc_turn(url, messages, max_tokens, render, timeout)
+            except (DFlashError, OSError, ValueError, KeyError, IndexError) as e:
+                errors.append(f"{records[i].question_id}: {_error(e)}")
+                out.error = _error(e)
+                break
+            convs[i].turns.append(turn)
+            out.arrivals += [(t, 0) for t in turn.arrivals]
+            messages.append({"role": "assistant", "content": answer})
+        return out
+
+    closed_loop(send, len(records), concurrency)
+    return convs, errors, any(estimated)
+
+
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))] if xs else 0.0

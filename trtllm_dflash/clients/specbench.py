@@ -113,3 +113,33 @@ def timing(conversations: Sequence[Conversation]) -> dict:
         "Request Generation Tokens Per Second": stats(gen),
         "Number of Output Tokens": stats([t.tokens for t in turns]),
     }
+
+
+PROFILE = "speculation_profile.json"
+
+
+def per_position(histogram: dict[int, int]) -> list[float]:
+    """The conditional acceptance of each draft position j = 1, 2, ...: S(j + 1) / S(j), S(k) the steps that committed
+    k tokens or more (the bonus token counted); a position no step reached is left out."""
+    steps = {k: v for k, v in histogram.items() if k > 0}
+    longest = max(steps, default=1)
+    at_least = [sum(v for k, v in steps.items() if k >= n) for n in range(1, longest + 1)]
+    return [b / a for a, b in zip(at_least, at_least[1:]) if a]
+
+
+def profile(conversations: Sequence[Conversation], conditions: dict) -> dict:
+    """A speculation profile: the conditional acceptance per draft position and τ, overall and per category, and the
+    conditions they were measured under (`build --acceptance-profile` plans draft lengths from it: engine/plan.py)."""
+    categories = sorted({c.category for c in conversations})
+    overall = acceptance(conversations)
+    by_category = {cat: acceptance([c for c in conversations if c.category == cat]) for cat in categories}
+    return {
+        "format": "trtllm-dflash speculation profile 1",
+        "conditional": per_position(overall["Acceptance_Length_Histogram"]),
+        "tau": overall["Average_AL"],
+        "categories": {
+            cat: {"conditional": per_position(a["Acceptance_Length_Histogram"]), "tau": a["Average_AL"]}
+            for cat, a in by_category.items()
+        },
+        "conditions": conditions,
+    }

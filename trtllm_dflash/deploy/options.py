@@ -86,6 +86,7 @@ class BuildOptions:
     opt_in: tuple[
         str, ...
     ] = ()  # trtllm: combinations upstream has not tested with DFlash, taken anyway (recipes.OPT_INS)
+    acceptance_profile: str | None = None  # trtllm: a measured speculation profile that plans the draft lengths
     replicas: int = 1  # trtllm: Dynamo workers in dynamo/ (launch.sh and the DynamoGraphDeployment)
     dynamo_mode: str = "agg"  # trtllm: Dynamo's serving mode; only aggregated serves DFlash (deploy/lint.py)
 
@@ -120,6 +121,11 @@ class BuildOptions:
             raise DFlashError(f"--replicas must be in 1..1024, got {self.replicas}.")
         if self.dynamo_mode not in DYNAMO_MODES:
             raise DFlashError(f"--dynamo-mode must be one of {', '.join(DYNAMO_MODES)}, got {self.dynamo_mode!r}.")
+        if self.acceptance_profile and (self.resolved_backend != "trtllm" or self.no_draft):
+            raise DFlashError(
+                "--acceptance-profile plans a TensorRT-LLM deployment's draft lengths; the embedded engine measures "
+                "its own acceptance as it serves, and a --no-draft build drafts nothing."
+            )
         if (self.replicas != 1 or self.dynamo_mode != "agg") and self.resolved_backend != "trtllm":
             raise DFlashError(
                 "--replicas and --dynamo-mode shape a GPU deployment's dynamo/ folder; an embedded build is served "

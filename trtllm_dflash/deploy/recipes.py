@@ -181,6 +181,9 @@ class Recipe:
     # It plans the draft length by load (deploy/schedule.py); max_draft_len above is that plan's cap.
     draft_acceptance: tuple[float, int, str] | None = None
     draft_training: DraftTraining | None = None  # what the draft was trained on, for the compatibility lint (lint.py)
+    # A measured speculation profile (build --acceptance-profile): the conditional acceptance per draft position and
+    # where it was measured; it plans the draft lengths in place of draft_acceptance.
+    draft_profile: tuple[tuple[float, ...], str] | None = None
 
     @property
     def weights(self) -> str:

@@ -94,8 +94,11 @@ def roofline_cost(recipe: Recipe, context: int = CONTEXT) -> Callable[[int, int]
 
 
 def recipe_acceptance(recipe: Recipe) -> Acceptance:
-    """The recipe's draft acceptance: the preset's `draft_acceptance` (a published τ with its source), else
-    UNKNOWN_TAU, labelled as assumed."""
+    """The recipe's draft acceptance: a measured profile's (build --acceptance-profile), else the preset's
+    `draft_acceptance` (a published τ with its source), else UNKNOWN_TAU, labelled as assumed."""
+    if recipe.draft_profile is not None:
+        conditional, source = recipe.draft_profile
+        return Acceptance(conditional, source)
     d: DraftConfig = recipe.draft_config
     tau, block, source = recipe.draft_acceptance or (UNKNOWN_TAU, d.block_size, "assumed (no published τ)")
     return Acceptance.from_tau(tau, block, source)

@@ -194,6 +194,22 @@ def _local_recipe(opts, sources) -> Recipe:
     )
 
 
+def read_profile(path: str) -> tuple[tuple[float, ...], str]:
+    """`--acceptance-profile FILE` (clients/specbench.profile): its conditional acceptance per draft position, and a
+    source naming the file and what it was measured on."""
+    from trtllm_dflash.engine.plan import Acceptance
+
+    p = Path(path).expanduser()
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"--acceptance-profile {path} is not a readable JSON file ({e}).") from None
+    c = data.get("conditions") or {} if isinstance(data, dict) else {}
+    measured = ", ".join(str(c[k]) for k in ("dataset", "date", "machine") if c.get(k))
+    acceptance = Acceptance.from_profile(data, f"profile {p.name}" + (f" ({measured})" if measured else ""))
+    return acceptance.conditional, acceptance.source
+
+
 def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> tuple[Deployment, object | None]:
     """The deployment and, for local weights, the resolved sources (files to stage)."""
     if is_gpu_preset(opts.target):
@@ -260,6 +276,8 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
             replicas=opts.replicas,
             dynamo_mode=opts.dynamo_mode,
         )
+    if opts.acceptance_profile:
+        dep.recipe = dataclasses.replace(dep.recipe, draft_profile=read_profile(opts.acceptance_profile))
     if dep.replaced:
         progress(
             f"Untested upstream with DFlash, so not taken: {'; '.join(dep.replaced.values())} (--opt-in to take them)."

@@ -62,6 +62,15 @@ class Acceptance:
         p = conditional_for_tau(tau, block_size)
         return cls((p,) * (block_size - 1), f"{source}: τ {tau:g} at block {block_size}")
 
+    @classmethod
+    def from_profile(cls, profile: dict, source: str) -> Acceptance:
+        """A speculation profile's measured conditional acceptance per draft position (`trtdflash bench --dataset`
+        writes it: clients/specbench.profile); a position it did not measure counts as never accepted."""
+        p = profile.get("conditional") if isinstance(profile, dict) else None
+        if not isinstance(p, list) or not p or not all(isinstance(x, (int, float)) and 0 <= x <= 1 for x in p):
+            raise DFlashError(f"{source}: 'conditional' must be a list of acceptance rates between 0 and 1.")
+        return cls(tuple(float(x) for x in p), f"{source}: measured, τ {expected_tokens(p, len(p)):.2f}")
+
     def expected_tokens(self, k: int) -> float:
         return expected_tokens(self.conditional, k)
 

@@ -356,9 +356,10 @@ class OpenAIFrontend:
                 "max_tokens",
             )
         stream = _field(body, "stream", "a boolean", False)
-        include_usage = stream and _field(
-            _field(body, "stream_options", "an object", {}), "include_usage", "a boolean", False
-        )
+        stream_options = _field(body, "stream_options", "an object", {})
+        include_usage = stream and _field(stream_options, "include_usage", "a boolean", False)
+        # vLLM's extension: usage in every chunk, so a client counts each step's tokens (SPEED-Bench's acceptance)
+        continuous = include_usage and _field(stream_options, "continuous_usage_stats", "a boolean", False)
         job = CompletionRequest(
             prompt,
             room if max_tokens is None else max_tokens,
@@ -384,7 +385,8 @@ class OpenAIFrontend:
                 while item is not None:
                     piece, done = item
                     if piece:
-                        await send(reply.chunk({"content": piece} if chat else piece))
+                        chunk = reply.chunk({"content": piece} if chat else piece)
+                        await send(chunk | {"usage": reply.usage(done, prompt_tokens)} if continuous else chunk)
                     item = await anext(responses, None)
                 await send(reply.chunk({} if chat else "", done))
                 if include_usage:
@@ -407,7 +409,7 @@ class _Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     @staticmethod
-    def _usage(done, prompt_tokens: int) -> dict:
+    def usage(done, prompt_tokens: int) -> dict:
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": done.num_tokens,
@@ -438,7 +440,7 @@ class _Reply:
         )
         return {
             **self._envelope("chat.completion" if self.chat else "text_completion", [choice]),
-            "usage": self._usage(done, prompt_tokens),
+            "usage": self.usage(done, prompt_tokens),
             "dflash": self._dflash(done),
         }
 
@@ -456,5 +458,5 @@ class _Reply:
     def usage_chunk(self, done, prompt_tokens: int) -> dict:
         return {
             **self._envelope("chat.completion.chunk" if self.chat else "text_completion", []),
-            "usage": self._usage(done, prompt_tokens),
+            "usage": self.usage(done, prompt_tokens),
         }
