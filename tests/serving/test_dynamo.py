@@ -92,13 +92,15 @@ class FleetProcess:
         self.metrics = re.findall(r"worker \d+\s+(http://\S+/metrics)", text)
         self.children = psutil.Process(self.proc.pid).children(recursive=True)
 
-    def counters(self) -> list[dict[str, float]]:
-        """Per worker: its engine's prompt-token and prefix-cache-hit counters, from its own /metrics."""
+    def counters(
+        self, names=("dflash_prompt_tokens_total", "dflash_cached_prompt_tokens_total")
+    ) -> list[dict[str, float]]:
+        """Per worker: its engine's counters `names` (default: prompt tokens, prefix-cache hits), from its /metrics."""
         out = []
         for url in self.metrics:
             text = urllib.request.urlopen(url, timeout=10).read().decode()
             values = {}
-            for name in ("dflash_prompt_tokens_total", "dflash_cached_prompt_tokens_total"):
+            for name in names:
                 values[name] = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
             out.append(values)
         return out
@@ -224,14 +226,7 @@ def test_a_client_that_leaves_cancels_its_request_in_the_engine(fleet):
     having generated far fewer tokens than it asked for."""
 
     def totals():
-        rows = []
-        for url in fleet.metrics:
-            text = urllib.request.urlopen(url, timeout=10).read().decode()
-            values = {}
-            for name in ("dflash_requests_finished_total", "dflash_generated_tokens_total"):
-                values[name] = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
-            rows.append(values)
-        return rows
+        return fleet.counters(("dflash_requests_finished_total", "dflash_generated_tokens_total"))
 
     before = totals()
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 400}
