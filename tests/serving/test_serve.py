@@ -28,7 +28,7 @@ from trtllm_dflash.clients.client import CompletionRequest, complete
 from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.deploy import BuildOptions, run_build
 from trtllm_dflash.resolve import resolve_draft
-from trtllm_dflash.serving.serve import ServerConfig, TritonServer, free_port, stop_all
+from trtllm_dflash.serving.serve import ServerConfig, TritonServer, free_ports, stop_all
 
 pytestmark = pytest.mark.slow  # real servers (see pyproject.toml's markers)
 
@@ -386,7 +386,7 @@ def test_client_disconnect_mid_stream_does_not_wedge_the_model(server, reference
 
 
 def test_serve_cli_prints_endpoints_and_stops_gracefully_on_sigterm(build_dir):
-    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    grpc_port, http_port, metrics_port, openai_port = free_ports(4)
     proc = subprocess.Popen(
         [
             TRTDFLASH,
@@ -399,7 +399,7 @@ def test_serve_cli_prints_endpoints_and_stops_gracefully_on_sigterm(build_dir):
             "--metrics-port",
             str(metrics_port),
             "--openai-port",
-            str(free_port()),
+            str(openai_port),
         ],
         stderr=subprocess.PIPE,
         text=True,

@@ -137,9 +137,9 @@ class Launched:
     """`./launch.sh [openai]` of one deployment on free ports; stops its process group on exit."""
 
     def __init__(self, deployment: Path, path: str, env: dict[str, str], timeout: float):
-        from trtllm_dflash.serving.serve import free_port
+        from trtllm_dflash.serving.serve import free_ports
 
-        self.ports = {name: free_port() for name in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT")}
+        self.ports = dict(zip(("HTTP_PORT", "GRPC_PORT", "METRICS_PORT"), free_ports(3)))
         self.log = deployment / f"{path}.log"
         with open(self.log, "wb") as log:
             args = LAUNCH[path]

@@ -14,6 +14,7 @@ process, started once Triton is ready and stopped before it, so the frontend nev
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -56,9 +57,17 @@ class ServerConfig:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports: each socket stays bound until all are picked, so the kernel never hands one out twice
+    (picked one at a time, two of a server's ports once came out equal and tritonserver refused to start)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _pytriton_root() -> Path:
@@ -151,10 +160,11 @@ class TritonServer:
         self.model = self.manifest["serve"]["model"]
         self.config = config
         self.host = config.host
-        self.grpc_port = config.grpc_port or free_port(config.host)
-        self.http_port = config.http_port or free_port(config.host)
-        self.metrics_port = config.metrics_port or free_port(config.host)
-        self.openai_port = None if config.openai_port is None else config.openai_port or free_port(config.host)
+        spare = iter(free_ports(4, config.host))  # for the ports given as 0
+        self.grpc_port = config.grpc_port or next(spare)
+        self.http_port = config.http_port or next(spare)
+        self.metrics_port = config.metrics_port or next(spare)
+        self.openai_port = None if config.openai_port is None else config.openai_port or next(spare)
         self.proc: subprocess.Popen | None = None
         self._stopping = False  # SIGTERM sent (once: a graceful stop is under way)
         self.frontend = None  # the OpenAIFrontend while running
