@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 ROUTER_BLOCK = 16  # tokens per block as the KV router counts them (vLLM's default): finer than the cache's chunks,
 # so a prompt's cached prefix is matched to within 16 tokens
 COMPONENT = "dflash"  # the worker's Dynamo component; its endpoint is `generate`
-FINISH = {"stop": "stop", "length": "length", "cancelled": "cancelled"}  # ours -> Dynamo's FinishReason
 
 
 def block_hashes(tokens: Sequence[int], blocks: int) -> list[int]:
@@ -187,8 +186,13 @@ class DFlashWorker(LLMEngine):
         resolved = self.manifest["resolved"]
         self.max_seq_len = int(resolved["max_seq_len"])
         self.max_batch_size = int(max_batch_size or resolved["max_batch_size"])
-        opts, here = self.engine_options()
-        self.target_dir = (here / opts.target_dir).resolve()  # the frontend reads its tokenizer and chat template
+        self.model_dir = self.build_dir / self.manifest["serve"]["model_repository"] / "dflash"  # engine paths' base
+        self.opts = EngineOptions.from_json(
+            (self.model_dir / ENGINE_FILE).read_text(), str(self.model_dir / ENGINE_FILE)
+        )
+        self.target_dir = (
+            self.model_dir / self.opts.target_dir
+        ).resolve()  # the frontend reads its tokenizer, template
         self.engine = self.scheduler = None
         self.blocks = RouterBlocks()
         self.handles: dict[str, object] = {}  # Dynamo request id -> Handle, for abort()
@@ -216,15 +220,11 @@ class DFlashWorker(LLMEngine):
         )
         return worker, config
 
-    def engine_options(self) -> tuple[EngineOptions, Path]:
-        here = self.build_dir / self.manifest["serve"]["model_repository"] / "dflash"
-        return EngineOptions.from_json((here / ENGINE_FILE).read_text(), str(here / ENGINE_FILE)), here
-
     async def start(self, worker_id: int) -> EngineConfig:
         from trtllm_dflash.engine.runtime import DFlashEngine
 
-        opts, here = self.engine_options()
-        self.engine = await asyncio.to_thread(DFlashEngine.from_options, opts, here, log.info)
+        opts = self.opts
+        self.engine = await asyncio.to_thread(DFlashEngine.from_options, opts, self.model_dir, log.info)
         slot = self.max_seq_len + self.engine.block_size
         self.scheduler = await asyncio.to_thread(
             self.engine.scheduler,
@@ -318,7 +318,7 @@ class DFlashWorker(LLMEngine):
     @staticmethod
     def _final(stats, reason: str | None = None) -> dict:
         return {
-            "finish_reason": FINISH[reason or stats.finish_reason],
+            "finish_reason": reason or stats.finish_reason,  # stop | length | cancelled: Dynamo's names too
             "completion_usage": {
                 "prompt_tokens": stats.prompt_tokens,
                 "completion_tokens": stats.num_tokens,

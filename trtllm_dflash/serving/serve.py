@@ -123,7 +123,10 @@ def log_dir(server: str, keep: int = 20) -> Path:
     d = cache_dir() / server / "logs"
     d.mkdir(parents=True, exist_ok=True)
     for old in sorted(d.glob(f"{server}*"), key=lambda p: p.stat().st_mtime)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
     return d
 
 
