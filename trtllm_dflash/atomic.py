@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -95,3 +96,14 @@ def recover(dest: Path) -> list[str]:
         else:
             shutil.rmtree(p)
     return [p.name for p in leftovers]
+
+
+def write_json(path: Path, data) -> None:
+    """`data` as indented JSON at `path`, whole or not at all (written beside it, then renamed); folders made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

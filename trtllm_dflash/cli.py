@@ -810,6 +810,19 @@ def _speeds(text: str | None, flag: str) -> list[float]:
     default=None,
     help="With --dataset and a Triton gRPC --url: the build's tokenizer/ folder, to render multi-turn conversations.",
 )
+@click.option(
+    "--conditions",
+    is_flag=True,
+    help="The --url's acceptance under each condition where upstream saw it collapse (long prompts, a warm prefix "
+    "cache, temperature 0.7, thinking), one user at a time, against the short, cold, greedy baseline, on --dataset's "
+    "records (builtin by default); with --gate, exit 1 on a collapse (τ under 70 % of the baseline's).",
+)
+@click.option(
+    "--lengths",
+    default=None,
+    help="With --conditions: prompt lengths in tokens (about, without --tokenizer), comma-separated, up to the "
+    "target's context. Default: 1024,4096.",
+)
 @user_errors
 def bench(
     urls,
@@ -828,12 +841,21 @@ def bench(
     category,
     num_requests,
     tokenizer,
+    conditions,
+    lengths,
 ):
     """Load running servers with closed-loop streaming clients (each sends its next request when its last one ends):
     tokens/s, per-user speed, time to first token, inter-token latency and acceptance at each concurrency level; with
-    --dataset, SPEED-Bench's records and metrics per category."""
+    --dataset, SPEED-Bench's records and metrics per category; with --conditions, acceptance where it may collapse."""
     from trtllm_dflash.clients.bench import gate_failure, gate_lines, run_bench
 
+    if conditions:
+        _bench_conditions(
+            urls, dataset, data, speed_config, category, num_requests, tokenizer, lengths, max_tokens, output, gate
+        )
+        return
+    if lengths is not None:
+        raise click.UsageError("--lengths goes with --conditions.")
     if dataset is None and (data or category or num_requests or tokenizer):
         raise click.UsageError("--data, --category, --num-requests and --tokenizer go with --dataset.")
     if dataset is not None:
@@ -879,20 +901,63 @@ def bench(
         click.echo("Gate passed: DFlash is not measurably slower than its draft-free twin at any level.")
 
 
-def _bench_dataset(
-    urls, concurrency, max_tokens, output, interactivity, dataset, data, config, category, n, tokenizer, other
-):
+def _records(dataset, data, config, category, n):
+    """The records `bench --dataset` (or --conditions) runs."""
     from pathlib import Path
 
-    from trtllm_dflash.clients.bench import category_table, run_dataset
     from trtllm_dflash.clients.datasets import builtin_records, read_speed_bench, select
 
-    if other:
-        raise click.UsageError("--dataset runs its own records: leave out --gate, --deployment and --prompts.")
     if dataset == "speed-bench" and not data:
         raise click.UsageError("--dataset speed-bench needs --data: the folder specdec_bench's prepare_data.py wrote.")
     records = builtin_records() if dataset == "builtin" else read_speed_bench(Path(data), config)
-    records = select(records, n, [c for c in (category or "").split(",") if c])
+    return select(records, n, [c for c in (category or "").split(",") if c])
+
+
+def _bench_conditions(urls, dataset, data, config, category, n, tokenizer, lengths, max_tokens, output, gate):
+    from trtllm_dflash.clients.bench import parse_urls
+    from trtllm_dflash.clients.conditions import LENGTHS, bench_conditions, collapses, table
+
+    ctx = click.get_current_context()
+    moved = [
+        f"--{name}"
+        for name in ("concurrency", "interactivity", "deployment", "prompts_file", "requests", "rounds")
+        if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT
+    ]
+    if moved:
+        raise click.UsageError(f"--conditions runs one user at a time on its own records; leave out {moved[0]}.")
+    if len(urls) != 1:
+        raise click.UsageError("--conditions measures one server: give one --url, the DFlash deployment.")
+    dataset = dataset or "builtin"
+    report = bench_conditions(
+        next(iter(parse_urls(urls).values())),
+        _records(dataset, data, config, category, n),
+        dataset=dataset if dataset == "builtin" else f"speed-bench {config}",
+        lengths=_levels(lengths, "--lengths") or LENGTHS,
+        max_tokens=max_tokens,
+        tokenizer=tokenizer,
+        output=output,
+        progress=lambda m: click.echo(m, err=True),
+    )
+    click.echo(table(report))
+    found = collapses(report)
+    click.echo(
+        "\n".join(["", *found])
+        if found
+        else f"\nNo collapse: every condition kept {report['collapse_below']:.0%} of the baseline's τ or more."
+    )
+    if gate and found:
+        click.echo("Gate failed: acceptance collapses under a condition above.", err=True)
+        sys.exit(1)
+
+
+def _bench_dataset(
+    urls, concurrency, max_tokens, output, interactivity, dataset, data, config, category, n, tokenizer, other
+):
+    from trtllm_dflash.clients.bench import category_table, run_dataset
+
+    if other:
+        raise click.UsageError("--dataset runs its own records: leave out --gate, --deployment and --prompts.")
+    records = _records(dataset, data, config, category, n)
     report = run_dataset(
         urls,
         _levels(concurrency, "--concurrency"),

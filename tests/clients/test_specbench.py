@@ -143,3 +143,45 @@ def test_the_profile_gives_each_draft_positions_conditional_acceptance_overall_a
     planned = Acceptance.from_profile(p, "profile")
     assert planned.conditional == pytest.approx(tuple(p["conditional"]))
     assert planned.expected_tokens(3) == pytest.approx(1 + 4 / 7 + 2 / 7 + 1 / 7)  # S(k)/S(1) summed: 7 steps
+
+
+def test_the_conditions_prompts_are_fresh_padded_to_length_and_a_thinking_switch_is_found(target_dir):
+    """Each condition run's records start with their own reference line (nothing but the template's head cached from
+    before), a long prompt holds about the tokens asked for with the request after the notes, and thinking is
+    measurable exactly where the chat template renders enable_thinking on and off differently."""
+    from transformers import AutoTokenizer
+
+    from trtllm_dflash.clients.conditions import _fresh, padded, thinking_switch
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    count = lambda text: len(tok(text)["input_ids"])  # noqa: E731
+    records = select(builtin_records(), 3)
+    a, b = _fresh(records), _fresh(records)
+    assert all(x.turns[0] != y.turns[0] and x.turns[0].endswith(r.turns[0]) for x, y, r in zip(a, b, records))
+    long = _fresh(padded(records, 500, count))
+    assert all(500 <= count(r.turns[0]) <= 650 and r.turns[0].startswith("(ref ") for r in long)
+    assert long[0].turns[0].endswith(records[0].turns[0])
+
+    def render(template):
+        return lambda messages, **kw: tok.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=True, **kw
+        )
+
+    switch = "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking %}<think>{% endif %}"
+    assert thinking_switch("127.0.0.1:1", render(switch), records) is None
+    assert "no enable_thinking switch" in thinking_switch("127.0.0.1:1", render(tok.chat_template), records)
+    assert "give --tokenizer" in thinking_switch("127.0.0.1:1", None, records)
+
+
+def test_a_collapse_is_a_condition_under_seventy_percent_of_the_baseline():
+    """Judged against the short, cold, greedy τ: 69 % collapses, 70 % does not, a run with no answer is not judged,
+    and a baseline with no answer is one sentence."""
+    from trtllm_dflash.clients.conditions import BASELINE, collapses, judge
+
+    results = {BASELINE: {"tau": 2.0}, "prompt ~4096": {"tau": 1.38}, "warm": {"tau": 1.4}, "too long": {"tau": None}}
+    judge(results)
+    assert [n for n, r in results.items() if r["collapsed"]] == ["prompt ~4096"] and results["warm"]["ratio"] == 0.7
+    (line,) = collapses({"collapse_below": 0.7, "results": results})
+    assert line.startswith("Acceptance collapses with prompt ~4096: τ 1.38 is 69% of the short, cold, greedy τ 2.00")
+    with pytest.raises(DFlashError, match="The baseline run failed every record; the first: q1: refused"):
+        judge({BASELINE: {"tau": None, "errors": ["q1: refused"]}})

@@ -193,6 +193,21 @@ def test_chat_renders_the_whole_conversation(api, tokenizer, rendered, chat_ref)
     assert all(c.usage is None for c in chunks), "usage is streamed only when asked for"
 
 
+def test_chat_template_kwargs_reach_the_template_and_never_the_renderer(api, chat_ref):
+    """vLLM's `chat_template_kwargs`: a variable the template does not read changes nothing; the renderer's own
+    arguments (tokenize would hand the server token ids for text) are refused."""
+    extra = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = api.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
+    )
+    assert r.choices[0].message.content == chat_ref.text
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={"chat_template_kwargs": {"tokenize": True}}
+        )
+    assert e.value.body["param"] == "chat_template_kwargs" and "may not set 'tokenize'" in e.value.body["message"]
+
+
 def test_prompts_behind_one_long_system_message_reuse_its_chunks(api, tokenizer):
     """The second request copies the whole 64-token chunks the two rendered prompts share (prefix_cache.py), says so in
     usage.prompt_tokens_details.cached_tokens, and answers as a server that computed them would (the first request's
@@ -408,3 +423,50 @@ def test_bench_runs_categorised_records_as_speed_bench_does_through_triton_and_o
         "qa",
     }
     assert all(0 <= p <= 1 for p in profile["conditional"]) and profile["tau"] >= 1
+
+
+def test_bench_conditions_measure_acceptance_where_it_may_collapse(server, build_dir, tmp_path):
+    """`bench --conditions` through this frontend (the CLI) and over Triton's gRPC (the template rendered with the
+    build's tokenizer): every condition runs against the short, cold, greedy baseline; a cold long prompt finds only
+    the template's head cached and its warm resend finds all but the last chunk, with the same acceptance (the cache
+    keeps the draft's features); a length past the context is reported as not run; SmolLM2's template has no thinking
+    switch; --gate exits 1 exactly where a condition collapsed; the profile records every condition."""
+    import subprocess
+    import sys
+
+    from trtllm_dflash.clients.conditions import BASELINE, bench_conditions
+    from trtllm_dflash.clients.datasets import builtin_records, select
+    from trtllm_dflash.engine.prefix_cache import BLOCK
+
+    out = tmp_path / "conditions.json"
+    args = [sys.executable, "-m", "trtllm_dflash.cli", "bench", "--url", server.openai_url, "--conditions", "--gate"]
+    args += ["--num-requests", "3", "--lengths", "100,400", "--max-tokens", "12", "--output", str(out)]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert list(results) == [BASELINE, "temperature 0.7", "prompt ~100", "prompt ~100, warm", "prompt ~400"]
+    assert results[BASELINE]["records"] == 3 and results[BASELINE]["tau"] >= 1
+    cold, warm = results["prompt ~100"], results["prompt ~100, warm"]
+    assert cold["prompt_tokens_median"] >= 100 and cold["cached_tokens_median"] < BLOCK
+    assert warm["cached_tokens_median"] > warm["prompt_tokens_median"] - BLOCK and warm["tau"] == cold["tau"]
+    assert results["prompt ~400"]["tau"] is None and "context window" in results["prompt ~400"]["errors"][0]
+    assert "no enable_thinking switch" in report["skipped"]["thinking"]
+    collapsed = [n for n, r in results.items() if r["collapsed"]]
+    assert run.returncode == (1 if collapsed else 0), run.stderr
+    assert ("Gate failed" in run.stderr) == bool(collapsed) and "not run" in run.stdout
+    profile = json.loads((tmp_path / "speculation_profile.json").read_text())
+    assert profile["tau"] == results[BASELINE]["tau"] and set(profile["under"]) == set(results) - {BASELINE}
+
+    report = bench_conditions(
+        server.grpc_url,
+        select(builtin_records(), 2),
+        dataset="builtin",
+        lengths=(100,),
+        max_tokens=8,
+        tokenizer=str(build_dir / "tokenizer"),
+        progress=None,
+    )
+    results = report["results"]
+    assert results[BASELINE]["tau"] >= 1 and not any(r["errors"] for r in results.values())
+    assert results["prompt ~100, warm"]["cached_tokens_median"] > results["prompt ~100"]["cached_tokens_median"]
+    assert "no enable_thinking switch" in report["skipped"]["thinking"]

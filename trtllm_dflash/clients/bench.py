@@ -13,13 +13,13 @@ import datetime
 import hashlib
 import json
 import math
-import os
 import statistics
 import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from trtllm_dflash.atomic import write_json
 from trtllm_dflash.clients.loadgen import check_levels, compare, default_prompts, plot_pareto
 from trtllm_dflash.errors import DFlashError
 
@@ -372,10 +372,7 @@ def run_bench(
             progress(f"recorded the gate's verdict in {Path(deployment) / 'manifest.json'}")
     if output:
         out = Path(output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        os.replace(tmp, out)  # whole or not at all
+        write_json(out, report)
         plot_pareto(
             levels,
             f"trtdflash bench, concurrency annotated\n{started[:16].replace('T', ' ')} UTC, client {report['client_cpu']}",
@@ -389,6 +386,17 @@ def run_bench(
 
         extra["interactivity_lines"] = readout_lines(report["interactivity"], list(levels))
     return report | extra
+
+
+def renderer(tokenizer: str | None):
+    """`render(messages, **template_kwargs) -> text`: the chat template of the tokenizer in folder `tokenizer`, applied
+    client-side (what a Triton gRPC client sends for a multi-turn record); None without one."""
+    if not tokenizer:
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    return lambda messages, **kw: tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
 
 
 def run_dataset(
@@ -416,12 +424,7 @@ def run_dataset(
     servers = parse_urls(urls)
     check_levels(concurrency)
     progress = progress or (lambda message: None)
-    render = None
-    if tokenizer:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(tokenizer)
-        render = lambda messages: tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # noqa: E731
+    render = renderer(tokenizer)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     levels: dict[str, list[dict]] = {name: [] for name in servers}
     first = None  # the first server's conversations at the first level: what its speculation profile is measured on
@@ -476,11 +479,8 @@ def run_dataset(
     report["profile"] = profile(first, conditions)
     if output:
         out = Path(output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        for path, data in ((out, report), (out.parent / PROFILE, report["profile"])):
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(json.dumps(data, indent=2) + "\n")
-            os.replace(tmp, path)  # whole or not at all
+        write_json(out, report)
+        write_json(out.parent / PROFILE, report["profile"])
         progress(f"wrote {out} and the first server's {out.parent / PROFILE}")
     return report
 

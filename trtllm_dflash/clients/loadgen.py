@@ -5,6 +5,7 @@ and the load test send, and for the latency figures they report.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import queue
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trtllm_dflash.clients.client import CompletionRequest, EnsembleStream
+from trtllm_dflash.config import SamplingParams
 from trtllm_dflash.errors import DFlashError
 
 EVERYDAY_QUESTIONS = (  # not from any training set
@@ -233,20 +235,34 @@ def closed_loop(send, requests: int, concurrency: int) -> LoadRun:
     return LoadRun(outcomes, wall, (max((o.arrivals[0][0] for o in first_wave), default=t0), min(dry)))
 
 
-def _grpc_turn(url: str, messages: list[dict], max_tokens: int, render, timeout: float):
-    """One turn over Triton's gRPC stream: (Turn, answer). A first turn is rendered by the build's chat template; a
-    later one, the whole conversation, by `render` (the chat template applied client-side) and sent as text."""
+@dataclass(frozen=True)
+class TurnOptions:
+    """What every turn of a record run sends besides its messages: greedy by default, as SPEED-Bench runs; a seed
+    per record where sampled (run_records adds the record's index); options for the chat template (vLLM's
+    `chat_template_kwargs`, e.g. enable_thinking)."""
+
+    temperature: float = 0.0
+    seed: int | None = None
+    template_kwargs: dict = field(default_factory=dict)
+
+
+def _grpc_turn(url: str, messages: list[dict], max_tokens: int, render, timeout: float, options: TurnOptions):
+    """One turn over Triton's gRPC stream: (Turn, answer). A first turn without template options is rendered by the
+    build's chat template; any other, the whole conversation, by `render(messages, **template_kwargs)` (the chat
+    template applied client-side) and sent as text."""
     from trtllm_dflash.clients.specbench import Turn
 
-    if len(messages) == 1:
-        request = CompletionRequest(messages[0]["content"], max_tokens, True)
+    sampling = SamplingParams(options.temperature, seed=options.seed)
+    if len(messages) == 1 and not options.template_kwargs:
+        request = CompletionRequest(messages[0]["content"], max_tokens, True, sampling)
     elif render is None:
         raise DFlashError(
-            "A multi-turn record over Triton's gRPC needs --tokenizer DIR (the build's tokenizer/) to render the "
-            "conversation, or an OpenAI URL (http://HOST:PORT), whose server renders it."
+            "A multi-turn record or chat-template options over Triton's gRPC need --tokenizer DIR (the build's "
+            "tokenizer/) to render the conversation, or an OpenAI URL (http://HOST:PORT), whose server renders it."
         )
     else:
-        request = CompletionRequest(render(messages), max_tokens, True, apply_chat_template=False)
+        text = render(messages, **options.template_kwargs)
+        request = CompletionRequest(text, max_tokens, True, sampling, apply_chat_template=False)
     responses: queue.Queue = queue.Queue()
     turn = Turn(time.perf_counter())
     stream = EnsembleStream(url, request, lambda result, error: responses.put((result, error)))
@@ -263,16 +279,20 @@ def _grpc_turn(url: str, messages: list[dict], max_tokens: int, render, timeout:
                 seen = stream.done.num_tokens
     finally:
         stream.close()
+    turn.cached_tokens = stream.done.cached_tokens
     return turn, stream.done.text
 
 
-def _openai_turn(url: str, messages: list[dict], max_tokens: int, timeout: float):
+def _openai_turn(url: str, messages: list[dict], max_tokens: int, timeout: float, options: TurnOptions):
     """One turn through an OpenAI chat API, streamed: (Turn, answer, whether the chunks' token counts are estimated).
     A chunk's tokens are exact where the server reports usage with every chunk (vLLM's and SGLang's
     `continuous_usage_stats`); elsewhere the final usage is shared out by characters."""
     from trtllm_dflash.clients.specbench import Turn
 
-    body = {"model": openai_model(url), "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+    body = {"model": openai_model(url), "messages": messages, "max_tokens": max_tokens}
+    body |= {"temperature": options.temperature} | ({"seed": options.seed} if options.seed is not None else {})
+    if options.template_kwargs:  # vLLM's and SGLang's extension, which our frontend takes too
+        body["chat_template_kwargs"] = options.template_kwargs
     body |= {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     request = urllib.request.Request(
         openai_base(url) + "/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -289,6 +309,9 @@ def _openai_turn(url: str, messages: list[dict], max_tokens: int, timeout: float
                     raise DFlashError(chunk["error"].get("message", str(chunk["error"])))
                 usage = chunk.get("usage") or {}
                 final = usage.get("completion_tokens", final)
+                turn.prompt_tokens = usage.get("prompt_tokens", turn.prompt_tokens)
+                details = usage.get("prompt_tokens_details") or {}
+                turn.cached_tokens = details.get("cached_tokens", turn.cached_tokens)
                 piece = (chunk["choices"][0].get("delta") or {}).get("content") if chunk.get("choices") else None
                 if piece:
                     turn.arrivals.append(time.perf_counter())
@@ -306,11 +329,20 @@ def _openai_turn(url: str, messages: list[dict], max_tokens: int, timeout: float
     return turn, "".join(pieces), not exact
 
 
-def run_records(url: str, records, concurrency: int, max_tokens: int, *, render=None, timeout: float = 600.0):
+def run_records(
+    url: str,
+    records,
+    concurrency: int,
+    max_tokens: int,
+    *,
+    render=None,
+    options: TurnOptions = TurnOptions(),
+    timeout: float = 600.0,
+):
     """SPEED-Bench's closed loop (specdec_bench run.py): one client slot per record for all its turns, each turn the
-    user's message after the model's own answer to the last, greedy. Returns (Conversation per record, errors,
-    whether any chunk's token count was estimated). `render(messages) -> text` is the chat template, for multi-turn
-    records over Triton's gRPC."""
+    user's message after the model's own answer to the last, greedy unless `options` say otherwise. Returns
+    (Conversation per record, errors, whether any chunk's token count was estimated). `render(messages, **kwargs) ->
+    text` is the chat template, for multi-turn records and template options over Triton's gRPC."""
     from trtllm_dflash.clients.specbench import Conversation
 
     convs = [Conversation(r.question_id, r.category) for r in records]
@@ -319,14 +351,15 @@ def run_records(url: str, records, concurrency: int, max_tokens: int, *, render=
 
     def send(i: int) -> Outcome:
         messages, out = [], Outcome(i)
+        mine = options if options.seed is None else dataclasses.replace(options, seed=options.seed + i)
         for text in records[i].turns:
             messages.append({"role": "user", "content": text})
             try:
                 if url.startswith(("http://", "https://")):
-                    turn, answer, guessed = _openai_turn(url, messages, max_tokens, timeout)
+                    turn, answer, guessed = _openai_turn(url, messages, max_tokens, timeout, mine)
                     estimated.append(guessed)
                 else:
-                    turn, answer = _grpc_turn(url, messages, max_tokens, render, timeout)
+                    turn, answer = _grpc_turn(url, messages, max_tokens, render, timeout, mine)
             except (DFlashError, OSError, ValueError, KeyError, IndexError) as e:
                 errors.append(f"{records[i].question_id}: {_error(e)}")
                 out.error = _error(e)

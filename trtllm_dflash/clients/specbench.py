@@ -29,6 +29,8 @@ class Turn:
     sent: float
     arrivals: list[float] = field(default_factory=list)
     chunks: list[int] = field(default_factory=list)
+    prompt_tokens: int | None = None  # where the server reports it (OpenAI usage)
+    cached_tokens: int | None = None  # of those, copied from the server's prefix cache, where it reports it
 
     @property
     def times(self) -> list[float]:

@@ -98,6 +98,31 @@ def _check_fixed(body: dict) -> None:
             )
 
 
+# apply_chat_template's own arguments: a request's template options may not reach them
+TEMPLATE_RESERVED = frozenset(
+    ("conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message")
+    + (
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+    )
+    + ("tokenizer_kwargs",)
+)
+
+
+def _template_kwargs(body: dict) -> dict:
+    """vLLM's `chat_template_kwargs`: variables the chat template reads (enable_thinking, ...), never the renderer's
+    own arguments."""
+    options = _field(body, "chat_template_kwargs", "an object", {})
+    if reserved := sorted(TEMPLATE_RESERVED & set(options)):
+        raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}.", "chat_template_kwargs")
+    return options
+
+
 def _stop_words(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop or []
@@ -318,8 +343,9 @@ class OpenAIFrontend:
         turns = [dict(zip(("role", "content"), _message_text(m, i))) for i, m in enumerate(messages)]
         if not self.tokenizer.chat_template:
             raise APIError(400, "This model's tokenizer has no chat template; use /v1/completions.", "messages")
+        options = _template_kwargs(body)
         try:
-            prompt = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            prompt = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **options)
         except Exception as e:  # the template's own checks (e.g. role order) raise jinja errors
             raise APIError(400, f"The chat template cannot render these messages: {e}", "messages") from None
         max_tokens = _field(body, "max_completion_tokens", "an integer")
