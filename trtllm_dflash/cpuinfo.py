@@ -26,7 +26,13 @@ def _cpuinfo() -> dict[str, str]:
 
 
 def cpu_model() -> str:
-    return _cpuinfo().get("model name") or platform.processor() or "unknown"
+    """The CPU's model name; where a virtual machine hides the model number (a bare "AMD EPYC"), with its family and
+    model numbers, which tell the generations apart (AMD family 25 is Zen 3 and Zen 4, family 26 Zen 5)."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or "unknown"
+    if not any(c.isdigit() for c in name) and "cpu family" in info:
+        name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
+    return name
 
 
 def cpu_flags() -> frozenset[str]:

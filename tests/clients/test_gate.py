@@ -213,6 +213,10 @@ def test_calibration_replans_a_deployment_from_the_steps_its_servers_show(pair, 
     assert r.exit_code == 0 and "restart the servers" in r.output and "the roofline's" in r.output, r.output
     record = json.loads((deployment / "manifest.json").read_text())["calibration"]
     assert [p["batch"] for p in record["points"]] == [1, 2] and record["points"][0]["draft_len"] == 3
+    # the acceptance per position, measured at 1 user on the built-in set, is kept beside the files and planned with
+    profile = json.loads((deployment / "speculation_profile.json").read_text())
+    assert profile["conditions"]["records"] == 22 and profile["conditional"] and profile["tau"] > 1
+    assert record["acceptance"].startswith("measured per position (builtin, single-turn, 22 records)")
     assert all(p["step_s"] > 0 and p["twin_step_s"] > 0 for p in record["points"]) and record["points"][0]["tau"] > 1
     # the scaled roofline goes through every measured step (or above it, where noise left drafting no time)
     recipe = read_deployment(deployment)[3]

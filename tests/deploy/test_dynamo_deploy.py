@@ -2,6 +2,7 @@
 TensorRT-LLM DynamoGraphDeployment template it ships, and the flags its `dynamo.trtllm` worker declares."""
 
 import ast
+import math
 import subprocess
 import sys
 from importlib import resources
@@ -12,7 +13,7 @@ import yaml
 from click.testing import CliRunner
 
 from trtllm_dflash.cli import main
-from trtllm_dflash.deploy.dynamo import DYNAMO_IMAGE, DYNAMO_TRTLLM
+from trtllm_dflash.deploy.dynamo import DYNAMO_IMAGE, DYNAMO_TRTLLM, AisAcceptance
 from trtllm_dflash.deploy.trtllm.schema import DFLASH_FIXES, FIRST_DFLASH_RELEASE, validate_llm_args
 
 
@@ -152,3 +153,52 @@ def test_serve_dynamo_refuses_a_tensorrt_llm_deployment_in_one_sentence(deployme
     result = CliRunner().invoke(main, ["serve", str(deployment), "--dynamo"])
     assert result.exit_code == 2 and "is a TensorRT-LLM deployment: on GPUs run its dynamo/launch.sh" in result.output
     assert not (deployment / ".dynamo").exists()
+
+
+def test_dynamos_acceptance_inputs_come_from_the_measured_profile(tmp_path, monkeypatch):
+    """`build --acceptance-profile`: launch.sh and both graph components set DYN_AIS_NEXTN and
+    DYN_AIS_NEXTN_ACCEPT_RATES from the profile, not Dynamo's default [0.85, 0.3, 0, 0, 0]; Dynamo's own option group
+    reads them as `--ais-nextn-accept-rates`, and what its five positions leave out of a longer draft is stated."""
+    import argparse
+    import json
+
+    from dynamo._internal.ais import _pad_nextn_accept_rates
+    from dynamo.common.configuration.groups.ais_perf_args import AisPerfArgGroup
+
+    rates = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
+    profile = tmp_path / "speculation_profile.json"
+    profile.write_text(json.dumps({"conditional": rates, "tau": 4.0, "conditions": {"dataset": "builtin"}}))
+    out = tmp_path / "out"
+    args = [
+        "build",
+        "--target",
+        "gpt-oss-120b",
+        "--tp",
+        "8",
+        "--acceptance-profile",
+        str(profile),
+        "--output",
+        str(out),
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    draft_len = yaml.safe_load((out / "dynamo" / "engine.yaml").read_text())["speculative_config"]["max_draft_len"]
+    launch = (out / "dynamo" / "launch.sh").read_text()
+    env = dict(line.removeprefix("export ").split("=", 1) for line in launch.splitlines() if "DYN_AIS" in line)
+    env = {k: v.split(":-", 1)[1].rstrip("}") for k, v in env.items() if not k.startswith("#")}
+    dgd = list(yaml.safe_load_all((out / "dynamo" / "graph.yaml").read_text()))[1]
+    for component in dgd["spec"]["components"]:
+        (container,) = component["podTemplate"]["spec"]["containers"]
+        assert {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("DYN_AIS")} == env
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    parser = argparse.ArgumentParser()
+    AisPerfArgGroup().add_arguments(parser)  # its defaults are read from DYN_AIS_* at this moment
+    parsed = parser.parse_args([])
+    n = min(draft_len, 5)
+    assert parsed.ais_nextn == n and _pad_nextn_accept_rates(parsed.ais_nextn_accept_rates)[:n] == rates[:n]
+    assert "from profile speculation_profile.json (builtin)" in launch and "left out" not in launch  # 3 positions
+    longer = AisAcceptance.of(rates, 8, "a profile")
+    left = sum(math.prod(rates[:j]) for j in range(6, 9))  # positions 6, 7 and 8 reached
+    assert longer.nextn == 5 and longer.rates == tuple(rates[:5]) and math.isclose(longer.left_out, left)
+    assert f"positions past the fifth, left out, would add {left:.2f} tokens per step" in longer.note()

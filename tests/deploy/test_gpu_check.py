@@ -44,6 +44,11 @@ def test_the_cpu_half_passes_every_check(target_dir, tmp_path):
     )
     spec = yaml.safe_load((deployment / "trtllm-serve.yaml").read_text())["speculative_config"]
     assert {str(k): v for k, v in spec["draft_len_schedule"].items()} == calibration["draft_len_schedule"]
+    # its speculation profile, measured on the host, planned the acceptance and sits beside its files
+    profile = saved["profile"]
+    assert profile["conditions"]["records"] == 11 and profile["tau"] > 1 and profile["conditional"]
+    assert json.loads((deployment / "speculation_profile.json").read_text()) == profile
+    assert calibration["acceptance"].startswith("measured per position (builtin, single-turn, 11 records)")
 
 
 def test_bad_input_is_one_sentence(tmp_path):

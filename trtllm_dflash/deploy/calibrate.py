@@ -128,6 +128,22 @@ def measured_acceptance(points: list[Point], cap: int):
     return Acceptance((rate,) * cap, f"measured: τ {tau:.2f} at {users}, draft length {p.draft_len}")
 
 
+def profile_acceptance(profile: dict, cap: int):
+    """A measured speculation profile's acceptance over `cap` positions: each position the server reached, as measured;
+    those past its served draft length (never reached, so never measured) at the measured positions' geometric mean,
+    as measured_acceptance spreads one rate, so that re-planning may lengthen the draft."""
+    from trtllm_dflash.engine.plan import Acceptance
+
+    measured = [p for p in profile.get("conditional") or [] if p > 0][:cap]
+    if not measured:
+        raise DFlashError("The profile measured no accepted draft token; measure at 1 user, greedy.")
+    rest = math.prod(measured) ** (1 / len(measured))
+    c = profile.get("conditions") or {}
+    where = f" ({c['dataset']}, {c['records']} records)" if c.get("dataset") and c.get("records") else ""
+    source = f"measured per position{where}: τ {profile.get('tau', 0):.2f} at 1 user"
+    return Acceptance(tuple(measured) + (rest,) * (cap - len(measured)), source)
+
+
 def _points(schedule: dict[int, int], levels: dict[str, list[dict]]) -> list[Point]:
     """One Point per load the deployment was measured at (and its twin, where measured, at the same load)."""
     twin = {lv["concurrency"]: lv for lv in levels.get("twin") or []}
@@ -270,10 +286,11 @@ def calibrate(
     dry_run: bool = False,
     progress=print,
 ) -> Calibration:
-    """Load the deployment's server at `url` (and its --no-draft twin at `twin`) at every level (levels_for), then
-    `replan`."""
+    """Load the deployment's server at `url` (and its --no-draft twin at `twin`) at every level (levels_for), measure
+    its speculation profile at one user (specbench.measure_profile), then `replan`."""
     from trtllm_dflash.clients.bench import read_prompts
     from trtllm_dflash.clients.loadgen import compare, default_prompts
+    from trtllm_dflash.clients.specbench import measure_profile
 
     out, _, _, recipe = read_deployment(deployment)
     levels_at = levels_for(recipe, concurrency)
@@ -283,13 +300,23 @@ def calibrate(
     levels = compare(
         servers, prompts, levels_at, max_tokens=max_tokens, requests=requests, rounds=rounds, progress=progress
     )
-    return replan(out, levels, servers, dry_run=dry_run)
+    progress("measuring the draft's acceptance per position at 1 user on the built-in set")
+    profile = measure_profile(url, max_tokens=max_tokens, server=f"deployment ({url})")
+    return replan(out, levels, servers, dry_run=dry_run, profile=profile)
 
 
-def replan(deployment: str | Path, levels: dict[str, list[dict]], servers: dict[str, str], dry_run: bool = False):
+def replan(
+    deployment: str | Path,
+    levels: dict[str, list[dict]],
+    servers: dict[str, str],
+    dry_run: bool = False,
+    profile: dict | None = None,
+):
     """Re-plan the deployment's draft length by load from measured levels (`loadgen.compare`'s, the deployment's under
-    "deployment" and its twin's, if measured, under "twin"), check the new options against its TensorRT-LLM release,
-    and unless `dry_run` rewrite its files and manifest."""
+    "deployment" and its twin's, if measured, under "twin") and, where given, its measured speculation profile (the
+    acceptance per position; else the lightest drafting load's τ spread over the positions), check the new options
+    against its TensorRT-LLM release, and unless `dry_run` rewrite its files and manifest and keep the profile beside
+    them (specbench.PROFILE: `build --acceptance-profile` takes it)."""
     from trtllm_dflash.atomic import locked
     from trtllm_dflash.deploy.schedule import CONTEXT, roofline_parts
     from trtllm_dflash.engine.plan import plan_schedule
@@ -299,7 +326,10 @@ def replan(deployment: str | Path, levels: dict[str, list[dict]], servers: dict[
     points = _points(before, levels)
     parts = roofline_parts(recipe, min(CONTEXT, recipe.max_seq_len))
     cost, scales = calibrated_cost(parts, points)
-    acceptance = measured_acceptance(points, recipe.max_draft_len)
+    if profile is not None:
+        acceptance = profile_acceptance(profile, recipe.max_draft_len)
+    else:
+        acceptance = measured_acceptance(points, recipe.max_draft_len)
     loads = [p.batch for p in points]
     inputs = (
         ("acceptance", acceptance.source),
@@ -329,6 +359,11 @@ def replan(deployment: str | Path, levels: dict[str, list[dict]], servers: dict[
     if not dry_run:
         with locked(out, "calibration"):
             _rewrite(out, files, result, servers, started)
+            if profile is not None:
+                from trtllm_dflash.atomic import write_json
+                from trtllm_dflash.clients.specbench import PROFILE
+
+                write_json(out / PROFILE, profile)
     return result
 
 

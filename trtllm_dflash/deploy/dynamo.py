@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import yaml
 
@@ -33,6 +35,42 @@ ENGINE_YAML = f"{FOLDER}/engine.yaml"
 CONFIG_MOUNT = "/etc/trtdflash"  # where the graph mounts engine.yaml (a ConfigMap key, by subPath)
 HF_SECRET = "hf-token-secret"  # the Secret the template's pods read HF_TOKEN from
 DEPLOYMENT_MOUNT = "/deploy"  # where the graph mounts a build with local weights (a volume the operator provides)
+
+
+AIS_POSITIONS = 5  # draft positions Dynamo's AIS estimator models (dynamo/_internal/ais.py _NEXTN_ACCEPT_RATES_LEN)
+
+
+@dataclass(frozen=True)
+class AisAcceptance:
+    """The draft's acceptance as Dynamo's AISimulate estimator reads it (DYN_AIS_NEXTN, DYN_AIS_NEXTN_ACCEPT_RATES:
+    the defaults of `--ais-nextn` and `--ais-nextn-accept-rates` on the frontend, the router and the mocker), in place
+    of its default [0.85, 0.3, 0, 0, 0]; it models five positions at most, so a longer draft's later positions are
+    left out, and `left_out` says how many tokens per step they would have added."""
+
+    nextn: int
+    rates: tuple[float, ...]  # entry i: P(draft i accepted | every earlier draft accepted)
+    left_out: float
+    source: str
+
+    @classmethod
+    def of(cls, conditional: Sequence[float], draft_len: int, source: str) -> AisAcceptance:
+        from trtllm_dflash.engine.plan import expected_tokens
+
+        n = min(draft_len, AIS_POSITIONS)
+        rates = tuple(conditional[:n]) + (0.0,) * (n - len(conditional[:n]))
+        return cls(n, rates, expected_tokens(conditional, draft_len) - expected_tokens(conditional, n), source)
+
+    def env(self) -> dict[str, str]:
+        return {
+            "DYN_AIS_NEXTN": str(self.nextn),
+            "DYN_AIS_NEXTN_ACCEPT_RATES": ",".join(f"{p:.4f}" for p in self.rates),
+        }
+
+    def note(self) -> str:
+        left = f"; positions past the fifth, left out, would add {self.left_out:.2f} tokens per step" * (
+            self.left_out > 0.005
+        )
+        return f"acceptance for Dynamo's AIS estimator from {self.source}{left}"
 
 
 def engine_yaml(options_text: str) -> str:
@@ -61,9 +99,13 @@ def worker_args(model: str, served: str, engine_path: str) -> list[str]:
     ]
 
 
-def launch_sh(*, model: str, served: str, replicas: int, gpus_per_worker: int, recipe_id: str) -> str:
+def launch_sh(
+    *, model: str, served: str, replicas: int, gpus_per_worker: int, recipe_id: str, ais: AisAcceptance | None
+) -> str:
     need = replicas * gpus_per_worker
     args = " ".join(shlex.quote(a) for a in worker_args(model, served, ENGINE_YAML))
+    exports = "".join(f"export {k}=${{{k}:-{v}}}\n" for k, v in (ais.env() if ais else {}).items())
+    exports = f"# The {ais.note()}.\n{exports}" if ais else ""
     return f"""#!/usr/bin/env bash
 # Serve this DFlash deployment ({recipe_id}) with NVIDIA Dynamo {DYNAMO_RELEASE} on one host: the frontend (OpenAI API on
 # HTTP_PORT, default 8000; KV router) and {replicas} TensorRT-LLM worker(s) of {gpus_per_worker} GPU(s) each ({need} GPUs).
@@ -80,7 +122,7 @@ if [ "$have" -lt "$need" ]; then
   exit 2
 fi
 python3 -c "import dynamo.trtllm" 2>/dev/null || {{ echo "Dynamo's TensorRT-LLM worker is not installed here; run this inside {DYNAMO_IMAGE}." >&2; exit 2; }}
-export DYN_FILE_KV="${{DYN_FILE_KV:-$PWD/.dynamo/discovery}}"
+{exports}export DYN_FILE_KV="${{DYN_FILE_KV:-$PWD/.dynamo/discovery}}"
 mkdir -p "$DYN_FILE_KV"
 plane="--discovery-backend file --event-plane zmq"
 pids=()
@@ -103,7 +145,9 @@ def graph_name(model: str) -> str:
     return (re.sub(r"[^a-z0-9-]+", "-", model.lower()).strip("-")[:50] or "model") + "-dflash"
 
 
-def graph(*, name: str, model: str, served: str, replicas: int, gpus_per_worker: int, local: bool) -> dict:
+def graph(
+    *, name: str, model: str, served: str, replicas: int, gpus_per_worker: int, local: bool, ais: AisAcceptance | None
+) -> dict:
     """The DynamoGraphDeployment, in the aggregated TensorRT-LLM template's shape: a frontend (KV router) and a worker
     component of `replicas` pods with `gpus_per_worker` GPUs each, engine.yaml mounted from the ConfigMap
     `{name}-engine` (graph_yaml writes both)."""
@@ -111,9 +155,11 @@ def graph(*, name: str, model: str, served: str, replicas: int, gpus_per_worker:
     mounts = [{"name": "engine", "mountPath": f"{CONFIG_MOUNT}/engine.yaml", "subPath": "engine.yaml"}]
     volumes = [{"name": "engine", "configMap": {"name": config_map}}]
     token = [{"secretRef": {"name": HF_SECRET}}]  # as the template: gated weights need the operator's HF token
+    acceptance = [{"name": k, "value": v} for k, v in (ais.env() if ais else {}).items()]
     worker = {
         "args": worker_args(model, served, f"{CONFIG_MOUNT}/engine.yaml"),
         "command": ["python3", "-m", "dynamo.trtllm"],
+        **({"env": acceptance} if acceptance else {}),
         "envFrom": token,
         "image": DYNAMO_IMAGE,
         "name": "main",
@@ -127,7 +173,7 @@ def graph(*, name: str, model: str, served: str, replicas: int, gpus_per_worker:
     frontend = {
         "args": ["-m", "dynamo.frontend"],
         "command": ["python3"],
-        "env": [{"name": "DYN_ROUTER_MODE", "value": "kv"}],
+        "env": [{"name": "DYN_ROUTER_MODE", "value": "kv"}, *acceptance],
         "envFrom": token,
         "image": DYNAMO_IMAGE,
         "name": "main",

@@ -17,8 +17,9 @@ TensorRT-LLM image: its frontend, the KV router, one worker), where greedy, fini
 frontend's OpenAI API (tau and counts come from the Triton path of the same deployment: a frontend streams text).
 
 The table is one PASS/FAIL row per deployment and path, with tau and tokens/s, saved as JSON. The default pair is also loaded at 1, 2, 4, ...
-users, and its DFlash deployment's draft length by load re-planned from those steps (calibrate.py, what
-`trtdflash plan --calibrate` does), the measurements and the new schedule in the JSON. With `--engine embedded` (CI,
+users, its DFlash deployment's speculation profile measured at one user on the built-in set, and its draft length by
+load re-planned from both (calibrate.py, what `trtdflash plan --calibrate` does): the measurements, the profile and
+the new schedule in the JSON, and the profile beside the deployment's files (`build --acceptance-profile` takes it). With `--engine embedded` (CI,
 any CPU) the same code runs on a local target with our engine behind the LLM API and the tritonserver nvidia-pytriton bundles:
 everything up to the engine swap. trtllm-serve exists only beside TensorRT-LLM, so the OpenAI path is skipped there.
 """
@@ -288,15 +289,32 @@ def _load_levels(server: Launched, opts: CheckOptions, deployment: Path, progres
     return server.url, measured["server"]
 
 
-def _calibration(deployment: Path, loads: dict[str, tuple[str, list[dict]]], progress) -> dict:
-    """The default DFlash deployment's draft length by load re-planned from the loads measured on it and its twin
-    (calibrate.replan, rewriting its files as `trtdflash plan --calibrate` would); an error is recorded, not raised:
-    the checks stand on their own."""
+def _profile(server: Launched, opts: CheckOptions, progress) -> dict | None:
+    """The DFlash deployment's speculation profile at one user on the built-in set (specbench.measure_profile); with
+    the embedded engine one record per category. None where it failed: the checks stand without it."""
+    from trtllm_dflash.clients.specbench import PROFILE_RECORDS, measure_profile
+
+    progress("gpu-check: the draft's acceptance per position at 1 user, on the built-in set")
+    try:
+        records = PROFILE_RECORDS // 2 if opts.engine == "embedded" else PROFILE_RECORDS
+        return measure_profile(server.url, max_tokens=opts.max_tokens, records=records, server="gpu-check")
+    except DFlashError as e:
+        progress(f"gpu-check: the speculation profile failed: {e}")
+        return None
+
+
+def _calibration(deployment: Path, loads: dict[str, tuple[str, list[dict]]], profile: dict | None, progress) -> dict:
+    """The default DFlash deployment's draft length by load re-planned from the loads measured on it and its twin and
+    its speculation profile (calibrate.replan, rewriting its files and writing the profile beside them as `trtdflash
+    plan --calibrate` would); an error is recorded, not raised: the checks stand on their own."""
     from trtllm_dflash.deploy.calibrate import replan
 
     try:
         result = replan(
-            deployment, {role: levels for role, (_, levels) in loads.items()}, {r: u for r, (u, _) in loads.items()}
+            deployment,
+            {role: levels for role, (_, levels) in loads.items()},
+            {r: u for r, (u, _) in loads.items()},
+            profile=profile,
         )
     except DFlashError as e:
         progress(f"gpu-check: calibration failed: {e}")
@@ -375,7 +393,7 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
         max_batch_size=4 if opts.engine == "embedded" else None,
         max_seq_len=1024 if opts.engine == "embedded" else None,
     )
-    env, rows, loads = _environment(opts), [], {}
+    env, rows, loads, profile = _environment(opts), [], {}, None
     for label, dflash, twin in _pairs(opts, base):
         reference = None
         for role, name, build in (("twin", f"{label}, no draft", twin), ("deployment", label, dflash)):
@@ -391,12 +409,14 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
                         if label == "default" and path == "triton":
                             calibrated = dflash.output
                             loads[role] = _load_levels(server, opts, build.output, progress)
+                            if role == "deployment":
+                                profile = _profile(server, opts, progress)
                 except DFlashError as e:
                     row.checks["started"], row.note = False, str(e)
                 rows.append(row)
             reference = texts
     measured = {role: load for role, load in loads.items() if load is not None}
-    calibration = _calibration(calibrated, measured, progress) if len(measured) == 2 else None
+    calibration = _calibration(calibrated, measured, profile, progress) if len(measured) == 2 else None
     (opts.output / "gpu-check.json").write_text(
         json.dumps(
             {
@@ -407,6 +427,7 @@ def run_check(opts: CheckOptions, progress: Callable[[str], None] = print) -> li
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "rows": [asdict(r) for r in rows],
                 "calibration": calibration,
+                "profile": profile,
             },
             indent=2,
         )

@@ -210,6 +210,15 @@ def read_profile(path: str) -> tuple[tuple[float, ...], str]:
     return acceptance.conditional, acceptance.source
 
 
+def draft_profile(draft_dir: Path | None) -> str | None:
+    """The speculation profile a local draft carries (specbench.PROFILE beside its weights; the packaged draft's is
+    measured on the built-in set), which plans its draft lengths where no --acceptance-profile is given."""
+    from trtllm_dflash.clients.specbench import PROFILE
+
+    path = draft_dir / PROFILE if draft_dir is not None else None
+    return str(path) if path is not None and path.is_file() else None
+
+
 def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> tuple[Deployment, object | None]:
     """The deployment and, for local weights, the resolved sources (files to stage)."""
     if is_gpu_preset(opts.target):
@@ -258,7 +267,8 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
             )
         sources = resolve_sources(opts, progress)
         recipe, tested = conservative(_local_recipe(opts, sources), opts.opt_in)
-        has_draft = sources.draft_dir is not None
+        draft_dir = sources.draft_dir
+        has_draft = draft_dir is not None
         shipped = recipe.model_facts.shipped_quant
         quantize = None if recipe.quant in ("none", shipped) else CONVERT_FORMAT.get(recipe.quant, recipe.quant)
         dep = Deployment(
@@ -276,8 +286,9 @@ def plan_deployment(opts, progress: Callable[[str], None], resolve_sources) -> t
             replicas=opts.replicas,
             dynamo_mode=opts.dynamo_mode,
         )
-    if opts.acceptance_profile:
-        dep.recipe = dataclasses.replace(dep.recipe, draft_profile=read_profile(opts.acceptance_profile))
+    profile = opts.acceptance_profile or draft_profile(draft_dir)
+    if profile and dep.recipe.draft_config is not None:
+        dep.recipe = dataclasses.replace(dep.recipe, draft_profile=read_profile(profile))
     if dep.replaced:
         progress(
             f"Untested upstream with DFlash, so not taken: {'; '.join(dep.replaced.values())} (--opt-in to take them)."
@@ -474,6 +485,7 @@ kubectl apply -f dynamo/graph.yaml                  # a DynamoGraphDeployment an
 
 {"The weights are in this folder: on Kubernetes, copy it into the volume claimed by `" + dynamo.graph_name(r.model) + "-deployment` (mounted at " + dynamo.DEPLOYMENT_MOUNT + ")." if dep.local else "The workers fetch the weights from Hugging Face on first start."}
 {"KV block reuse is off in this recipe (upstream's DFlash tests turn it off; `--opt-in block-reuse` takes it), so TensorRT-LLM publishes no KV events and the router balances load without prefix matches." if not r.llm_args.get("kv_cache_config", {}).get("enable_block_reuse", True) or "block-reuse" in dep.replaced else "The workers publish their KV cache blocks, so the router sends a conversation's next turn to the replica that holds its prefix."}
+{"" if r.draft_config is None else "Both files set DYN_AIS_NEXTN and DYN_AIS_NEXTN_ACCEPT_RATES, the draft's acceptance per position as Dynamo's AISimulate estimator reads it (the router's `--router-prefill-load-model ais`, the mocker, the profiler's simulations) in place of its default [0.85, 0.3, 0, 0, 0]; `trtdflash build --acceptance-profile` fills them from a measured profile (`trtdflash bench --dataset`)."}
 
 ## Check first
 
@@ -566,9 +578,14 @@ def steps(opts, dep: Deployment, sources, hashes: dict[str, str]) -> list:
 
 def dynamo_step(dep: Deployment) -> Step:
     """dynamo/: the same deployment served by NVIDIA Dynamo (deploy/dynamo.py), on one host or on Kubernetes."""
-    r = dep.recipe
-    engine = dynamo.engine_yaml(options_yaml(dep.dynamo_options()))
+    from trtllm_dflash.deploy.schedule import recipe_acceptance
+
+    r, options = dep.recipe, dep.dynamo_options()
+    engine = dynamo.engine_yaml(options_yaml(options))
     served, gpus = r.model, r.num_gpus
+    draft_len = (options.get("speculative_config") or {}).get("max_draft_len") or 0
+    acceptance = recipe_acceptance(r) if draft_len else None
+    ais = dynamo.AisAcceptance.of(acceptance.conditional, draft_len, acceptance.source) if acceptance else None
     dgd = dynamo.graph(
         name=dynamo.graph_name(r.model),
         model=dep.serve_target,
@@ -576,9 +593,10 @@ def dynamo_step(dep: Deployment) -> Step:
         replicas=dep.replicas,
         gpus_per_worker=gpus,
         local=dep.local,
+        ais=ais,
     )
     launch = dynamo.launch_sh(
-        model=dep.serve_target, served=served, replicas=dep.replicas, gpus_per_worker=gpus, recipe_id=r.id
+        model=dep.serve_target, served=served, replicas=dep.replicas, gpus_per_worker=gpus, recipe_id=r.id, ais=ais
     )
     files = {
         dynamo.ENGINE_YAML: engine,
