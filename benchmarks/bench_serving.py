@@ -1,4 +1,7 @@
 """Serving under load through the real Triton server: the DFlash build vs the same build without a draft, side by side.
+Backs: docs/performance.md#serving-under-load (the serving rows per CPU, e.g. the Zen 4's 1.42x / 1.36x / 1.14x at
+1-4 users, within noise at 8 and 16). Reproduce: python benchmarks/bench_serving.py --dtypes bf16 --concurrency 1 2 4
+8 16 --rounds 8.
 
 Closed-loop gRPC streaming clients (each sends its next request when the previous one ends) at every concurrency
 level, held-out prompts (GSM8K questions never used for training, and chat questions), per dtype. Both builds are

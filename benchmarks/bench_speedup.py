@@ -1,4 +1,7 @@
 """DFlash against plain decoding at batch 1, each in its fastest dtype, per prompt set and per CPU instruction set.
+Backs: docs/performance.md#xeon-amx (batch 1 on the AMX Xeon: MT-Bench 1.70-2.03x, GSM8K 2.08-2.50x; the other CPUs'
+batch-1 rows beside it). Reproduce: python benchmarks/bench_speedup.py --isa native avx2 --math 6 --chat 6
+--max-new-tokens 96 --no-cli.
 
 The figure a user on a given CPU gets: the best dtype of DFlash over the best dtype of autoregressive decoding
 (bf16 decodes fastest almost everywhere; which dtype DFlash verifies fastest in depends on the CPU), on held-out
@@ -47,7 +50,7 @@ TRTDFLASH = str(Path(sys.executable).parent / "trtdflash")
 
 
 def prompt_sets(n_math: int, n_chat: int) -> dict[str, list[str]]:
-    """The last n_math held-out GSM8K questions (as bench_generate and bench_reference) and the first n_chat MT-Bench
+    """The last n_math held-out GSM8K questions (as bench_reference) and the first n_chat MT-Bench
     first turns (categories in turn, as bench_acceptance)."""
     from bench_acceptance import mt_bench_first_turns
 

@@ -1,4 +1,8 @@
 """Training curves of one or more consecutive train-draft runs (a run and its --init-from continuations).
+Backs: trtllm_dflash/drafts/smollm2-135m/TRAINING.md#the-seven-stages (the training curves of the shipped draft,
+benchmarks/results/training-smollm2-135m.png). Reproduce: python benchmarks/plot_training.py runs/smollm2-b8
+runs/smollm2-b8-v2 runs/smollm2-b8-v3 runs/smollm2-b8-v4 runs/smollm2-b8-v5 runs/smollm2-b8-v6 runs/smollm2-b8-v7
+--out benchmarks/results/training-smollm2-135m.png.
 
 Reads each RUN/train_log.jsonl in order (later runs' steps are offset to follow the earlier ones) and plots
 train loss and tau (smoothed), held-out tau and held-out per-position accuracy at the last evaluation.

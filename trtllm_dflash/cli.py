@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from trtllm_dflash.clients.datasets import CONFIGS as SPEED_CONFIGS
-from trtllm_dflash.config import DRAFT_LOSSES, DTYPE_CHOICES, ROUTER_MODES, SPECULATION
+from trtllm_dflash.config import DRAFT_LOSSES, DTYPE_CHOICES, ROUTER_MODES, SPECULATION, WEIGHTS
 from trtllm_dflash.deploy.dynamo import DYNAMO_MODES
 from trtllm_dflash.deploy.recipes import OPT_INS
 from trtllm_dflash.deploy.trtllm.schema import DEFAULT_RELEASE as DEFAULT_TRTLLM_RELEASE
@@ -75,6 +75,38 @@ def main():
 PROMPTS_FILE = click.Path(dir_okay=False, path_type=str)  # read by clients.bench.read_prompts
 PROMPTS_FORMAT = 'one prompt per line, or JSON lines with a "prompt" field'
 
+
+def options(*decorators):
+    """One decorator from several, applied so that --help lists their options in the order given."""
+
+    def apply(fn):
+        for decorator in reversed(decorators):
+            fn = decorator(fn)
+        return fn
+
+    return apply
+
+
+# Options more than one command takes, each declared once here (tests/test_house.py holds the file to that).
+target_option = click.option(
+    "--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory."
+)
+model_options = options(
+    target_option,
+    click.option(
+        "--draft", default=None, help="DFlash draft directory (z-lab format). Default: the target's packaged draft."
+    ),
+    click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding (the baseline)."),
+)
+"""The embedded engine's target and draft: --target, --draft, --no-draft (generate, chat)."""
+dtype_option = click.option(
+    "--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP
+)
+output_dir_option = click.option(
+    "--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically)."
+)
+"""A directory a command writes whole or not at all (build, convert)."""
+
 speculation_option = click.option(
     "--speculation",
     type=click.Choice(SPECULATION),
@@ -92,6 +124,15 @@ lookup_option = click.option(
     "the draft's guesses (prompt lookup, vLLM's ngram); output is the same either way.",
 )
 
+weights_option = click.option(
+    "--weights",
+    type=click.Choice(WEIGHTS),
+    default="auto",
+    show_default=True,
+    help="auto: with --dtype bf16 (auto's choice where the CPU has AVX-512 BF16), a target shipped in 4 bits (the "
+    "GGUF presets) is multiplied in its 4-bit form, under a third of the bytes a token streams, with the same output; "
+    "bf16: always its bf16 weights.",
+)
 int8_draft_option = click.option(
     "--int8-draft/--no-int8-draft",
     default=True,
@@ -117,59 +158,43 @@ def the_prompt(prompt: str | None, prompt_option: str | None) -> str:
     return sys.stdin.read() if text == "-" else text
 
 
-def load_options(fn):
-    """What `bench` and `plan --calibrate` send under load (loadgen.compare)."""
-    for opt in reversed(
-        [
-            click.option(
-                "--prompts",
-                "prompts_file",
-                type=PROMPTS_FILE,
-                default=None,
-                help=f"{PROMPTS_FORMAT[0].upper()}{PROMPTS_FORMAT[1:]}. Default: held-out GSM8K questions "
-                "alternating with everyday questions.",
-            ),
-            click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True),
-            click.option(
-                "--requests",
-                type=click.IntRange(min=0),
-                default=0,
-                help="Requests per level (default: four per client, at least 8).",
-            ),
-            click.option(
-                "--rounds",
-                type=click.IntRange(min=1),
-                default=1,
-                show_default=True,
-                help="Runs of every level on every server, the order turning; each figure is the median round's.",
-            ),
-        ]
-    ):
-        fn = opt(fn)
-    return fn
+load_options = options(
+    click.option(
+        "--prompts",
+        "prompts_file",
+        type=PROMPTS_FILE,
+        default=None,
+        help=f"{PROMPTS_FORMAT[0].upper()}{PROMPTS_FORMAT[1:]}. Default: held-out GSM8K questions "
+        "alternating with everyday questions.",
+    ),
+    click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True),
+    click.option(
+        "--requests",
+        type=click.IntRange(min=0),
+        default=0,
+        help="Requests per level (default: four per client, at least 8).",
+    ),
+    click.option(
+        "--rounds",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help="Runs of every level on every server, the order turning; each figure is the median round's.",
+    ),
+)
+"""What `bench` and `plan --calibrate` send under load (loadgen.compare)."""
 
-
-def sampling_options(fn):
-    for opt in reversed(
-        [
-            click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
-            click.option("--top-p", type=float, default=1.0, show_default=True),
-            click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
-            click.option("--seed", type=int, default=None),
-        ]
-    ):
-        fn = opt(fn)
-    return fn
+sampling_options = options(
+    click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+    click.option("--top-p", type=float, default=1.0, show_default=True),
+    click.option("--top-k", type=int, default=0, show_default=True, help="0 = off."),
+    click.option("--seed", type=int, default=None),
+)
+"""Sampling, as SamplingParams takes it (generate, chat, client)."""
 
 
 @main.command()
-@click.option(
-    "--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory."
-)
-@click.option(
-    "--draft", default=None, help="DFlash draft directory (z-lab format). Default: the target's packaged draft."
-)
-@click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding (the baseline).")
+@model_options
 @prompt_input
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Apply the tokenizer's chat template.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
@@ -178,7 +203,7 @@ def sampling_options(fn):
 )
 @sampling_options
 @click.option("--stop", "stop_strings", multiple=True, help="Stop string (repeatable).")
-@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
+@dtype_option
 @speculation_option
 @lookup_option
 @click.option(
@@ -194,6 +219,7 @@ def sampling_options(fn):
     help="Re-weight greedy guesses with the draft's n-gram prior (its draft_ngram.npz) where it has one; output is the same either way.",
 )
 @int8_draft_option
+@weights_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @user_errors
 def generate(
@@ -216,16 +242,14 @@ def generate(
     draft_vocab,
     draft_ngram,
     int8_draft,
+    weights,
     as_json,
 ):
     """Generate text from a prompt with DFlash speculative decoding on the embedded PyTorch backend."""
     prompt = the_prompt(prompt, prompt_option)
     from trtllm_dflash.config import SamplingParams
-    from trtllm_dflash.engine.request import GenerationStats
-    from trtllm_dflash.engine.runtime import DFlashEngine
 
-    sampling = SamplingParams(temperature, top_p, top_k, seed)
-    engine = DFlashEngine.load(
+    engine = _load_engine(
         target,
         draft,
         no_draft=no_draft,
@@ -236,8 +260,24 @@ def generate(
         draft_ngram=draft_ngram,
         lookup=lookup,
         int8_draft=int8_draft,
-        progress=lambda m: click.echo(m, err=True),
+        weights=weights,
     )
+    _generate(
+        engine, prompt, chat, max_new_tokens, SamplingParams(temperature, top_p, top_k, seed), stop_strings, as_json
+    )
+
+
+def _load_engine(target, draft, **engine_options):
+    """The embedded engine generate and chat run on, its loading said on stderr."""
+    from trtllm_dflash.engine.runtime import DFlashEngine
+
+    return DFlashEngine.load(target, draft, progress=lambda m: click.echo(m, err=True), **engine_options)
+
+
+def _generate(engine, prompt, chat, max_new_tokens, sampling, stop_strings, as_json):
+    """Stream one answer to stdout (its speed to stderr), or print it as one JSON object."""
+    from trtllm_dflash.engine.request import GenerationStats
+
     stats = GenerationStats()
     ids, text = [], []
     for new_ids, delta in engine.stream(
@@ -259,6 +299,7 @@ def generate(
                     "token_ids": ids,
                     "block_size": engine.block_size,
                     "dtype": engine.dtype,
+                    "target_weights": engine.target_weights,
                     "draft_weights": engine.draft_weights,
                     **stats.to_dict(),
                 }
@@ -269,26 +310,22 @@ def generate(
         click.echo(
             f"[{stats.num_tokens} tokens in {stats.wall_time:.2f}s, {stats.tokens_per_second:.1f} tok/s, "
             f"{stats.steps} steps, acceptance length {stats.acceptance_length:.2f}, block {engine.block_size}, {engine.dtype}"
+            + (", target 4-bit" if engine.target_weights == "4-bit" else "")
             + (", draft int8]" if engine.draft_weights == "int8" else "]"),
             err=True,
         )
 
 
 @main.command()
-@click.option(
-    "--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory."
-)
-@click.option(
-    "--draft", default=None, help="DFlash draft directory (z-lab format). Default: the target's packaged draft."
-)
-@click.option("--no-draft", is_flag=True, help="Plain autoregressive decoding (the baseline).")
+@model_options
 @click.option("--system", default=None, help="A system message the conversation starts with.")
 @click.option("--max-new-tokens", type=int, default=512, show_default=True, help="Longest answer a turn may get.")
 @sampling_options
-@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
+@dtype_option
 @speculation_option
 @lookup_option
 @int8_draft_option
+@weights_option
 @user_errors
 def chat(
     target,
@@ -304,20 +341,18 @@ def chat(
     speculation,
     lookup,
     int8_draft,
+    weights,
 ):
     """Chat turn by turn on the embedded PyTorch backend, each answer streamed with its speed and acceptance.
 
     Reads one message a line from the terminal or from stdin; /reset starts a new conversation, /exit or Ctrl-D ends.
     Each turn's prompt is the whole conversation, and the earlier turns come from the prefix cache."""
-    from trtllm_dflash.clients.chat import Conversation
     from trtllm_dflash.config import SamplingParams
-    from trtllm_dflash.engine.request import GenerationStats
-    from trtllm_dflash.engine.runtime import DFlashEngine
 
     if max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
     sampling = SamplingParams(temperature, top_p, top_k, seed)
-    engine = DFlashEngine.load(
+    engine = _load_engine(
         target,
         draft,
         no_draft=no_draft,
@@ -325,8 +360,17 @@ def chat(
         speculation=speculation,
         lookup=lookup,
         int8_draft=int8_draft,
-        progress=lambda m: click.echo(m, err=True),
+        weights=weights,
     )
+    if _chat(engine, target, system, max_new_tokens, sampling):
+        sys.exit(2)
+
+
+def _chat(engine, target, system, max_new_tokens, sampling) -> int:
+    """The conversation, a message a line from stdin, each answer streamed; returns the turns refused."""
+    from trtllm_dflash.clients.chat import Conversation
+    from trtllm_dflash.engine.request import GenerationStats
+
     interactive = sys.stdin.isatty()
     if interactive:
         with contextlib.suppress(ImportError):  # line editing and history for input(), where Python has them
@@ -375,8 +419,7 @@ def chat(
                 f"{stats.prompt_tokens} tokens of which {stats.cached_tokens} from the prefix cache{note}]",
                 err=True,
             )
-    if failed:
-        sys.exit(2)
+    return failed
 
 
 @main.command()
@@ -425,6 +468,7 @@ def chat(
 @speculation_option
 @lookup_option
 @int8_draft_option
+@weights_option
 @click.option(
     "--prefix-cache-tokens",
     type=int,
@@ -473,7 +517,7 @@ def chat(
     show_default=True,
     help="TensorRT-LLM: Dynamo's serving mode; disagg is refused with a draft (the decode side drafts without the prompt).",
 )
-@click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
+@output_dir_option
 @click.option("--dry-run", is_flag=True, help="Print the plan (steps, files, sizes, memory) and write nothing.")
 @click.option(
     "--verify-on",
@@ -514,6 +558,7 @@ def build(
     speculation,
     lookup,
     int8_draft,
+    weights,
     prefix_cache_tokens,
     force,
     draft_engine,
@@ -551,6 +596,7 @@ def build(
         speculation=speculation,
         lookup=lookup,
         int8_draft=int8_draft,
+        weights=weights,
         prefix_cache_tokens=prefix_cache_tokens,
         force=force,
         draft_engine=draft_engine,
@@ -847,8 +893,6 @@ def bench(
     """Load running servers with closed-loop streaming clients (each sends its next request when its last one ends):
     tokens/s, per-user speed, time to first token, inter-token latency and acceptance at each concurrency level; with
     --dataset, SPEED-Bench's records and metrics per category; with --conditions, acceptance where it may collapse."""
-    from trtllm_dflash.clients.bench import gate_failure, gate_lines, run_bench
-
     if conditions:
         _bench_conditions(
             urls, dataset, data, speed_config, category, num_requests, tokenizer, lengths, max_tokens, output, gate
@@ -874,6 +918,12 @@ def bench(
             gate or deployment or prompts_file,
         )
         return
+    _bench_load(urls, concurrency, prompts_file, max_tokens, requests, rounds, output, gate, deployment, interactivity)
+
+
+def _bench_load(urls, concurrency, prompts_file, max_tokens, requests, rounds, output, gate, deployment, interactivity):
+    """`bench` without --dataset or --conditions: the closed-loop levels, their table, and the gate where asked."""
+    from trtllm_dflash.clients.bench import gate_failure, gate_lines, run_bench
 
     report = run_bench(
         urls,
@@ -1029,7 +1079,7 @@ def plan(deployment, url, twin, concurrency, prompts_file, max_tokens, requests,
 @click.option("--draft", default=None, help="DFlash draft directory. Default: the packaged SmolLM2-135M draft.")
 @click.option("--prompt", default=None, help="The prompt streamed first. Default: the comparison's first code prompt.")
 @click.option("--max-tokens", type=int, default=96, show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True, help=DTYPE_HELP)
+@dtype_option
 @click.option(
     "--compare/--no-compare",
     default=True,
@@ -1199,9 +1249,7 @@ def train_draft(
 
 
 @main.command("draft-vocab")
-@click.option(
-    "--target", default="smollm2-135m", show_default=True, help="Preset name or local Hugging Face directory."
-)
+@target_option
 @click.option(
     "--output",
     required=True,
@@ -1278,7 +1326,7 @@ def draft_vocab(target, output, size, data, per_source, max_new_tokens, batch_si
 @click.option(
     "--target", default=None, help="A draft's target for calibration (default: the one in its training.json)."
 )
-@click.option("--output", required=True, type=click.Path(path_type=str), help="Output directory (created atomically).")
+@output_dir_option
 @click.option(
     "--offload/--no-offload",
     default=None,

@@ -439,6 +439,10 @@ ROUTER_MODES = ("kv", "round-robin", "random", "least-loaded")  # Dynamo fronten
 ENGINE_FILE = "engine.json"  # beside the embedded engine model's config.pbtxt in a built repository
 
 
+WEIGHTS = ("auto", "bf16")  # auto: a target's 4-bit weights multiplied as shipped where this CPU's kernel takes them
+# (bf16 compute, the same bits as its bf16 weights: models/gguf4.py, kernels/q4_blocks.h); bf16: always the bf16 weights
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """How a built repository's embedded engine runs: chosen once by `build`, written as JSON into the repository
@@ -457,6 +461,7 @@ class EngineOptions:
     lookup: bool  # prompt-lookup guesses where a request's text repeats (engine/lookup.py)
     int8_draft: bool  # bf16 on AVX2 alone: the draft's weights as int8 (DFlashEngine.load)
     prefix_cache_tokens: int  # prompt tokens whose K/V the engine keeps for later prompts (engine/prefix_cache.py)
+    weights: str = "auto"  # one of WEIGHTS: the target's 4-bit weights as shipped where the kernel takes them
 
     def __post_init__(self):
         for f in fields(self):
@@ -468,6 +473,8 @@ class EngineOptions:
             raise DFlashError(f"Engine option dtype must be one of {', '.join(DTYPE_CHOICES[1:])}, got {self.dtype!r}.")
         check_speculation(self.speculation)
         check_prefix_cache_tokens(self.prefix_cache_tokens)
+        if self.weights not in WEIGHTS:
+            raise DFlashError(f"Engine option weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}.")
         if self.block_size < 1 or (self.block_size > 1 and not self.draft_dir):
             raise DFlashError(f"Engine option block_size {self.block_size} does not fit draft_dir {self.draft_dir!r}.")
 

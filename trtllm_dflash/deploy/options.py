@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from trtllm_dflash.config import DTYPE_CHOICES, check_prefix_cache_tokens, check_speculation, rope_of
+from trtllm_dflash.config import DTYPE_CHOICES, WEIGHTS, check_prefix_cache_tokens, check_speculation, rope_of
 from trtllm_dflash.engine.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.models.checkpoint import CARD_FILE, check_draft, refuse_dflash2
@@ -18,6 +18,7 @@ from trtllm_dflash.models.draft_ngram import FILE as NGRAM_FILE
 from trtllm_dflash.models.draft_ngram import read_draft_ngram
 from trtllm_dflash.models.draft_vocab import FILE as VOCAB_FILE
 from trtllm_dflash.models.draft_vocab import read_draft_vocab
+from trtllm_dflash.models.gguf4 import GGUF_FILE
 from trtllm_dflash.models.speculators import resolve_any_draft
 from trtllm_dflash.resolve import resolve_target, sha256_file
 from trtllm_dflash.untrusted import read_hf_config
@@ -76,6 +77,7 @@ class BuildOptions:
     speculation: str = "adaptive"  # torch backend: block length per step from measured costs, or fixed
     lookup: bool = True  # torch backend: verify prompt-lookup guesses where the text repeats (lookup.py)
     int8_draft: bool = True  # torch backend, bf16 on AVX2 alone: the draft's weights as int8 (DFlashEngine.load)
+    weights: str = "auto"  # torch backend: the target's 4-bit weights as shipped where the kernel takes them (WEIGHTS)
     prefix_cache_tokens: int = PREFIX_CACHE_TOKENS  # torch backend: prompt tokens kept for prompts that start alike
     chat_template: bool = True
     force: bool = False  # write a TensorRT-LLM plan that does not fit the GPUs
@@ -121,6 +123,10 @@ class BuildOptions:
             raise DFlashError(f"--replicas must be in 1..1024, got {self.replicas}.")
         if self.dynamo_mode not in DYNAMO_MODES:
             raise DFlashError(f"--dynamo-mode must be one of {', '.join(DYNAMO_MODES)}, got {self.dynamo_mode!r}.")
+        if self.weights not in WEIGHTS:
+            raise DFlashError(f"--weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}.")
+        if self.weights != "auto" and self.resolved_backend != "torch":
+            raise DFlashError("--weights chooses the embedded engine's weights; TensorRT-LLM takes the checkpoint's.")
         if self.acceptance_profile and (self.resolved_backend != "trtllm" or self.no_draft):
             raise DFlashError(
                 "--acceptance-profile plans a TensorRT-LLM deployment's draft lengths; the embedded engine measures "
@@ -307,6 +313,11 @@ def resolve_sources(opts: BuildOptions, progress: Callable[[str], None]) -> Sour
             f"--max-seq-len {max_seq_len} exceeds the target's context window {max_positions}; use at most {max_positions}."
         )
     target_files = [target_dir / n for n in CONFIG_FILES if (target_dir / n).is_file()] + weights + tok_files
+    gguf = (
+        target_dir / GGUF_FILE
+    )  # a preset's 4-bit weights as shipped: the embedded engine multiplies them as they are
+    if opts.resolved_backend == "torch" and gguf.is_file():
+        target_files.append(gguf)
     return Sources(
         target_dir,
         draft_dir,

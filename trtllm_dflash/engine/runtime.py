@@ -92,6 +92,11 @@ class DFlashEngine:
         return next(name for name, dt in DTYPES.items() if dt == self.target.dtype)
 
     @property
+    def target_weights(self) -> str:
+        """What the target's linears multiply: "4-bit" where load() took its weights as shipped, else the dtype."""
+        return "4-bit" if self.target.four_bit else self.dtype
+
+    @property
     def draft_weights(self) -> str | None:
         """What the draft's weights are kept as ("int8" where load() chose it, else the dtype); None without a draft."""
         return None if self.draft is None else "int8" if self.draft.int8 else self.dtype
@@ -110,12 +115,13 @@ class DFlashEngine:
         lookup: bool = True,
         draft_ngram: bool = True,
         int8_draft: bool = True,
+        weights: str = "auto",
         progress=print,
     ) -> DFlashEngine:
         """`draft_vocab`: use the draft's vocabulary file (models/draft_vocab.py) where it has one; `draft_ngram` its
         n-gram prior on greedy guesses (models/draft_ngram.py); `int8_draft`: keep a bf16 draft's weights as int8
         where our kernel multiplies them (bf16_gemm.int8_weights: on AVX2 alone), verification keeping the output the
-        target's."""
+        target's. `weights` as EngineOptions.weights."""
         dtype = resolve_dtype(dtype)
         target_path = resolve_target(target, progress)
         draft_path = None if no_draft else resolve_any_draft(draft, target)
@@ -127,7 +133,7 @@ class DFlashEngine:
                 f"--block-size {block_size} needs a draft, but target '{target}' has no default draft; pass --draft or use --block-size 1."
             )
         block = validate_block_size(block_size, draft_cfg)
-        tm = TargetModel.load(target_path, DTYPES[dtype])
+        tm = TargetModel.load(target_path, DTYPES[dtype], weights=weights)
         dm = None
         if draft_cfg is not None and block > 1:
             validate_pair(
@@ -161,6 +167,7 @@ class DFlashEngine:
             speculation=opts.speculation,
             lookup=opts.lookup,
             int8_draft=opts.int8_draft,
+            weights=opts.weights,
             progress=progress,
         )
 

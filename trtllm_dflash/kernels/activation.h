@@ -1,7 +1,7 @@
 // The gated MLP's activation of bf16 rows in one call: silu(gate) * up from the fused gate/up projection's output,
 // rounded as torch rounds `F.silu(gate) * up` in bf16 (silu in fp32 rounded to bf16, the product rounded again).
-// Three torch ops and a split a layer, whose cost grows with the rows (15 us for a block of 8 against 7 for one,
-// AMD EPYC Zen 4, 2026-11-26): one vector pass instead. silu's fp32 value may differ from torch's in its last bit
+// Three torch ops and a split a layer, whose cost grows with the rows (docs/performance.md#activation-one-pass): one
+// vector pass instead. silu's fp32 value may differ from torch's in its last bit
 // (its own exp), which tips a bf16 rounding only rarely; a row's result never depends on the rows beside it.
 #pragma once
 #include <ATen/core/Tensor.h>

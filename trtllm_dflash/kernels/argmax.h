@@ -1,7 +1,6 @@
 // Greedy decoding's argmax over bf16 logits rows in one vectorized call. ATen's CPU argmax reduces the last dim one
-// element at a time: over SmolLM2's 49,152 logits a verify block of 8 took 0.71 ms in bf16 and 0.19 ms after a cast
-// to fp32 (AMD EPYC Zen 4, 2026-11-26), on every step of plain decoding and DFlash alike. The result is torch's: the
-// first maximum of a row, or its first NaN where it has one.
+// element at a time, slower in bf16 than after a cast to fp32 (docs/performance.md#greedy-argmax), on every step of
+// plain decoding and DFlash alike. The result is torch's: the first maximum of a row, or its first NaN where it has one.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

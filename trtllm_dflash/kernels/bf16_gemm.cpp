@@ -28,20 +28,17 @@ namespace {
 using bf16_blocks::kBlock;  // outputs per block: two 16-lane accumulators
 constexpr int kRows = 8;        // rows per pass (2 x 8 accumulators + operands fit the 32 registers)
 // Each pass asks for the weights 1.5 KB ahead of the ones it multiplies. On a 2-core Xeon with AMX whose memory is slow
-// (one core streams 8 GB/s), the hardware prefetcher alone left 1-8 rows 15-25 % slower on one thread (SmolLM2's
-// linears: 8 rows 51 against 40 ms, one row 30 against 25; 2026-11-26, informal A/B of two builds, alternating). 4 KB
-// ahead, every prefetch a page beyond its loads, left 2 rows (a chat verify) at 28 ms against 21 for 1 and 23 for 3
-// in the machine's slow spells, 1.5 KB at 23 (the same Xeon, 2026-11-29, benchmarks/results/bf16-kernel-xeon-amx-prefetch-20261129.json).
+// (one core streams 8 GB/s), the hardware prefetcher alone left 1-8 rows 15-25 % slower on one thread; 4 KB ahead,
+// every prefetch a page beyond its loads, left 2 rows (a chat verify) well behind 1 and 3 in the machine's slow spells,
+// 1.5 KB did not (docs/performance.md#bf16-kernel-prefetch).
 constexpr int64_t kPrefetchBytes = 1536;
 
 // Blocks a pass multiplies for M rows: two accumulators per block and row, the rows' inputs and one block's weights
 // in the 32 registers, at most 4. With one block a pass, a verify's few rows fell well behind one row on the 2-core
-// Xeon held off AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16: this variant, as CPUs with AVX-512 BF16 and no AMX run it):
-// SmolLM2's linears took 13.6 ms for 1 row and 15.8 / 20.0 / 20.8 for 2 / 3 / 4 rows; with several blocks a pass
-// 11.8 and 12.0 / 12.4 / 13.5, the same bits (2026-11-29, bench_bf16_kernel.py --against,
-// benchmarks/results/bf16-kernel-xeon-held-to-avx512-blocks-20261129.json): more weight streams and more independent
-// sums in flight, the rows' arithmetic hidden under the weights' transfer. (A Zen 4 in 2026-11-26 ran one block a
-// pass at 7.8-8.5 ms for any of 1-8 rows: there it was not behind.)
+// Xeon held off AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16: this variant, as CPUs with AVX-512 BF16 and no AMX run it);
+// with several blocks a pass 2-4 rows cost about what one does, the same bits: more weight streams and more
+// independent sums in flight, the rows' arithmetic hidden under the weights' transfer. (A Zen 4 ran one block a pass
+// as fast for any of 1-8 rows: there it was not behind.) Figures: docs/performance.md#bf16-kernel-avx512-blocks.
 constexpr int kMaxBlocks = 4;
 constexpr int blocks_per_pass(int m) { return std::max(1, std::min(kMaxBlocks, (32 - m - 2) / (2 * m))); }
 
@@ -106,10 +103,8 @@ constexpr int kBlocks = 3;  // blocks a pass (their sums in tmm2-tmm7)
 // are stored. tmm0: 32 inputs of each row; tmm1: a block's outputs 0-15 or 16-31 over 16 weight pairs, loaded in turn;
 // tmm2 + 2b, tmm3 + 2b: block b's sums. Pairs past the last whole tile step (K not a multiple of 32) are added to the
 // sums with VDPBF16PS. Only a block's first group of rows asks for its weights ahead: the others find them in cache.
-// Three blocks a pass rather than one: SmolLM2's linears took 9.8-10.1 ms for 1-16 rows against 11.1-12.5 (two
-// threads, 2026-11-29, the Xeon; bench_bf16_kernel.py --against,
-// benchmarks/results/bf16-kernel-xeon-amx-blocks-20261129.json), the same bits: as in the AVX-512 variant, more weight
-// streams in flight.
+// Three blocks a pass rather than one: SmolLM2's linears 12-19 % faster for 1-16 rows, the same bits
+// (docs/performance.md#bf16-kernel-amx-blocks): as in the AVX-512 variant, more weight streams in flight.
 template <int B>
 void block(const uint16_t* x, const uint16_t* w, int64_t stride, const float* bias, uint16_t* y, int64_t M, int64_t N, int64_t K,
            int64_t nb, bool prefetch) {
@@ -246,3 +241,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
                                            bias.has_value() ? bias->data_ptr<float>() : nullptr, rows, blocks_per_pass(group));
 #endif
 }
+
+// 4-bit weights through this variant's row loop (q4_blocks.h).
+#include "q4_blocks.h"

@@ -40,7 +40,7 @@ _AVX512 = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx5
 VARIANTS = {  # name -> (kernel source, compiler flags)
     "amx": ("bf16_gemm.cpp", [*_AVX512, "-mamx-tile", "-mamx-bf16"]),
     "avx512": ("bf16_gemm.cpp", _AVX512),
-    "avx2": ("bf16_gemm_avx2.cpp", ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DTRTDFLASH_INT8"]),
+    "avx2": ("bf16_gemm_avx2.cpp", ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DTRTDFLASH_INT8"]),
 }
 BINDINGS = "bindings.cpp"  # every variant's Python module, compiled beside its kernel source (kernels.h: why)
 HEADERS = (
@@ -51,6 +51,7 @@ HEADERS = (
     "activation.h",
     "argmax.h",
     "decoder_layer.h",
+    "q4_blocks.h",
 )
 # what every variant compiles in: the entry points, the layout and loop, a step's attention, RMSNorm, the MLP's
 # activation, argmax, a decoder layer's step in one call
@@ -88,6 +89,33 @@ def unpack_int8(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The weight `pack_int8` quantized, dequantized to fp32 [N, K]."""
     n_blocks, half_k = packed.shape[:2]
     return packed.permute(0, 3, 1, 2).reshape(n_blocks * BLOCK, half_k * 2).float() * scale[:, None]
+
+
+Q4_VARIANTS = ("avx512",)  # where a target's 4-bit weights are multiplied as they are by default: the decode costs
+# less than the bytes it saves there; on AVX2 it computes the same bits but costs more than it saves at a verify's rows
+# (docs/performance.md#q4-kernel); with AMX the bf16 tile kernel's sums round apart from VDPBF16PS's
+
+
+def q4_weights() -> bool:
+    """Whether this CPU's kernel multiplies a target's 4-bit weights (`linear_q4`) by default."""
+    return variant() in Q4_VARIANTS and kernel() is not None
+
+
+def pack_q4(codes) -> torch.Tensor:
+    """4-bit codes (models/gguf4.Codes: q [N, K], d and m [N, K/32]) as `linear_q4` reads them (q4_blocks.h): per block
+    of 32 outputs and 32 inputs a 640-byte record, d[32] and m[32] in fp16, then 16 lines of 32 bytes, output j's codes
+    for inputs 2l and 2l + 1 in byte j's low and high nibble. [N/32, K/32, 640] uint8."""
+    import numpy as np
+
+    n, k = codes.q.shape
+    nb, kb = n // BLOCK, k // BLOCK
+    q = codes.q.reshape(nb, BLOCK, kb, BLOCK // 2, 2)
+    lines = (q[..., 0] | (q[..., 1] << 4)).transpose(0, 2, 3, 1).reshape(nb, kb, BLOCK * BLOCK // 2)
+
+    def per_record(a):  # [N, K/32] fp16 -> [N/32, K/32, 64] bytes
+        return np.ascontiguousarray(a.reshape(nb, BLOCK, kb).transpose(0, 2, 1)).view(np.uint8)
+
+    return torch.from_numpy(np.concatenate([per_record(codes.d), per_record(codes.m), lines], -1))
 
 
 def fits(weight: torch.Tensor) -> bool:

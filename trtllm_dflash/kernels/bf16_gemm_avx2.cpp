@@ -34,9 +34,9 @@ inline void store_bf16(uint16_t* dst, __m256 v) {
   _mm_storeu_si128((__m128i*)dst, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
-// A single pass asks for the weights 1 KB ahead of the ones it multiplies: on one core of a 2-core AMD EPYC Zen 3 the
-// hardware prefetcher alone left SmolLM2's linears 10-20 % slower for 2-16 rows (8 rows 56 against 48 ms on one
-// thread, 44 against 35 on two; 1 KB ahead beat 4 KB for one row; 2026-11-28, informal A/B in one process, alternating).
+// A single pass asks for the weights 1 KB ahead of the ones it multiplies: on a 2-core AMD EPYC Zen 3 the hardware
+// prefetcher alone left SmolLM2's linears 10-20 % slower for 2-16 rows, and 1 KB ahead beat 4 KB for one row
+// (docs/performance.md#bf16-kernel-avx2-prefetch).
 constexpr int64_t kPrefetchBytes = 1024;
 // More than two rows take a block in chunks of 4 KB of weights (held in L1): every pair of rows passes over a chunk
 // before the next one, its sums parked in memory between chunks, and the first pass asks for the weights
@@ -158,3 +158,6 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::
                                          [sp](int m, int, const float* x, const int8_t* w, const float* bias, uint16_t* y, int64_t N,
                                               int64_t K, int64_t nb) { rows<int8_t>(m, x, w, sp, bias, y, N, K, nb); });
 }
+
+// 4-bit weights through this variant's row loop (q4_blocks.h).
+#include "q4_blocks.h"

@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("pack", &bf16_blocks::pack, "W [N, K] -> [N/32, K/2, 32, 2]");
   m.def("linear", &linear, nogil, "x [..., K] with packed W -> [..., N]");
+  m.def("linear_q4", &linear_q4, nogil, "x [..., K] with W as 4-bit records [N/32, K/32, 640] -> [..., N] (q4_blocks.h)");
 #ifdef TRTDFLASH_INT8
   m.def("linear_int8", &linear_int8, nogil, "x [..., K] with int8 W packed by pack_int8 and its scales [N] -> [..., N]");
 #endif

@@ -1,9 +1,9 @@
 // The entry points of our CPU kernel module, declared apart from their definitions (bf16_gemm.cpp or
 // bf16_gemm_avx2.cpp and the headers they include) so that bindings.cpp, whose torch and pybind11 headers take half of
 // a build, compiles on one core while the kernels compile on the other; the kernels include ATen's tensor and factory
-// headers alone, not torch/extension.h, which took 28 s to compile by itself. A first build of the `amx` variant took
-// 26-27 s with the bindings in the kernel's file and torch/extension.h everywhere, and takes 8 s so (2-core Xeon with
-// AMX, 2026-11-29, the same bits from every function of every variant).
+// headers alone, not torch/extension.h, which alone compiles for longer than the whole module now does. A first build
+// takes about a third of the time it took with the bindings in the kernel's file and torch/extension.h everywhere,
+// with the same bits from every function of every variant (docs/performance.md#bf16-kernel-compile).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -13,6 +13,7 @@ namespace bf16_blocks {
 at::Tensor pack(const at::Tensor& weight);
 }
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& records, const c10::optional<at::Tensor>& bias);
 #ifdef TRTDFLASH_INT8
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias);

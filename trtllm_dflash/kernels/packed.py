@@ -62,9 +62,22 @@ class PackedLinear(nn.Module):
             self.packed, self.one_token_dense, self.tiles = None, False, None
         self.weight = linear.weight if keep_weight or self.one_token_dense or self.packed is None else None
 
+    def use_q4(self, records: torch.Tensor) -> None:
+        """Multiply 4-bit weights (bf16_gemm.pack_q4's records) instead of the packed bf16 ones: the same bits, from
+        under a third of the bytes (q4_blocks.h)."""
+        if self.kernel is None or self.scale is not None or self.tiled:
+            raise ValueError("4-bit weights need our kernel's AVX-512 or AVX2 variant and a bf16 layer")
+        self.packed, self.weight = records, None
+
+    @property
+    def q4(self) -> bool:
+        return self.packed is not None and self.packed.dtype == torch.uint8
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is not None:
             return self.kernel.linear_int8(x, self.packed, self.scale, self.kernel_bias)
+        if self.q4:
+            return self.kernel.linear_q4(x, self.packed, self.kernel_bias)
         if self.kernel is not None:
             if not self.tiled or x.numel() <= bf16_gemm.TILE_ROWS * self.in_features:
                 return self.kernel.linear(x, self.packed, self.kernel_bias)

@@ -188,6 +188,29 @@ def fuse_projections(layers: nn.ModuleList) -> None:
                 setattr(owner, name, ProjectionSlice(outputs, i))
 
 
+@torch.no_grad()
+def use_four_bit(model: nn.Module, path: Path) -> int:
+    """Every packed bf16 linear of `model` whose weights the folder's GGUF holds in 4 bits (a fused one: all its
+    parts) multiplies those (PackedLinear.use_q4); returns how many. The LM head and any other tensor without a 4-bit
+    form keep bf16."""
+    from trtllm_dflash.models.gguf4 import GGUF_FILE, read_codes
+
+    if not (path / GGUF_FILE).is_file():
+        return 0
+    codes = read_codes(path / GGUF_FILE)
+    fused = {name: parts for _, name, parts in FUSED}
+    used = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, PackedLinear) or module.kernel is None or module.scale is not None or module.tiled:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        parts = [f"{owner}.{p}.weight" for p in fused.get(leaf, (leaf,))]
+        if all(p in codes and codes[p].q.shape[0] % bf16_gemm.BLOCK == 0 for p in parts):
+            module.use_q4(torch.cat([bf16_gemm.pack_q4(codes[p]) for p in parts]))
+            used += 1
+    return used
+
+
 class TargetModel:
     """Wraps an HF causal LM; `forward` returns logits and the features of the tapped layers.
 
@@ -198,6 +221,7 @@ class TargetModel:
     def __init__(self, model: nn.Module, tokenizer, path: Path):
         self.model = model
         self.tokenizer = tokenizer
+        self.four_bit = 0  # linears multiplying 4-bit weights (load: use_four_bit)
         self.path = path
         self.config = model.config
         text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -280,8 +304,12 @@ class TargetModel:
         )
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True) -> TargetModel:
-        """`pack`: prepack the linear layers for oneDNN (kernels/packed.py); off where weights are trained or exported."""
+    def load(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True, weights: str = "auto"
+    ) -> TargetModel:
+        """`pack`: prepack the linear layers for oneDNN (kernels/packed.py); off where weights are trained or exported.
+        `weights` "auto": where the folder keeps 4-bit weights as shipped (models/gguf4.py) and this CPU's kernel
+        multiplies them (bf16_gemm.q4_weights), bf16 linears multiply those instead, with the same bits; "bf16": never."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -314,6 +342,8 @@ class TargetModel:
         target = cls(model, tokenizer, path)  # fuses projections where the lean forward runs: before packing
         if pack:
             pack_linears(model, keep=(model.get_output_embeddings(),))
+            if weights == "auto" and dtype == torch.bfloat16 and bf16_gemm.q4_weights():
+                target.four_bit = use_four_bit(model, path)
         return target
 
     @property

@@ -32,14 +32,14 @@ from trtllm_dflash.errors import DFlashError
 # The release a deployment targets unless --trtllm-version says otherwise, and the container that carries it.
 DEFAULT_RELEASE = "1.4.0rc1"
 CONTAINER = "nvcr.io/nvidia/tensorrt-llm/release:{release}"
-# The first release with DFlash in the one-model path (PR #12794, merged to main 2026-04-27): its release notes list
+# The first release with DFlash in the one-model path (PR #12794): its release notes list
 # it in v1.3.0rc14 and the full rc13 changelog does not (no tag was read: the repository's history was out of reach,
 # so this rests on the release notes). launch.sh refuses an older TensorRT-LLM in one sentence.
 FIRST_DFLASH_RELEASE = "1.3.0rc14"
 # Later fixes a DFlash deployment relies on: (the first release certain to carry it, PR, what is wrong without it).
-# launch.sh names each one the running release lacks. From dated main commits and the releases' cut dates (a release
-# is cut from main between its own version bump and the next); where the cut date falls close to the merge, the
-# later release is named: #16548 merged 2026-07-21 may already be in rc22, #17082 merged 2026-08-08 in rc24.
+# launch.sh names each one the running release lacks. From the PRs' merges into main and the releases' cut dates (a
+# release is cut from main between its own version bump and the next); where the cut falls close to the merge, the
+# later release is named: #16548 may already be in rc22, #17082 in rc24.
 DFLASH_FIXES = (
     ("1.3.0rc22", "#15775", "sampling (temperature > 0) is not verified by rejection sampling, so it is not exact"),
     ("1.3.0rc23", "#16548", "CUDA-graph padding requests can write into a live request's draft context slot"),
