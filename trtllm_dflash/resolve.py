@@ -127,11 +127,12 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+GGUF_FILE = "model.gguf"  # a preset's GGUF, kept beside the safetensors converted from it (models/gguf4.py)
+
+
 def _materialize(preset: TargetPreset, progress) -> Path:
     """The preset's Hugging Face folder in the cache, converted from its GGUF once; the GGUF stays beside the
     safetensors (models/gguf4.py: its 4-bit tensors, read as they are)."""
-    from trtllm_dflash.models.gguf4 import GGUF_FILE
-
     out = cache_dir() / "targets" / preset.name
     if (out / "config.json").is_file() and (out / GGUF_FILE).is_file():
         return out

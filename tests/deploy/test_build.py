@@ -144,12 +144,14 @@ def test_engine_options_that_are_not_what_build_writes_get_one_sentence():
         lookup=True,
         int8_draft=True,
         prefix_cache_tokens=0,
+        weights="auto",
     )
     assert EngineOptions.from_json(EngineOptions(**good).to_json(), "engine.json") == EngineOptions(**good)
     for bad, says in (
         (good | {"lookup": "true"}, "lookup must be of type bool"),
         (good | {"block_size": True}, "block_size must be of type int"),
         (good | {"speculation": "greedy"}, "--speculation must be one of"),
+        (good | {"weights": "int4"}, "weights must be one of auto, bf16"),
         (good | {"draft_dir": ""}, "does not fit draft_dir"),
         (good | {"block_size": 0}, "does not fit draft_dir"),
         ({k: v for k, v in good.items() if k != "dtype"}, "not the engine options"),

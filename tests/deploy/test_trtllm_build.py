@@ -248,3 +248,30 @@ def test_untested_dflash_combinations_take_the_tested_choice_unless_opted_in(tmp
     )
     result, _ = _build(tmp_path / "d", "--target", "qwen3-8b", "--opt-in", "everything")
     assert result.exit_code == 2 and "Invalid value for '--opt-in'" in result.output
+
+
+def test_the_shipped_draft_plans_with_its_measured_profile_unless_given_another(tmp_path):
+    """The packaged SmolLM2 draft carries its speculation profile (measured on the built-in set): a TensorRT-LLM
+    deployment of it plans its draft lengths and Dynamo's AIS acceptance from that profile's acceptance per position,
+    and `--acceptance-profile` overrides it."""
+    from trtllm_dflash.clients.specbench import PROFILE
+    from trtllm_dflash.engine.plan import expected_tokens
+    from trtllm_dflash.resolve import DRAFTS_DIR
+
+    shipped = json.loads((DRAFTS_DIR / "smollm2-135m" / PROFILE).read_text())
+    assert shipped["conditions"]["dataset"] == "builtin" and len(shipped["categories"]) >= 8
+    result, out = _build(tmp_path, "--target", "smollm2-135m", "--gpu", "h100")
+    assert result.exit_code == 0, result.output
+    tau = expected_tokens(shipped["conditional"], len(shipped["conditional"]))
+    assert f"acceptance profile {PROFILE} (builtin" in (out / "DEPLOY.md").read_text()
+    assert f"measured, τ {tau:.2f}" in (out / "DEPLOY.md").read_text()
+    rates = ",".join(f"{p:.4f}" for p in shipped["conditional"][:5])
+    assert rates.split(",")[0] in (out / "dynamo" / "launch.sh").read_text()
+
+    other = tmp_path / "mine.json"
+    other.write_text(json.dumps({"conditional": [0.5] * 15, "conditions": {"dataset": "mine"}}))
+    result, out = _build(
+        tmp_path / "again", "--target", "smollm2-135m", "--gpu", "h100", "--acceptance-profile", str(other)
+    )
+    assert result.exit_code == 0, result.output
+    assert "acceptance profile mine.json (mine)" in (out / "DEPLOY.md").read_text()

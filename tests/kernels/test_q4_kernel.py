@@ -15,7 +15,11 @@ from trtllm_dflash.cpu import cpu_flags
 from trtllm_dflash.kernels import bf16_gemm
 from trtllm_dflash.models.gguf4 import GGUF_FILE, Q4_0, Q4_1, codes_of, dequantized, read_codes
 
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # torch as on a CPU with AVX2 alone
+ISA_ENV = {  # torch as on a CPU with AVX2 alone; an AMX CPU held off its tiles, as one with AVX-512 BF16 alone
+    "native": None,
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+}
 
 ROWS = """
 import sys, torch
@@ -50,9 +54,10 @@ def _child(env: dict | None, *args: str) -> str:
     return done.stdout.split()[-1]
 
 
-@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("isa", ["native", "avx2", "avx512"])
 def test_each_variants_4bit_rows_equal_its_bf16_kernels_on_the_dequantized_weights(target_dir, isa):
-    """The AVX-512 BF16 variant (VDPBF16PS) natively, the AVX2 one (FMA) where torch runs as on a CPU with AVX2 alone:
+    """The AVX-512 BF16 variant (VDPBF16PS) natively or on an AMX CPU held off its tiles, the AVX2 one (FMA) where
+    torch runs as on a CPU with AVX2 alone:
     linear_q4 on a GGUF's Q4_1 tensors gives the bits `linear` gives on bf16(d * q + m), alone, in any slice and with
     a bias, 1-40 rows (whole passes of rows and of blocks, and ragged ones)."""
     variant = bf16_gemm.variant()
@@ -60,7 +65,9 @@ def test_each_variants_4bit_rows_equal_its_bf16_kernels_on_the_dequantized_weigh
         pytest.skip("natively this CPU runs no variant whose 4-bit rows match its bf16 ones (AMX's tiles sum apart)")
     if isa == "avx2" and (not {"avx2", "fma", "f16c"} <= cpu_flags() or variant == "avx2"):
         pytest.skip("needs AVX2, FMA and F16C, on a CPU whose native run is not the AVX2 one already")
-    assert _child(AVX2 if isa == "avx2" else None, str(target_dir / GGUF_FILE)) == (variant if isa == "native" else isa)
+    if isa == "avx512" and variant != "amx":
+        pytest.skip("needs AMX: elsewhere the AVX-512 variant is the native run, or cannot run")
+    assert _child(ISA_ENV[isa], str(target_dir / GGUF_FILE)) == (variant if isa == "native" else isa)
 
 
 def test_4bit_codes_dequantize_as_the_gguf_conversion_does_and_as_the_dense_path_loads(target_dir):

@@ -512,3 +512,36 @@ def category_table(report: dict) -> str:
         + (f" {', '.join(estimated)}: no per-chunk usage, tokens shared out by characters." if estimated else "")
     )
     return "\n".join(lines)
+
+
+PROFILE_RECORDS = 22  # the built-in set's single-turn records a deployment's profile is measured on: two per category
+
+
+def measure_profile(url: str, *, max_tokens: int = 128, records: int = PROFILE_RECORDS, server: str = "") -> dict:
+    """The speculation profile of the server at `url` (Triton's gRPC HOST:PORT or an OpenAI http:// URL) on the
+    built-in set's single-turn records, one user at a time, greedy: what `plan --calibrate` and gpu-check measure on
+    the host, since a single-turn record needs no tokenizer on the client."""
+    import datetime
+
+    from trtllm_dflash.clients.datasets import builtin_records, select
+    from trtllm_dflash.clients.loadgen import run_records
+    from trtllm_dflash.clients.specbench import profile
+    from trtllm_dflash.cpuinfo import cpu_model
+
+    chosen = select([r for r in builtin_records() if len(r.turns) == 1], records)
+    convs, errors, estimated = run_records(url, chosen, 1, max_tokens)
+    if len(errors) == len(chosen):
+        raise DFlashError(f"No record of the built-in set was answered; the first error: {errors[0]}")
+    conditions = {
+        "server": server or url,
+        "dataset": "builtin, single-turn",
+        "categories": sorted({r.category for r in chosen}),
+        "records": len(chosen) - len(errors),
+        "concurrency": 1,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": cpu_model(),
+        "chunk_tokens_estimated": estimated,
+    }
+    return profile([c for c in convs if c.turns], conditions)

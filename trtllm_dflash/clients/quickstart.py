@@ -23,6 +23,7 @@ from trtllm_dflash.cpu import cpu_model, resolve_dtype
 from trtllm_dflash.data import CODE_COMPLETE_TEMPLATE, gsm8k_records
 from trtllm_dflash.deploy import BuildOptions, run_build
 from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models.gguf4 import takes_four_bit
 from trtllm_dflash.resolve import cache_dir
 from trtllm_dflash.serving.serve import ServerConfig, TritonServer, stop_all
 
@@ -196,8 +197,10 @@ def comparison_table(result: QuickstartResult) -> str:
     flip a token between the builds)."""
     n = len(result.rows[0].prompts) // result.rounds if result.rows else 0
     runs = f"{n} prompts a kind" + ("" if result.rounds == 1 else f" x {result.rounds} rounds")
+    four_bit = takes_four_bit(result.build / "checkpoints" / "target", result.dtype, "auto")
+    weights = ", the target's 4-bit weights as shipped" if four_bit else ""
     lines = [
-        f"DFlash vs the same server without a draft ({result.dtype}, batch 1, greedy, {runs}, {cpu_model()}):",
+        f"DFlash vs the same server without a draft ({result.dtype}{weights}, batch 1, greedy, {runs}, {cpu_model()}):",
         "",
         f"{'prompt':<8}{'DFlash tok/s':>14}{'no draft tok/s':>16}{'speed-up':>10}{'per prompt':>14}{'acceptance':>12}"
         "  same text",

@@ -287,10 +287,9 @@ def calibrate(
     progress=print,
 ) -> Calibration:
     """Load the deployment's server at `url` (and its --no-draft twin at `twin`) at every level (levels_for), measure
-    its speculation profile at one user (specbench.measure_profile), then `replan`."""
-    from trtllm_dflash.clients.bench import read_prompts
+    its speculation profile at one user (bench.measure_profile), then `replan`."""
+    from trtllm_dflash.clients.bench import measure_profile, read_prompts
     from trtllm_dflash.clients.loadgen import compare, default_prompts
-    from trtllm_dflash.clients.specbench import measure_profile
 
     out, _, _, recipe = read_deployment(deployment)
     levels_at = levels_for(recipe, concurrency)

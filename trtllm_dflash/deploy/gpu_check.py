@@ -290,9 +290,9 @@ def _load_levels(server: Launched, opts: CheckOptions, deployment: Path, progres
 
 
 def _profile(server: Launched, opts: CheckOptions, progress) -> dict | None:
-    """The DFlash deployment's speculation profile at one user on the built-in set (specbench.measure_profile); with
+    """The DFlash deployment's speculation profile at one user on the built-in set (bench.measure_profile); with
     the embedded engine one record per category. None where it failed: the checks stand without it."""
-    from trtllm_dflash.clients.specbench import PROFILE_RECORDS, measure_profile
+    from trtllm_dflash.clients.bench import PROFILE_RECORDS, measure_profile
 
     progress("gpu-check: the draft's acceptance per position at 1 user, on the built-in set")
     try:

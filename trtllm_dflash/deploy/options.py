@@ -18,9 +18,8 @@ from trtllm_dflash.models.draft_ngram import FILE as NGRAM_FILE
 from trtllm_dflash.models.draft_ngram import read_draft_ngram
 from trtllm_dflash.models.draft_vocab import FILE as VOCAB_FILE
 from trtllm_dflash.models.draft_vocab import read_draft_vocab
-from trtllm_dflash.models.gguf4 import GGUF_FILE
 from trtllm_dflash.models.speculators import resolve_any_draft
-from trtllm_dflash.resolve import resolve_target, sha256_file
+from trtllm_dflash.resolve import GGUF_FILE, resolve_target, sha256_file
 from trtllm_dflash.untrusted import read_hf_config
 from trtllm_dflash.validate import validate_block_size, validate_pair
 

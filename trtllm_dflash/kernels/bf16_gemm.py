@@ -18,6 +18,11 @@ projection does not depend on the rows beside it.
   (`linear_int8`, `pack_int8`), which a draft's linears keep there (`int8_weights`): the same arithmetic over half
   the bytes, so faster than bf16 weights (docs/performance.md#bf16-kernel-int8).
 
+Both the `avx512` and the `avx2` variant also multiply 4-bit weights as a GGUF ships them (`linear_q4`, q4_blocks.h):
+each record of 32 outputs x 32 inputs is decoded once into the bf16 lines above and the variant's own row loop runs
+over them, so a row has the bits `linear` gives on the dequantized weights, from under a third of the bytes. A target
+uses them by default where that pays (`q4_weights`: the `avx512` variant; docs/performance.md#q4-kernel).
+
 Each is compiled on first use with the system C++ compiler (torch's cpp_extension; the kernel source and the Python
 bindings, `bindings.cpp`, side by side on two cores; seconds, once (docs/performance.md#bf16-kernel-compile), then
 cached under the trtllm_dflash cache) and used only where the CPU has its instructions; where none is built (no

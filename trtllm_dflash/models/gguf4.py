@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from trtllm_dflash.resolve import GGUF_FILE, hf_tensor, read_gguf
+
 if TYPE_CHECKING:  # a build reads GGUF_FILE without loading torch
     import torch
 
-GGUF_FILE = "model.gguf"  # beside a preset's safetensors (resolve._materialize)
 Q4_0, Q4_1 = 2, 3  # ggml's GGMLQuantizationType values
 BLOCK = 32  # weights per scale: ggml's QK4_0 and QK4_1, and the kernel's record width
 
@@ -57,8 +58,6 @@ def codes_of(kind: int, raw: bytes, shape: tuple[int, int]) -> Codes | None:
 
 def read_codes(path: Path) -> dict[str, Codes]:
     """Every Q4_0 and Q4_1 weight of the GGUF at `path`, by its Hugging Face name, rows in Hugging Face order."""
-    from trtllm_dflash.resolve import hf_tensor, read_gguf
-
     meta, tensors = read_gguf(path)
     out = {}
     for name, (kind, shape, raw) in tensors.items():
@@ -79,3 +78,12 @@ def dequantized(c: Codes) -> torch.Tensor:
     d = torch.from_numpy(c.d.astype(np.float32)).repeat_interleave(BLOCK, 1)
     m = torch.from_numpy(c.m.astype(np.float32)).repeat_interleave(BLOCK, 1)
     return (d * torch.from_numpy(c.q.astype(np.float32)) + m).to(torch.bfloat16)
+
+
+def takes_four_bit(path: Path, dtype: str, weights: str) -> bool:
+    """Whether a target loaded from `path` in `dtype` ("bf16", "fp32") with `weights` (config.WEIGHTS) multiplies its
+    4-bit tensors as shipped: a bf16 target whose folder keeps its GGUF, where this CPU's kernel takes them by default
+    (bf16_gemm.q4_weights)."""
+    from trtllm_dflash.kernels import bf16_gemm
+
+    return weights == "auto" and dtype == "bf16" and (Path(path) / GGUF_FILE).is_file() and bf16_gemm.q4_weights()

@@ -16,6 +16,7 @@ from trtllm_dflash.config import rope_of
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.kernels import bf16_gemm
 from trtllm_dflash.kernels.packed import PackedLinear, pack_linears
+from trtllm_dflash.models.gguf4 import takes_four_bit
 from trtllm_dflash.models.quantized import load_quantized_lm, read_quant_spec
 
 RECURRENT_HINTS = ("mamba", "rwkv", "recurrent", "linear_attention", "gated_deltanet", "xlstm")
@@ -195,8 +196,6 @@ def use_four_bit(model: nn.Module, path: Path) -> int:
     form keep bf16."""
     from trtllm_dflash.models.gguf4 import GGUF_FILE, read_codes
 
-    if not (path / GGUF_FILE).is_file():
-        return 0
     codes = read_codes(path / GGUF_FILE)
     fused = {name: parts for _, name, parts in FUSED}
     used = 0
@@ -342,7 +341,7 @@ class TargetModel:
         target = cls(model, tokenizer, path)  # fuses projections where the lean forward runs: before packing
         if pack:
             pack_linears(model, keep=(model.get_output_embeddings(),))
-            if weights == "auto" and dtype == torch.bfloat16 and bf16_gemm.q4_weights():
+            if takes_four_bit(path, "bf16" if dtype == torch.bfloat16 else "fp32", weights):
                 target.four_bit = use_four_bit(model, path)
         return target
 
