@@ -12,8 +12,9 @@
 //
 // Invariant: a row's output has the same bits as `linear` on the bf16 weights bf16(d * q + m) (fp32 arithmetic, d * q
 // exact, one rounding at + m, then nearest-even to bf16: the dequantization a GGUF conversion does, then the cast to
-// bf16). Each record is decoded once into those bf16 lines (16 lines x 64 bf16: 2 KB, held in L1) and the variant's own
-// row arithmetic runs over them, shared by every row of the call, in the same order as over the packed bf16 weights.
+// bf16). Each line of a record is decoded once into those bf16 weights, shared by every row of the call (the AVX-512
+// variant in registers, the AVX2 one into 2 KB of lines held in L1), and the variant's own row arithmetic runs over
+// them in the same order as over the packed bf16 weights.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -29,51 +30,57 @@ constexpr int64_t kRecord = kScaleBytes + kLines * 32;
 constexpr int64_t kPrefetchRecords = 2;        // records asked for ahead of the one decoded
 
 #if defined(__AVX512BF16__)
-// One record -> 16 lines of 32 outputs x 2 inputs in bf16 (bf16_blocks.h's line layout).
-inline void decode(const uint8_t* rec, uint16_t* lines) {
-  const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)rec));
-  const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 32)));
-  const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 64)));
-  const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 96)));
+// A record's scales, d and m for outputs 0-15 and 16-31, widened to fp32 once for its 16 lines.
+struct Scales {
+  __m512 d0, d1, m0, m1;
+};
+
+inline Scales scales_of(const uint8_t* rec) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)rec)),
+          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 32))),
+          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 64))),
+          _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 96)))};
+}
+
+// Line l of a record as bf16_blocks.h lays a line out: 32 outputs x inputs (2l, 2l + 1), outputs 0-15 in w0.
+inline void decode_line(const uint8_t* rec, const Scales& s, int64_t l, __m512bh& w0, __m512bh& w1) {
   // [e0..e15, o0..o15] -> [e0, o0, e1, o1, ...]: each output's pair of inputs side by side
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
                                          5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i low = _mm512_set1_epi32(0xF);
-  const uint8_t* codes = rec + kScaleBytes;
-  for (int64_t l = 0; l < kLines; ++l, codes += 32, lines += 64) {
-    for (int h = 0; h < 2; ++h) {
-      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + 16 * h)));
-      const __m512 d = h ? d1 : d0, m = h ? m1 : m0;
-      const __m512 e = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d, m);
-      const __m512 o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d, m);
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(o, e);
-      _mm512_storeu_si512(lines + 32 * h, _mm512_permutexvar_epi16(pairs, both));
-    }
+  const uint8_t* codes = rec + kScaleBytes + 32 * l;
+  for (int h = 0; h < 2; ++h) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + 16 * h)));
+    const __m512 d = h ? s.d1 : s.d0, m = h ? s.m1 : s.m0;
+    const __m512 e = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), d, m);
+    const __m512 o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d, m);
+    (h ? w1 : w0) = (__m512bh)_mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(o, e));
   }
 }
 
 // Rows x[0..M) times blocks nb..nb+B-1 (block b's records at w + b * stride): block_rows's arithmetic (bf16_gemm.cpp),
-// instruction for instruction, over each record's decoded lines in turn.
+// instruction for instruction, each line decoded in registers once for all M rows.
 template <int M, int B>
 void block_rows(const uint16_t* x, const uint8_t* w, int64_t stride, const float* bias, uint16_t* y, int64_t N, int64_t K,
                 int64_t nb) {
-  alignas(64) uint16_t lines[B][kLines * 64];
   __m512 acc[B][2][M];
   for (int b = 0; b < B; ++b)
     for (int m = 0; m < M; ++m) acc[b][0][m] = acc[b][1][m] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < K / kInputs; ++kb) {
+    const uint8_t* rec[B];
+    Scales scales[B];
     for (int b = 0; b < B; ++b) {
-      const uint8_t* rec = w + b * stride + kb * kRecord;
-      for (int64_t i = 0; i < kRecord; i += 64) _mm_prefetch((const char*)rec + kPrefetchRecords * kRecord + i, _MM_HINT_T0);
-      decode(rec, lines[b]);
+      rec[b] = w + b * stride + kb * kRecord;
+      for (int64_t i = 0; i < kRecord; i += 64) _mm_prefetch((const char*)rec[b] + kPrefetchRecords * kRecord + i, _MM_HINT_T0);
+      scales[b] = scales_of(rec[b]);
     }
     for (int64_t l = 0; l < kLines; ++l) {
       const int64_t kp = kb * kLines + l;
       __m512bh xb[M];
       for (int m = 0; m < M; ++m) xb[m] = (__m512bh)_mm512_set1_epi32(*(const int32_t*)(x + m * K + 2 * kp));
       for (int b = 0; b < B; ++b) {
-        const __m512bh w0 = (__m512bh)_mm512_load_si512(lines[b] + l * 64);
-        const __m512bh w1 = (__m512bh)_mm512_load_si512(lines[b] + l * 64 + 32);
+        __m512bh w0, w1;
+        decode_line(rec[b], scales[b], l, w0, w1);
         for (int m = 0; m < M; ++m) {
           acc[b][0][m] = _mm512_dpbf16_ps(acc[b][0][m], xb[m], w0);
           acc[b][1][m] = _mm512_dpbf16_ps(acc[b][1][m], xb[m], w1);
