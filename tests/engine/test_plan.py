@@ -164,10 +164,19 @@ def test_planned_length_comes_within_ten_percent_of_the_best_fixed_length():
     batch = Batch(engine.target, engine.draft, engine.block_size, slots=16, policy=engine.policy, lookup=False)
     engine.calibrate(batch)
     prompts = [engine.encode(p) for p in default_prompts(8)]
-    rates = {rows: fixed_length_rates(engine, prompts, rows) for rows in (1, 4, 16)}
-    engine.policy.replan()  # with the acceptance and the step costs these steps measured
-    for rows, rate in rates.items():
-        k = engine.policy.schedule.length_at(rows)
-        best = max(rate, key=rate.get)
-        priced = {j: round(engine.policy.step_seconds[rows, j] / engine.policy.step_seconds[rows, 0], 2) for j in rate}
-        assert rate[k] >= 0.9 * rate[best], (rows, k, best, rate, priced, engine.policy.population_conditional())
+    short: dict = {1: None, 4: None, 16: None}
+    for _ in range(2):  # a slow spell of this shared machine can move one measurement; a wrong plan falls short twice
+        rates = {rows: fixed_length_rates(engine, prompts, rows) for rows in short}
+        engine.policy.replan()  # with the acceptance and the step costs these steps measured
+        short = {}
+        for rows, rate in rates.items():
+            k = engine.policy.schedule.length_at(rows)
+            best = max(rate, key=rate.get)
+            if rate[k] < 0.9 * rate[best]:
+                priced = [
+                    round(engine.policy.step_seconds[rows, j] / engine.policy.step_seconds[rows, 0], 2) for j in rate
+                ]
+                short[rows] = (k, best, rate, priced, engine.policy.population_conditional())
+        if not short:
+            break
+    assert not short, short
